@@ -1,0 +1,30 @@
+# Set-up is part of every target: a fresh clone needs only python3 and make.
+PYTHON ?= python3
+VENV ?= .venv
+# The CPU build that lies on this machine's disk; on a GPU machine use `make TORCH_SPEC=torch ...`.
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint docs bench clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH_SPEC)
+	$(BIN)/pip install -q -e ".[test,docs,sweep]"
+	touch $@
+
+demo: $(BIN)/.installed
+	$(BIN)/python -m torchmb demo
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check .
+
+test: lint
+	$(BIN)/python -m pytest
+
+docs: $(BIN)/.installed
+	$(BIN)/sphinx-build -W --keep-going -b html docs docs/_build/html
+
+clean:
+	rm -rf $(VENV) docs/_build demo-output

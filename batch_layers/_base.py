@@ -1,0 +1,141 @@
+"""The base class of every batched layer and the layout of the merged model axis.
+
+B models of one architecture run as one module. Between layers, a tensor that belongs to all B models
+has the model axis merged into dim 0, **models-major**: row ``b * n + i`` is sample ``i`` of model
+``b``, so ``x.view(B, -1, ...)`` recovers the model axis for free. Models-major keeps every reshape that
+merges dims to the right of dim 0 (``x.view(-1, d)`` on ``(B*n, seq, d)``) correct; the measurements
+behind the choice are in ``docs/design.md``.
+
+A forward started by ``torchmb.BatchModule`` records the number of samples per model, so layers can
+refuse a tensor whose dim 0 is not ``B * n * k`` (a model that moved the merged axis elsewhere) instead
+of silently mixing models, and can recognise the *shared* input (one ``(n, ...)`` tensor that every
+model sees) without materialising B copies of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["AbstractBatchModule", "ForwardContext", "current_forward", "forward_context"]
+
+MergedOrder = Literal["models", "samples"]
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    """What a batched forward knows about its inputs.
+
+    Attributes:
+        batch: the number of models B.
+        samples: samples per model ``n`` at the model's input.
+        shared: whether the input is one ``(n, ...)`` tensor shared by all models.
+    """
+
+    batch: int
+    samples: int
+    shared: bool = False
+
+
+_FORWARD: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("torchmb_forward", default=None)
+
+
+def current_forward() -> ForwardContext | None:
+    """The context of the batched forward in progress, or ``None`` outside one."""
+    return _FORWARD.get()
+
+
+@contextlib.contextmanager
+def forward_context(context: ForwardContext) -> Iterator[ForwardContext]:
+    """Run a block as a batched forward described by ``context`` (nests; restores the outer one)."""
+    token = _FORWARD.set(context)
+    try:
+        yield context
+    finally:
+        _FORWARD.reset(token)
+
+
+class AbstractBatchModule(nn.Module):
+    """Base class of batched layers: ``batch`` independent copies of ``base_class`` as one module.
+
+    Subclasses hold every parameter and per-model buffer with a leading model axis, ``(B, *shape)``, so
+    that model ``i``'s tensor is ``p[i]``. Buffers identical for all models (constants) are stored once
+    and named in ``shared_buffers``.
+
+    ``merged_order`` says how ``forward`` wants the merged dim 0 of its inputs and outputs:
+    ``"models"`` (torchmb's native layout, no copies) or ``"samples"`` (row ``i * B + b``, the layout
+    torchmb 0.2 handed to custom modules; ``BatchModule`` reorders around such a module). Code that
+    goes through :meth:`split` and :meth:`merge` works with either.
+
+    Args:
+        batch: number of models B.
+    """
+
+    base_class: ClassVar[type[nn.Module]] = nn.Module
+    merged_order: ClassVar[MergedOrder] = "samples"
+    shared_buffers: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, batch: int) -> None:
+        super().__init__()
+        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+            raise ValueError(f"batch must be a positive int (the number of models), got {batch!r}")
+        self.batch = batch
+
+    @classmethod
+    def from_module(cls, module: nn.Module, batch: int) -> AbstractBatchModule:
+        """A batched layer with ``module``'s hyperparameters; every model starts from its weights."""
+        raise NotImplementedError(f"{cls.__name__} must implement from_module(module, batch)")
+
+    def is_shared(self, x: Tensor) -> bool:
+        """Whether ``x`` is the shared ``(n, ...)`` input of a shared-input forward, not a merged tensor."""
+        context = current_forward()
+        if context is None or not context.shared or self.batch == 1:
+            return False
+        rows = x.shape[0] if x.dim() else 0
+        return rows % (self.batch * context.samples) != 0 and rows % context.samples == 0
+
+    def check_merged(self, x: Tensor, what: str = "input") -> None:
+        """Refuse a tensor whose dim 0 cannot hold B models' samples."""
+        context = current_forward()
+        rows = x.shape[0] if x.dim() else 0
+        step = self.batch * (context.samples if context is not None else 1)
+        if x.dim() == 0 or rows % step != 0:
+            where = f"B * n = {self.batch} * {context.samples}" if context is not None else f"B = {self.batch}"
+            raise ValueError(
+                f"{type(self).__name__}: expected the {what}'s dim 0 to be a multiple of {where} (the merged "
+                f"model axis), got shape {tuple(x.shape)}; a model that moves the sample axis out of dim 0 "
+                "(e.g. seq-first layouts) must be batched through torchmb's torch.func path"
+            )
+
+    def split(self, x: Tensor) -> Tensor:
+        """View a merged ``(B*m, ...)`` tensor as ``(B, m, ...)``; a shared input becomes an expanded view."""
+        if self.is_shared(x):
+            return x.expand(self.batch, *x.shape)
+        self.check_merged(x)
+        if self.merged_order == "models":
+            return x.view(self.batch, -1, *x.shape[1:])
+        return x.view(-1, self.batch, *x.shape[1:]).transpose(0, 1)
+
+    def merge(self, y: Tensor) -> Tensor:
+        """Inverse of :meth:`split`: ``(B, m, ...)`` to this module's merged ``(B*m, ...)`` layout."""
+        if y.shape[0] != self.batch:
+            raise ValueError(f"{type(self).__name__}: expected a leading model axis of {self.batch}, got {tuple(y.shape)}")
+        if self.merged_order == "models":
+            return y.reshape(-1, *y.shape[2:])
+        return y.transpose(0, 1).reshape(-1, *y.shape[2:])
+
+    def extra_repr(self) -> str:
+        inner = self.base_class.extra_repr(self) if self.base_class is not nn.Module else ""
+        return ", ".join(part for part in (inner, f"batch={self.batch}") if part)
+
+
+def stack_copies(tensor: Tensor, batch: int) -> Tensor:
+    """``(B, *tensor.shape)``: ``batch`` copies of one model's tensor (for ``from_module``)."""
+    return tensor.detach().unsqueeze(0).repeat(batch, *([1] * tensor.dim())).clone()
+
