@@ -20,7 +20,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-import torch
 from torch import Tensor, nn
 
 __all__ = ["AbstractBatchModule", "ForwardContext", "current_forward", "forward_context"]
@@ -125,7 +124,9 @@ class AbstractBatchModule(nn.Module):
     def merge(self, y: Tensor) -> Tensor:
         """Inverse of :meth:`split`: ``(B, m, ...)`` to this module's merged ``(B*m, ...)`` layout."""
         if y.shape[0] != self.batch:
-            raise ValueError(f"{type(self).__name__}: expected a leading model axis of {self.batch}, got {tuple(y.shape)}")
+            raise ValueError(
+                f"{type(self).__name__}: expected a leading model axis of {self.batch}, got {tuple(y.shape)}"
+            )
         if self.merged_order == "models":
             return y.reshape(-1, *y.shape[2:])
         return y.transpose(0, 1).reshape(-1, *y.shape[2:])
@@ -138,4 +139,3 @@ class AbstractBatchModule(nn.Module):
 def stack_copies(tensor: Tensor, batch: int) -> Tensor:
     """``(B, *tensor.shape)``: ``batch`` copies of one model's tensor (for ``from_module``)."""
     return tensor.detach().unsqueeze(0).repeat(batch, *([1] * tensor.dim())).clone()
-

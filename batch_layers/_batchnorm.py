@@ -1,0 +1,170 @@
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ._base import AbstractBatchModule, stack_copies
+
+__all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d"]
+
+
+class _BatchNorm(AbstractBatchModule):
+    """``batch`` independent batch norms, each with its own statistics, affine weights and running stats.
+
+    Model ``b``'s channels become channels ``b*C .. b*C + C-1`` of one batch norm over ``(n, B*C, ...)``,
+    so the statistics of a model only ever mix that model's samples. Running statistics are per model:
+    ``running_mean`` / ``running_var`` are ``(B, C)`` and ``num_batches_tracked`` is ``(B,)``.
+    """
+
+    merged_order = "models"
+    expected_dims: ClassVar[tuple[int, ...]]
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        *,
+        batch: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(batch)
+        factory_kwargs = {"device": device, "dtype": dtype}
+        self.num_features = num_features
+        self.eps = eps
+        self.momentum = momentum
+        self.affine = affine
+        self.track_running_stats = track_running_stats
+        if affine:
+            self.weight = nn.Parameter(torch.empty(batch, num_features, **factory_kwargs))
+            self.bias = nn.Parameter(torch.empty(batch, num_features, **factory_kwargs))
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        if track_running_stats:
+            self.register_buffer("running_mean", torch.zeros(batch, num_features, **factory_kwargs))
+            self.register_buffer("running_var", torch.ones(batch, num_features, **factory_kwargs))
+            self.register_buffer(
+                "num_batches_tracked", torch.zeros(batch, dtype=torch.long, device=factory_kwargs["device"])
+            )
+        else:
+            self.register_buffer("running_mean", None)
+            self.register_buffer("running_var", None)
+            self.register_buffer("num_batches_tracked", None)
+        self.reset_parameters()
+
+    def reset_running_stats(self) -> None:
+        if self.track_running_stats:
+            self.running_mean.zero_()
+            self.running_var.fill_(1)
+            self.num_batches_tracked.zero_()
+
+    def reset_parameters(self) -> None:
+        self.reset_running_stats()
+        if self.affine:
+            nn.init.ones_(self.weight)
+            nn.init.zeros_(self.bias)
+
+    @classmethod
+    def from_module(cls, module: nn.Module, batch: int) -> _BatchNorm:
+        reference = module.weight if module.affine else module.running_mean
+        layer = cls(
+            module.num_features,
+            module.eps,
+            module.momentum,
+            module.affine,
+            module.track_running_stats,
+            batch=batch,
+            device=None if reference is None else reference.device,
+            dtype=None if reference is None else reference.dtype,
+        )
+        with torch.no_grad():
+            for name in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked"):
+                source = getattr(module, name)
+                if source is not None:
+                    getattr(layer, name).copy_(stack_copies(source, batch))
+        return layer
+
+    def _check_input_dim(self, x: Tensor) -> None:
+        if x.dim() not in self.expected_dims:
+            raise ValueError(
+                f"{type(self).__name__}: expected a {' or '.join(map(str, self.expected_dims))}-D input, "
+                f"got shape {tuple(x.shape)}"
+            )
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check_input_dim(x)
+        models = self.split(x)
+        batch, n = models.shape[:2]
+        channels = models.transpose(0, 1).reshape(n, batch * self.num_features, *models.shape[3:])
+        use_batch_stats = self.training or not self.track_running_stats
+        weight = None if self.weight is None else self.weight.reshape(-1)
+        bias = None if self.bias is None else self.bias.reshape(-1)
+        if use_batch_stats and self.track_running_stats and self.momentum is None:
+            y = self._cumulative_average_forward(channels, weight, bias)
+        else:
+            if self.training and self.track_running_stats:
+                self.num_batches_tracked.add_(1)
+            y = F.batch_norm(
+                channels,
+                self.running_mean.view(-1) if self.track_running_stats else None,
+                self.running_var.view(-1) if self.track_running_stats else None,
+                weight,
+                bias,
+                use_batch_stats,
+                0.0 if self.momentum is None else self.momentum,
+                self.eps,
+            )
+        y = y.view(n, batch, self.num_features, *y.shape[2:]).transpose(0, 1)
+        return y.reshape(batch * n, *y.shape[2:])
+
+    def _cumulative_average_forward(self, channels: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+        """``momentum=None``: each model averages its running stats over its own batch count."""
+        self.num_batches_tracked.add_(1)
+        dims = [0, *range(2, channels.dim())]
+        with torch.no_grad():
+            var, mean = torch.var_mean(channels, dim=dims, correction=1)
+            factor = (1.0 / self.num_batches_tracked.to(mean.dtype)).repeat_interleave(self.num_features)
+            self.running_mean.view(-1).lerp_(mean, factor)
+            self.running_var.view(-1).lerp_(var, factor)
+        return F.batch_norm(channels, None, None, weight, bias, True, 0.0, self.eps)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
+            f"track_running_stats={self.track_running_stats}, batch={self.batch}"
+        )
+
+
+class BatchNorm1d(_BatchNorm):
+    """``batch`` independent :class:`torch.nn.BatchNorm1d`. Input ``(B*n, C)`` or ``(B*n, C, L)``."""
+
+    base_class = nn.BatchNorm1d
+    expected_dims = (2, 3)
+
+
+class BatchNorm2d(_BatchNorm):
+    """``batch`` independent :class:`torch.nn.BatchNorm2d`. Input ``(B*n, C, H, W)``.
+
+    Examples::
+
+        >>> norm = BatchNorm2d(8, batch=4)
+        >>> norm(torch.randn(4 * 2, 8, 5, 5)).shape
+        torch.Size([8, 8, 5, 5])
+    """
+
+    base_class = nn.BatchNorm2d
+    expected_dims = (4,)
+
+
+class BatchNorm3d(_BatchNorm):
+    """``batch`` independent :class:`torch.nn.BatchNorm3d`. Input ``(B*n, C, D, H, W)``."""
+
+    base_class = nn.BatchNorm3d
+    expected_dims = (5,)

@@ -1,0 +1,28 @@
+"""torchmb: train many PyTorch models at once on one GPU.
+
+``BatchModule(model, batch=B)`` turns one model into B independent models that train as one module:
+hyperparameter sweeps, seed studies and ensembles in the time one model used to take.
+"""
+
+from batch_layers import AbstractBatchModule
+
+from . import testing
+from ._module import BatchModule
+from ._registry import lookup_batch_module, register_batch_module, registered_batch_modules
+from .functional import batch_accuracy, batch_loss, batch_topk, merge_batch, split_batch
+
+__version__ = "0.3.0"
+
+__all__ = [
+    "AbstractBatchModule",
+    "BatchModule",
+    "batch_accuracy",
+    "batch_loss",
+    "batch_topk",
+    "lookup_batch_module",
+    "merge_batch",
+    "register_batch_module",
+    "registered_batch_modules",
+    "split_batch",
+    "testing",
+]

@@ -1,0 +1,293 @@
+from __future__ import annotations
+
+import copy
+import logging
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from batch_layers import AbstractBatchModule, ForwardContext, forward_context
+
+from ._generic import batch_generically, is_generic
+from ._registry import lookup_batch_module
+
+__all__ = ["BatchModule"]
+
+logger = logging.getLogger("torchmb")
+
+StateDict = Mapping[str, Any]
+
+
+class BatchModule(nn.Module):
+    """``batch`` independent copies of ``model`` trained as one module.
+
+    Every submodule whose type is registered (see :func:`register_batch_module`) is swapped for its
+    grouped-weight batched class; an unregistered module that owns parameters is batched through
+    ``torch.func`` (listed in :attr:`generic_modules` and in the ``repr``); parameter-free modules run
+    unchanged on the merged model axis. Nothing is traced, so Python control flow in ``forward`` works.
+
+    Args:
+        model: the plain model. It is copied, never modified.
+        batch: number of models B.
+        init: ``"copy"`` starts every model from ``model``'s weights; ``"independent"`` re-initialises
+            model ``i`` by seeding torch with ``seed + i`` and calling ``reset_parameters()`` on each of
+            its submodules in ``model.modules()`` order, exactly as a plain model would be initialised.
+        seed: base seed for ``init="independent"``; drawn from torch's generator when ``None``.
+
+    Shape:
+        - Input: every tensor argument ``(B, n, *)``; with ``shared_input=True`` every tensor argument is
+          ``(n, *)`` and is fed to all models without being copied B times.
+        - Output: each tensor of the model's output (tensors, tuples, lists, dicts) as ``(B, n, *)``.
+
+    Examples::
+
+        >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> models = BatchModule(net, batch=16, init="independent", seed=0)
+        >>> models(torch.randn(16, 32, 4)).shape
+        torch.Size([16, 32, 2])
+        >>> models(torch.randn(32, 4), shared_input=True).shape
+        torch.Size([16, 32, 2])
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        batch: int,
+        *,
+        init: Literal["copy", "independent"] = "copy",
+        seed: int | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"BatchModule expects an nn.Module, got {type(model).__name__}")
+        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+            raise ValueError(f"batch must be a positive int (the number of models), got {batch!r}")
+        if init not in ("copy", "independent"):
+            raise ValueError(f"init must be 'copy' or 'independent', got {init!r}")
+        self.batch = batch
+        # A pristine copy to build plain models from (unbatch); kept out of the module tree on purpose.
+        object.__setattr__(self, "_template", copy.deepcopy(model))
+        self._plain_shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
+        self.generic_modules: list[str] = []
+        self.module = self._convert(copy.deepcopy(model), "")
+        if self.generic_modules:
+            logger.info(
+                "torchmb: batched through torch.func (no registered layer): %s", ", ".join(self.generic_modules)
+            )
+        if init == "copy":
+            self.load_state_dicts(model.state_dict())
+        else:
+            self._initialise_independently(seed)
+
+    # -- conversion -------------------------------------------------------------------------------
+    def _convert(self, module: nn.Module, name: str) -> nn.Module:
+        batch_class = lookup_batch_module(type(module))
+        if batch_class is not None:
+            batched = batch_class.from_module(module, self.batch)
+            if batched.merged_order == "samples":
+                _reorder_around(batched)
+            return batched
+        if any(p is not None for p in module._parameters.values()):
+            self.generic_modules.append(name or type(module).__name__)
+            return batch_generically(module, self.batch)
+        for child_name, child in module.named_children():
+            converted = self._convert(child, f"{name}.{child_name}" if name else child_name)
+            if converted is not child:
+                setattr(module, child_name, converted)
+        return module
+
+    def _initialise_independently(self, seed: int | None) -> None:
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()))
+        template = self._template
+        devices = sorted({t.device.index or 0 for t in template.state_dict().values() if t.is_cuda})
+        states = []
+        for i in range(self.batch):
+            model = copy.deepcopy(template)
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(seed + i)
+                for submodule in model.modules():
+                    reset = getattr(submodule, "reset_parameters", None)
+                    if callable(reset):
+                        reset()
+            states.append(model.state_dict())
+        self.load_state_dicts(states)
+
+    # -- forward ----------------------------------------------------------------------------------
+    def forward(self, *args: Any, shared_input: bool = False, **kwargs: Any) -> Any:
+        leaves, spec = tree_flatten((args, kwargs))
+        tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
+        if not tensors:
+            raise ValueError("BatchModule expects at least one tensor argument")
+        if shared_input:
+            if tensors[0].dim() == 0:
+                raise ValueError("shared_input=True expects tensors of shape (n, ...), got a scalar")
+            samples = tensors[0].shape[0]
+        else:
+            for tensor in tensors:
+                if tensor.dim() < 2 or tensor.shape[0] != self.batch:
+                    raise ValueError(
+                        f"BatchModule(batch={self.batch}) expects every tensor argument as (B={self.batch}, n, ...), "
+                        f"got shape {tuple(tensor.shape)}; pass shared_input=True for one (n, ...) input shared "
+                        "by all models"
+                    )
+            samples = tensors[0].shape[1]
+            leaves = [leaf.reshape(-1, *leaf.shape[2:]) if isinstance(leaf, Tensor) else leaf for leaf in leaves]
+        call_args, call_kwargs = tree_unflatten(leaves, spec)
+        with forward_context(ForwardContext(self.batch, samples, shared_input)):
+            out = self.module(*call_args, **call_kwargs)
+        return tree_map(self._split_output, out)
+
+    def _split_output(self, value: Any) -> Any:
+        if not isinstance(value, Tensor):
+            return value
+        if value.dim() == 0 or value.shape[0] % self.batch:
+            raise ValueError(
+                f"the model returned a tensor of shape {tuple(value.shape)} whose dim 0 is not a multiple of "
+                f"batch={self.batch}; outputs must keep the merged (B*n) axis in dim 0"
+            )
+        return value.view(self.batch, -1, *value.shape[1:])
+
+    # -- per-model state --------------------------------------------------------------------------
+    def _is_per_model(self, key: str, value: Tensor) -> bool:
+        plain = self._plain_shapes.get(key)
+        if plain is None:
+            raise KeyError(f"state entry {key!r} has no counterpart in the plain model")
+        if tuple(value.shape) == (self.batch, *plain):
+            return True
+        if tuple(value.shape) == plain:
+            return False
+        raise RuntimeError(
+            f"state entry {key!r} has shape {tuple(value.shape)}; expected {(self.batch, *plain)} or {plain}"
+        )
+
+    def state_dict_of(self, index: int) -> OrderedDict[str, Tensor]:
+        """Model ``index``'s plain state dict (cloned tensors), loadable into the original model."""
+        index = self._check_index(index)
+        return OrderedDict(
+            (key, (value[index] if self._is_per_model(key, value) else value).detach().clone())
+            for key, value in self.module.state_dict().items()
+        )
+
+    def state_dicts(self) -> list[OrderedDict[str, Tensor]]:
+        """B plain state dicts, model ``i``'s at position ``i``, each loadable into the original model."""
+        return [self.state_dict_of(i) for i in range(self.batch)]
+
+    def load_state_dicts(
+        self, state_dicts: StateDict | Sequence[StateDict], *, slots: Sequence[int] | None = None
+    ) -> None:
+        """Load plain state dicts: one for every model, or a list with one per model (or per slot).
+
+        Args:
+            state_dicts: a single plain state dict (loaded into every model or slot) or a sequence of them.
+            slots: which models to load into, in order; all B models when ``None``. Parameters keep their
+                identity, so optimizers holding them stay valid.
+        """
+        slots = list(range(self.batch)) if slots is None else [self._check_index(s) for s in slots]
+        if isinstance(state_dicts, Mapping):
+            state_dicts = [state_dicts] * len(slots)
+        state_dicts = list(state_dicts)
+        if len(state_dicts) != len(slots):
+            raise ValueError(f"expected {len(slots)} state dicts (one per model), got {len(state_dicts)}")
+        targets = self.module.state_dict(keep_vars=True)
+        for i, state in enumerate(state_dicts):
+            missing = sorted(set(targets) - set(state))
+            unexpected = sorted(set(state) - set(targets))
+            if missing or unexpected:
+                raise KeyError(f"state dict {i}: missing keys {missing}, unexpected keys {unexpected}")
+            for key, value in state.items():
+                if tuple(value.shape) != self._plain_shapes[key]:
+                    raise ValueError(
+                        f"state dict {i}: {key!r} expected shape {self._plain_shapes[key]}, got {tuple(value.shape)}"
+                    )
+        with torch.no_grad():
+            for key, target in targets.items():
+                values = [state[key] for state in state_dicts]
+                if self._is_per_model(key, target):
+                    stacked = torch.stack([v.to(target.device, target.dtype) for v in values])
+                    if slots == list(range(self.batch)):
+                        target.copy_(stacked)
+                    else:
+                        target[torch.tensor(slots, device=target.device)] = stacked
+                else:
+                    first = values[0].to(target.device, target.dtype)
+                    if any(not torch.equal(first, v.to(target.device, target.dtype)) for v in values[1:]):
+                        raise ValueError(f"{key!r} is stored once for all models; the state dicts disagree on it")
+                    if len(slots) != self.batch and not torch.equal(first, target):
+                        raise ValueError(
+                            f"{key!r} is stored once for all models; loading into some slots cannot change it"
+                        )
+                    target.copy_(first)
+
+    def unbatch(self, index: int) -> nn.Module:
+        """A fresh instance of the original model class holding model ``index``'s parameters and buffers."""
+        model = copy.deepcopy(self._template)
+        model.load_state_dict(self.state_dict_of(index))
+        device = next((t.device for t in self.module.state_dict().values()), None)
+        return model.to(device) if device is not None else model
+
+    def select(self, keep: Sequence[int] | Tensor) -> BatchModule:
+        """Keep only the models ``keep`` (indices or a boolean mask of length B), in that order; in place.
+
+        Parameters keep their identity (their data shrinks), so an optimizer's ``select(keep)`` with the
+        same ``keep`` continues the survivors exactly.
+        """
+        index = self._keep_index(keep)
+        with torch.no_grad():
+            for key, value in self.module.state_dict(keep_vars=True).items():
+                if self._is_per_model(key, value):
+                    value.data = value.data[index.to(value.device)]
+                    if isinstance(value, nn.Parameter) and value.grad is not None:
+                        value.grad = value.grad[index.to(value.device)]
+        self.batch = len(index)
+        for module in self.module.modules():
+            if isinstance(module, AbstractBatchModule):
+                module.batch = self.batch
+            elif is_generic(module):
+                module._torchmb_batch = self.batch
+        return self
+
+    def _keep_index(self, keep: Sequence[int] | Tensor) -> Tensor:
+        keep = torch.as_tensor(keep)
+        if keep.dtype == torch.bool:
+            if keep.shape != (self.batch,):
+                raise ValueError(f"a boolean keep mask must have shape ({self.batch},), got {tuple(keep.shape)}")
+            keep = keep.nonzero().flatten()
+        keep = keep.long().flatten().cpu()
+        if keep.numel() == 0:
+            raise ValueError("select() must keep at least one model")
+        for i in keep.tolist():
+            self._check_index(i)
+        return keep
+
+    def _check_index(self, index: int) -> int:
+        if not -self.batch <= index < self.batch:
+            raise IndexError(f"model index {index} is out of range for batch={self.batch}")
+        return index % self.batch
+
+    def extra_repr(self) -> str:
+        generic = f", torch.func path: {', '.join(self.generic_modules)}" if self.generic_modules else ""
+        return f"batch={self.batch}{generic}"
+
+
+def _reorder_around(module: AbstractBatchModule) -> None:
+    """Give a module that declares ``merged_order = "samples"`` (torchmb 0.2's layout) its layout."""
+
+    def to_samples(tensor: Any) -> Any:
+        if not isinstance(tensor, Tensor) or module.is_shared(tensor):
+            return tensor
+        module.check_merged(tensor)
+        return tensor.view(module.batch, -1, *tensor.shape[1:]).transpose(0, 1).reshape(tensor.shape)
+
+    def to_models(tensor: Any) -> Any:
+        if not isinstance(tensor, Tensor):
+            return tensor
+        module.check_merged(tensor, "output")
+        return tensor.view(-1, module.batch, *tensor.shape[1:]).transpose(0, 1).reshape(tensor.shape)
+
+    module.register_forward_pre_hook(lambda _, args, kwargs: tree_map(to_samples, (args, kwargs)), with_kwargs=True)
+    module.register_forward_hook(lambda _, args, out: tree_map(to_models, out))

@@ -1,0 +1,102 @@
+"""The map from plain ``nn.Module`` types to their batched classes."""
+
+from __future__ import annotations
+
+from typing import TypeVar, overload
+
+from torch import nn
+
+import batch_layers
+from batch_layers import AbstractBatchModule
+
+__all__ = ["lookup_batch_module", "register_batch_module", "registered_batch_modules"]
+
+_REGISTRY: dict[type[nn.Module], type[AbstractBatchModule]] = {}
+
+BatchClass = TypeVar("BatchClass", bound=type[AbstractBatchModule])
+
+
+def _all_subclasses(cls: type) -> list[type]:
+    found = []
+    for sub in cls.__subclasses__():
+        found += [sub, *_all_subclasses(sub)]
+    return found
+
+
+def _batch_class_for(module_class: type[nn.Module]) -> type[AbstractBatchModule]:
+    """torchmb 0.2's docs registered the *plain* class; find the one batched class declaring it."""
+    candidates = {c for c in _all_subclasses(AbstractBatchModule) if c.__dict__.get("base_class") is module_class}
+    if len(candidates) != 1:
+        found = ", ".join(sorted(c.__qualname__ for c in candidates)) or "none"
+        raise TypeError(
+            f"register_batch_module expects a subclass of AbstractBatchModule; given the plain module "
+            f"{module_class.__qualname__}, exactly one AbstractBatchModule subclass must declare "
+            f"base_class = {module_class.__qualname__} (found: {found})"
+        )
+    return candidates.pop()
+
+
+@overload
+def register_batch_module(batch_class: BatchClass, *, overwrite: bool = False) -> BatchClass: ...
+@overload
+def register_batch_module(batch_class: type[nn.Module], *, overwrite: bool = False) -> type[nn.Module]: ...
+
+
+def register_batch_module(batch_class, *, overwrite=False):
+    """Register ``batch_class`` as the batched version of its ``base_class``; usable as a decorator.
+
+    Args:
+        batch_class: a subclass of :class:`AbstractBatchModule` with ``base_class`` set. For torchmb 0.2
+            code, the plain module class is accepted too when exactly one batched class declares it.
+        overwrite: replace an existing, different registration instead of refusing it.
+
+    Returns:
+        ``batch_class`` unchanged, so the function works as a class decorator.
+
+    Raises:
+        TypeError: for anything that is not a batched class with a ``base_class``.
+        ValueError: if ``base_class`` is already registered to another class and ``overwrite`` is False.
+    """
+    given = batch_class
+    if (
+        isinstance(batch_class, type)
+        and issubclass(batch_class, nn.Module)
+        and not issubclass(batch_class, AbstractBatchModule)
+    ):
+        batch_class = _batch_class_for(batch_class)
+    if not (isinstance(batch_class, type) and issubclass(batch_class, AbstractBatchModule)):
+        raise TypeError(f"register_batch_module expects a subclass of AbstractBatchModule, got {batch_class!r}")
+    base = batch_class.base_class
+    if base is nn.Module or not issubclass(base, nn.Module):
+        raise TypeError(f"{batch_class.__qualname__}.base_class must name the plain nn.Module it batches")
+    current = _REGISTRY.get(base)
+    if current is not None and current is not batch_class and not overwrite:
+        raise ValueError(
+            f"{base.__qualname__} is already batched by {current.__module__}.{current.__qualname__}; "
+            f"pass overwrite=True to replace it with {batch_class.__qualname__}"
+        )
+    _REGISTRY[base] = batch_class
+    return given
+
+
+def lookup_batch_module(module_class: type[nn.Module]) -> type[AbstractBatchModule] | None:
+    """The batched class for ``module_class``: exact type first, then its MRO.
+
+    A subclass that overrides ``forward`` does not inherit its parent's batched class (its own
+    computation would be lost); it is left to the ``torch.func`` path instead.
+    """
+    if module_class in _REGISTRY:
+        return _REGISTRY[module_class]
+    for parent in module_class.__mro__[1:]:
+        if parent in _REGISTRY:
+            return _REGISTRY[parent] if module_class.forward is parent.forward else None
+    return None
+
+
+def registered_batch_modules() -> dict[type[nn.Module], type[AbstractBatchModule]]:
+    """A copy of the registry: plain module type -> batched class."""
+    return dict(_REGISTRY)
+
+
+for _layer in batch_layers.LAYERS:
+    register_batch_module(_layer)

@@ -1,0 +1,223 @@
+"""Checks that a batched model is B independent models: equal to plain copies, and isolated.
+
+Both checks need a deterministic model (dropout off, i.e. ``eval()``, or no dropout); batch norm in
+training mode is fine. They turn cuDNN's nondeterministic algorithms off while they run, so that two
+identical computations agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ._module import BatchModule
+
+__all__ = ["assert_equivalent", "assert_isolated"]
+
+Inputs = Tensor | Sequence[Tensor]
+LossFn = Callable[[Any], Tensor]
+
+
+def default_loss(output: Any) -> Tensor:
+    """Mean square of every floating-point tensor in one model's output."""
+    leaves = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.is_floating_point()]
+    if not leaves:
+        raise ValueError("the model's output holds no floating-point tensor to build a loss from; pass loss_fn")
+    return sum(t.float().square().mean() for t in leaves)
+
+
+def _as_tuple(inputs: Inputs) -> tuple[Tensor, ...]:
+    return (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
+
+
+def _model_output(output: Any, index: int) -> Any:
+    return tree_map(lambda t: t[index] if isinstance(t, Tensor) else t, output)
+
+
+@contextlib.contextmanager
+def _deterministic() -> Iterator[None]:
+    old = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = old
+
+
+def _compare(actual: Tensor, expected: Tensor, what: str, atol: float, rtol: float, report: dict) -> None:
+    diff = (actual.detach().double() - expected.detach().double()).abs()
+    worst = float(diff.max()) if diff.numel() else 0.0
+    report[what] = worst
+    torch.testing.assert_close(
+        actual.detach(),
+        expected.detach(),
+        atol=atol,
+        rtol=rtol,
+        equal_nan=True,
+        msg=lambda m: f"{what}: batched and plain differ (max abs diff {worst:.3g})\n{m}",
+    )
+
+
+def assert_equivalent(
+    make_model: Callable[[], nn.Module],
+    batch: int,
+    inputs: Inputs,
+    steps: int = 5,
+    *,
+    loss_fn: LossFn = default_loss,
+    lr: float = 0.05,
+    train: bool = True,
+    shared_input: bool = False,
+    atol: float = 1e-5,
+    rtol: float = 0.0,
+) -> dict[str, float]:
+    """Train a :class:`BatchModule` and B independently held plain models side by side and compare them.
+
+    ``make_model()`` is called B + 1 times: B plain reference models (different weights if it
+    initialises randomly), plus one to convert, into which the references' weights are loaded. Each of
+    ``steps`` SGD steps compares every model's outputs and every parameter's gradient; the final
+    parameters and buffers are compared at the end.
+
+    Args:
+        make_model: builds one plain model.
+        batch: number of models B.
+        inputs: a tensor or tuple of tensors, each ``(B, n, ...)`` (or ``(n, ...)`` with ``shared_input``).
+        steps: SGD steps.
+        loss_fn: one model's scalar loss from its output; default mean square of the output.
+        lr: SGD learning rate.
+        train: ``train()`` or ``eval()`` mode for all models.
+        shared_input: feed ``inputs`` to every model through the shared-input path.
+        atol, rtol: tolerances (fp32 default: max abs diff 1e-5).
+
+    Returns:
+        The largest absolute difference seen for each compared quantity.
+
+    Raises:
+        AssertionError: naming the step, model and tensor that differ.
+    """
+    inputs = _as_tuple(inputs)
+    references = [make_model() for _ in range(batch)]
+    batched = BatchModule(make_model(), batch)
+    batched.load_state_dicts([r.state_dict() for r in references])
+    for model in (batched, *references):
+        model.train(train)
+    batched_opt = torch.optim.SGD(batched.parameters(), lr=lr)
+    reference_opts = [torch.optim.SGD(r.parameters(), lr=lr) for r in references]
+    report: dict[str, float] = {}
+    batched_params = dict(batched.module.named_parameters())
+    with _deterministic():
+        for step in range(steps):
+            batched_opt.zero_grad(set_to_none=True)
+            output = batched(*inputs, shared_input=shared_input)
+            sum(loss_fn(_model_output(output, i)) for i in range(batch)).backward()
+            for i, (reference, opt) in enumerate(zip(references, reference_opts)):
+                opt.zero_grad(set_to_none=True)
+                own_inputs = inputs if shared_input else tuple(x[i] for x in inputs)
+                expected = reference(*own_inputs)
+                loss_fn(expected).backward()
+                for j, (got, want) in enumerate(
+                    zip(tree_flatten(_model_output(output, i))[0], tree_flatten(expected)[0])
+                ):
+                    _compare(got, want, f"step {step} model {i} output {j}", atol, rtol, report)
+                for name, param in reference.named_parameters():
+                    grad = batched_params[name].grad
+                    if (grad is None) != (param.grad is None):
+                        raise AssertionError(f"step {step} model {i}: gradient of {name} exists in only one of the two")
+                    if grad is not None:
+                        _compare(grad[i], param.grad, f"step {step} model {i} grad {name}", atol, rtol, report)
+            batched_opt.step()
+            for opt in reference_opts:
+                opt.step()
+    for i, reference in enumerate(references):
+        got_state = batched.state_dict_of(i)
+        for key, want in reference.state_dict().items():
+            _compare(got_state[key].to(want.dtype), want, f"final model {i} {key}", atol, rtol, report)
+    return report
+
+
+def assert_isolated(
+    batched: BatchModule,
+    inputs: Inputs,
+    *,
+    model: int = -1,
+    loss_fn: LossFn = default_loss,
+    shared_input: bool = False,
+    seed: int = 0,
+) -> None:
+    """Check that disturbing model ``model`` leaves every other model bit-identical.
+
+    Three disturbances are tried, each against an undisturbed run from the same state: model ``model``'s
+    input replaced (not with ``shared_input``), its parameters perturbed, and its loss made NaN. Every
+    other model's outputs and gradients must not change by a single bit; the disturbed model's must
+    (otherwise the check would prove nothing). ``batched``'s state is restored afterwards.
+    """
+    inputs = _as_tuple(inputs)
+    batch = batched.batch
+    victim = model % batch
+    saved = {k: v.clone() for k, v in batched.module.state_dict().items()}
+    params = dict(batched.module.named_parameters())
+
+    def run(run_inputs: tuple[Tensor, ...], poison: bool = False, shift: float = 0.0) -> tuple[list, dict]:
+        batched.module.load_state_dict(saved)
+        if shift:
+            with torch.no_grad():
+                for p in params.values():
+                    p[victim] += shift
+        batched.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        output = batched(*run_inputs, shared_input=shared_input)
+        losses = torch.stack([loss_fn(_model_output(output, i)) for i in range(batch)])
+        if poison:
+            losses = losses * torch.where(torch.arange(batch, device=losses.device) == victim, float("nan"), 1.0)
+        losses.sum().backward()
+        outputs = [t.detach().clone() for t in tree_flatten(output)[0] if isinstance(t, Tensor)]
+        grads = {n: p.grad.clone() for n, p in params.items() if p.grad is not None}
+        return outputs, grads
+
+    def check(what: str, base: tuple[list, dict], disturbed: tuple[list, dict], changed: Callable[..., bool]) -> None:
+        victim_changed = False
+        for j, (a, b) in enumerate(zip(base[0], disturbed[0])):
+            for i in range(batch):
+                if i != victim and not torch.equal(a[i], b[i]):
+                    raise AssertionError(f"{what}: output {j} of model {i} changed when model {victim} was disturbed")
+            victim_changed |= changed(a[victim], b[victim])
+        for name in base[1]:
+            for i in range(batch):
+                if i != victim and not torch.equal(base[1][name][i], disturbed[1][name][i]):
+                    raise AssertionError(
+                        f"{what}: gradient of {name} of model {i} changed when model {victim} was disturbed"
+                    )
+            victim_changed |= changed(base[1][name][victim], disturbed[1][name][victim])
+        if not victim_changed:
+            raise AssertionError(f"{what}: model {victim} itself did not change, so isolation was not tested")
+
+    def differs(a: Tensor, b: Tensor) -> bool:
+        return not torch.equal(a, b)
+
+    def non_finite(_: Tensor, b: Tensor) -> bool:
+        return bool((~torch.isfinite(b)).any())
+
+    try:
+        with _deterministic():
+            base = run(inputs)
+            if not shared_input:
+                check("input", base, run(tuple(_disturb(x, victim) for x in inputs)), differs)
+            check("parameters", base, run(inputs, shift=0.5), differs)
+            check("NaN loss", base, run(inputs, poison=True), non_finite)
+    finally:
+        batched.module.load_state_dict(saved)
+        batched.zero_grad(set_to_none=True)
+
+
+def _disturb(x: Tensor, victim: int) -> Tensor:
+    disturbed = x.clone()
+    if x.is_floating_point():
+        disturbed[victim] = torch.randn_like(x[victim]) * (x[victim].std() + 1)
+    else:
+        disturbed[victim] = (x[victim] + 1) % (int(x.max()) + 1)
+    return disturbed
