@@ -1,0 +1,276 @@
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support.models import MLP, BatchNormCNN, ControlFlow, LeNet, WithCustom
+from torch import nn
+
+import batch_layers
+from torchmb import BatchModule
+from torchmb.testing import assert_equivalent, assert_isolated
+
+B, N = 4, 6
+
+MODEL_CASES = {
+    "mlp": (MLP, (12,)),
+    "lenet": (LeNet, (1, 28, 28)),
+    "bn-cnn": (BatchNormCNN, (3, 8, 8)),
+    "control-flow": (ControlFlow, (6,)),
+    "custom-module": (WithCustom, (5,)),
+}
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("name", MODEL_CASES)
+def test_equivalent_to_independent_models(name: str, train: bool) -> None:
+    make, shape = MODEL_CASES[name]
+    torch.manual_seed(0)
+    report = assert_equivalent(make, B, torch.randn(B, N, *shape), steps=5, train=train)
+    assert max(report.values()) <= 1e-5
+    assert any(key.startswith("final") for key in report)
+
+
+@pytest.mark.parametrize("name", MODEL_CASES)
+def test_isolated(name: str) -> None:
+    make, shape = MODEL_CASES[name]
+    torch.manual_seed(0)
+    batched = BatchModule(make(), B, init="independent", seed=3)
+    assert_isolated(batched, torch.randn(B, N, *shape), model=1)
+
+
+@pytest.mark.parametrize("name", ["mlp", "lenet", "bn-cnn", "custom-module"])
+def test_shared_input_equals_the_same_input_for_every_model(name: str) -> None:
+    make, shape = MODEL_CASES[name]
+    torch.manual_seed(0)
+    batched = BatchModule(make(), B, init="independent", seed=1)
+    x = torch.randn(N, *shape)
+    reference = copy.deepcopy(batched)  # stateful modules (FiLM counts calls) must start equal
+    seen = []
+    first = next(m for m in batched.module.modules() if isinstance(m, batch_layers.AbstractBatchModule))
+    first.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape))
+    shared = batched(x, shared_input=True)
+    assert seen[0][0] == N, "the first batched layer must receive the (n, ...) input, not B copies"
+    expected = reference(x.expand(B, *x.shape))
+    torch.testing.assert_close(shared, expected, atol=1e-5, rtol=0)
+    shared.square().sum().backward()
+    expected.square().sum().backward()
+    for got, want in zip(batched.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_shared_input_equivalent_and_isolated_under_training() -> None:
+    torch.manual_seed(0)
+    assert_equivalent(LeNet, B, torch.randn(N, 1, 28, 28), steps=3, shared_input=True)
+    assert_isolated(BatchModule(LeNet(), B, init="independent", seed=0), torch.randn(N, 1, 28, 28), shared_input=True)
+
+
+def test_independent_init_is_each_layers_own_reset_with_seed_plus_index() -> None:
+    batched = BatchModule(LeNet(), 3, init="independent", seed=10)
+    for i in range(3):
+        torch.manual_seed(10 + i)
+        reference = LeNet()
+        torch.manual_seed(10 + i)
+        for module in reference.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        for key, value in reference.state_dict().items():
+            assert torch.equal(batched.state_dict_of(i)[key], value), key
+    again = BatchModule(LeNet(), 3, init="independent", seed=10)
+    assert all(torch.equal(a, b) for a, b in zip(batched.parameters(), again.parameters()))
+    assert not torch.equal(batched.module.conv1.weight[0], batched.module.conv1.weight[1])
+
+
+def test_copy_init_starts_every_model_from_the_given_weights() -> None:
+    model = MLP()
+    batched = BatchModule(model, 3)
+    for state in batched.state_dicts():
+        for key, value in model.state_dict().items():
+            assert torch.equal(state[key], value)
+
+
+def test_model_is_not_modified() -> None:
+    model = WithCustom()
+    before = copy.deepcopy(model.state_dict())
+    BatchModule(model, 3)
+    assert type(model.film) is type(WithCustom().film)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_state_dicts_load_into_the_plain_model_and_unbatch_matches() -> None:
+    torch.manual_seed(0)
+    batched = BatchModule(BatchNormCNN(), 3, init="independent", seed=0)
+    x = torch.randn(3, N, 3, 8, 8)
+    batched.train()
+    batched(x)  # moves running statistics
+    batched.eval()
+    out = batched(x)
+    for i, state in enumerate(batched.state_dicts()):
+        plain = BatchNormCNN()
+        plain.load_state_dict(state)
+        plain.eval()
+        torch.testing.assert_close(plain(x[i]), out[i], atol=1e-5, rtol=0)
+        unbatched = batched.unbatch(i)
+        assert type(unbatched) is BatchNormCNN
+        unbatched.eval()
+        torch.testing.assert_close(unbatched(x[i]), out[i], atol=1e-5, rtol=0)
+
+
+def test_load_state_dicts_list_and_slots() -> None:
+    plain = [MLP() for _ in range(3)]
+    batched = BatchModule(MLP(), 3)
+    params = list(batched.parameters())
+    batched.load_state_dicts([m.state_dict() for m in plain])
+    assert all(p is q for p, q in zip(params, batched.parameters())), "parameters keep their identity"
+    for i in range(3):
+        assert all(torch.equal(batched.state_dict_of(i)[k], v) for k, v in plain[i].state_dict().items())
+    batched.load_state_dicts(plain[0].state_dict(), slots=[2])
+    assert all(torch.equal(batched.state_dict_of(2)[k], v) for k, v in plain[0].state_dict().items())
+    assert all(torch.equal(batched.state_dict_of(1)[k], v) for k, v in plain[1].state_dict().items())
+
+
+def test_load_state_dicts_refuses_bad_input() -> None:
+    batched = BatchModule(MLP(), 3)
+    good = MLP().state_dict()
+    with pytest.raises(ValueError, match="expected 3 state dicts"):
+        batched.load_state_dicts([good, good])
+    bad_shape = dict(good)
+    bad_shape["layers.0.weight"] = torch.zeros(2, 2)
+    with pytest.raises(ValueError, match=r"'layers.0.weight' expected shape \(16, 12\), got \(2, 2\)"):
+        batched.load_state_dicts([good, good, bad_shape])
+    missing = dict(good)
+    del missing["layers.1.bias"]
+    with pytest.raises(KeyError, match="missing keys"):
+        batched.load_state_dicts(missing)
+    with pytest.raises(IndexError, match="model index 3 is out of range for batch=3"):
+        batched.load_state_dicts(good, slots=[3])
+
+
+def test_forward_refuses_input_without_model_axis() -> None:
+    batched = BatchModule(MLP(), 3)
+    with pytest.raises(ValueError, match=r"expects every tensor argument as \(B=3, n, ...\), got shape \(4, 6, 12\)"):
+        batched(torch.randn(4, 6, 12))
+
+
+def test_seq_first_model_is_refused_not_silently_mixed() -> None:
+    class SeqFirst(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):  # (n, seq, d) -> (seq, n, d): the sample axis leaves dim 0
+            return self.fc(x.transpose(0, 1)).transpose(0, 1)
+
+    batched = BatchModule(SeqFirst(), 3)
+    with pytest.raises(ValueError, match="multiple of B \\* n = 3 \\* 2"):
+        batched(torch.randn(3, 2, 5, 4))
+
+
+def test_tuple_dict_and_keyword_inputs_and_outputs() -> None:
+    torch.manual_seed(0)
+    plain = [ControlFlow() for _ in range(3)]
+    batched = BatchModule(ControlFlow(), 3)
+    batched.load_state_dicts([m.state_dict() for m in plain])
+    x = torch.randn(3, N, 6)
+    out = batched(x=x, gate=False)
+    assert set(out) == {"logits", "hidden"}
+    for i, model in enumerate(plain):
+        expected = model(x[i], gate=False)
+        torch.testing.assert_close(out["logits"][i], expected["logits"], atol=1e-6, rtol=0)
+        torch.testing.assert_close(out["hidden"][i], expected["hidden"], atol=1e-6, rtol=0)
+
+
+def test_generic_path_is_reported_and_keeps_state_keys() -> None:
+    batched = BatchModule(WithCustom(), 3)
+    assert batched.generic_modules == ["film"]
+    assert "torch.func path: film" in repr(batched)
+    assert "batched via torch.func" in repr(batched.module.film)
+    assert set(batched.state_dicts()[0]) == set(WithCustom().state_dict())
+    assert batched.module.film.scale.shape == (3, 8)
+    assert isinstance(batched.module.fc, batch_layers.Linear)
+
+
+def test_generic_path_dropout_masks_differ_between_models() -> None:
+    class Noisy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(64))
+
+        def forward(self, x):
+            return F.dropout(x * self.w, 0.5, self.training)
+
+    batched = BatchModule(Noisy(), 4)
+    out = batched(torch.ones(32, 64), shared_input=True)
+    masks = out != 0
+    assert all(not torch.equal(masks[0], masks[i]) for i in range(1, 4))
+
+
+def test_registered_path_dropout_masks_differ_between_models() -> None:
+    batched = BatchModule(nn.Sequential(nn.Linear(8, 64), nn.Dropout(0.5)), 4)
+    with torch.no_grad():
+        batched.module[0].weight.fill_(0.1)
+        batched.module[0].bias.fill_(1.0)
+    masks = batched(torch.ones(32, 8), shared_input=True) != 0
+    assert all(not torch.equal(masks[0], masks[i]) for i in range(1, 4))
+
+
+def test_select_keeps_survivors_bit_identical() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(5, N, 12)
+    full = BatchModule(MLP(), 5, init="independent", seed=0)
+    survivors = copy.deepcopy(full)
+    opt_full = torch.optim.SGD(full.parameters(), lr=0.1, momentum=0.9)
+    opt_survivors = torch.optim.SGD(survivors.parameters(), lr=0.1, momentum=0.9)
+    keep = [4, 1, 2]
+
+    def step(model, opt, inputs):
+        opt.zero_grad()
+        model(inputs).square().mean(dim=(1, 2)).sum().backward()
+        opt.step()
+
+    step(full, opt_full, x)
+    step(survivors, opt_survivors, x)
+    survivors.select(keep)
+    for state in opt_survivors.state.values():  # plain SGD's buffers: re-index them the same way
+        state["momentum_buffer"] = state["momentum_buffer"][keep]
+    assert survivors.batch == 3
+    for _ in range(3):
+        step(full, opt_full, x)
+        step(survivors, opt_survivors, x[keep])
+    for j, i in enumerate(keep):
+        for key, value in full.state_dict_of(i).items():
+            assert torch.equal(survivors.state_dict_of(j)[key], value), key
+
+
+def test_select_refuses_bad_keep() -> None:
+    batched = BatchModule(MLP(), 3)
+    with pytest.raises(ValueError, match="at least one model"):
+        batched.select([])
+    with pytest.raises(IndexError, match="out of range"):
+        batched.select([0, 5])
+    with pytest.raises(ValueError, match=r"boolean keep mask must have shape \(3,\)"):
+        batched.select(torch.tensor([True, False]))
+
+
+def test_bad_constructor_arguments() -> None:
+    with pytest.raises(ValueError, match="positive int"):
+        BatchModule(MLP(), 0)
+    with pytest.raises(ValueError, match="init must be"):
+        BatchModule(MLP(), 2, init="random")
+    with pytest.raises(TypeError, match=r"expects an nn\.Module"):
+        BatchModule(lambda x: x, 2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", MODEL_CASES)
+def test_equivalent_and_isolated_cuda(name: str) -> None:
+    make, shape = MODEL_CASES[name]
+    torch.manual_seed(0)
+
+    def make_cuda():
+        return make().cuda()
+
+    assert_equivalent(make_cuda, B, torch.randn(B, N, *shape, device="cuda"), steps=5)
+    assert_isolated(BatchModule(make_cuda(), B, init="independent", seed=0), torch.randn(B, N, *shape, device="cuda"))
