@@ -1,0 +1,490 @@
+"""The base class of batched optimizers: per-model hyperparameters, step counts and population changes.
+
+Every parameter handed to a batched optimizer has a leading model axis, ``(B, *shape)``, and model ``i``
+owns ``p[i]``. Each hyperparameter that the algorithm lets vary is held per model, as a ``(B,)``
+float64 tensor on the CPU in ``param_groups[g][name]`` (``betas`` is a pair of them), so a sweep can
+give every model its own learning rate, weight decay or momentum. A step turns the hyperparameters and
+the per-model step counts into per-model coefficients on the CPU (float64, the arithmetic ``torch.optim``
+does in Python), sends them to the device in one copy, and applies them as ``(B, 1, ..., 1)`` tensors
+broadcast over each parameter. The number of kernel launches of a step depends on the number of
+parameter tensors, never on B, and each model's arithmetic does not depend on the other models' values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+__all__ = ["BatchOptimizer", "per_model_values"]
+
+def _as_index(keep: Any, batch: int, what: str = "keep") -> Tensor:
+    """``keep`` (bool mask of length B, or a sequence/tensor of model indices) as a CPU int64 index."""
+    if isinstance(keep, Tensor):
+        index = keep.detach().to("cpu")
+    else:
+        index = torch.as_tensor(list(keep) if not isinstance(keep, (list, tuple)) else keep)
+    if index.dtype == torch.bool:
+        if index.shape != (batch,):
+            raise ValueError(f"{what}: a boolean mask must have shape ({batch},) (one entry per model), "
+                             f"got {tuple(index.shape)}")
+        return index.nonzero().flatten()
+    if index.numel() == 0:
+        index = index.to(torch.int64)
+    if index.dim() != 1 or index.is_floating_point() or index.is_complex():
+        raise ValueError(f"{what}: expected a 1-d sequence of integer model indices or a ({batch},) bool mask, "
+                         f"got dtype {index.dtype} and shape {tuple(index.shape)}")
+    index = index.to(torch.int64)
+    if index.numel() and (int(index.min()) < -batch or int(index.max()) >= batch):
+        raise IndexError(f"{what}: model indices must lie in [0, {batch}), got {index.tolist()}")
+    return index.remainder(batch)
+
+
+def per_model_values(value: Any, batch: int, name: str) -> Tensor:
+    """One float64 value per model, as a new ``(batch,)`` CPU tensor.
+
+    Args:
+        value: a number (every model gets it), or a length-``batch`` sequence, array or tensor.
+        batch: the number of models B.
+        name: the hyperparameter's name, for error messages.
+    """
+    if isinstance(value, bool) or (isinstance(value, Tensor) and value.dtype == torch.bool):
+        raise TypeError(f"{name}: expected a number or {batch} numbers (one per model), got a bool")
+    if isinstance(value, Tensor):
+        values = value.detach().to("cpu", torch.float64)
+    elif isinstance(value, (int, float)):
+        values = torch.tensor(float(value), dtype=torch.float64)
+    else:
+        try:
+            values = torch.as_tensor(value, dtype=torch.float64)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise TypeError(f"{name}: expected a number or {batch} numbers (one per model), "
+                            f"got {type(value).__name__}") from error
+    if values.dim() == 0:
+        values = values.expand(batch)
+    if values.shape != (batch,):
+        raise ValueError(f"{name}: expected a number or {batch} values (one per model), "
+                         f"got shape {tuple(values.shape)}")
+    if not bool(torch.isfinite(values).all()):
+        bad = (~torch.isfinite(values)).nonzero().flatten().tolist()
+        raise ValueError(f"{name}: values must be finite, got non-finite values for models {bad}")
+    return values.clone()
+
+
+def check_range(name: str, values: Tensor, low: float | None = None, high: float | None = None,
+                low_open: bool = False, high_open: bool = False) -> None:
+    """Raise naming the models whose ``values`` leave ``[low, high]`` (ends open as asked)."""
+    bad = torch.zeros_like(values, dtype=torch.bool)
+    if low is not None:
+        bad |= values <= low if low_open else values < low
+    if high is not None:
+        bad |= values >= high if high_open else values > high
+    if bool(bad.any()):
+        lo = "-inf" if low is None else f"{low}"
+        hi = "inf" if high is None else f"{high}"
+        interval = f"{'(' if low_open or low is None else '['}{lo}, {hi}{')' if high_open or high is None else ']'}"
+        models = bad.nonzero().flatten().tolist()
+        raise ValueError(f"Invalid {name}: expected values in {interval}, got {values[bad].tolist()} "
+                         f"for models {models}")
+
+
+# Coefficient helpers: every coefficient is a list with one (B, 1, ..., 1) tensor per parameter tensor,
+# so each model's arithmetic is the same whatever the other models' values are (survivors of a select,
+# or the models beside one whose hyperparameters changed, continue bit for bit).
+
+def lerp_(xs: list[Tensor], ys: list[Tensor], cs: list[Tensor]) -> None:
+    """``x += c * (y - x)``."""
+    for x, y, c in zip(xs, ys, cs):
+        if c.dtype == x.dtype:
+            x.lerp_(y, c)
+        else:  # a 16-bit tensor with float32 weights: lerp wants matching dtypes
+            x.add_((y - x) * c)
+
+
+def axpy_(xs: list[Tensor], ys: list[Tensor], cs: list[Tensor]) -> None:
+    """``x += c * y``."""
+    for x, y, c in zip(xs, ys, cs):
+        x.addcmul_(y, c)
+
+
+def axpy(xs: list[Tensor], ys: list[Tensor], cs: list[Tensor]) -> list[Tensor]:
+    """``x + c * y`` as new tensors."""
+    return [torch.addcmul(x, y, c) for x, y, c in zip(xs, ys, cs)]
+
+
+class BatchOptimizer(torch.optim.Optimizer):
+    """Base class of batched optimizers: one independent optimizer per model, stepped as one.
+
+    Subclasses set ``per_model`` (the names of the hyperparameters that may differ between models; a
+    name may hold a pair such as ``betas``), ``cpu_state`` (state entries kept on the CPU as float64
+    ``(B,)`` tensors, always including ``"step"``), and implement ``_init_state`` and ``_step_group``.
+
+    Args:
+        params: tensors with a leading model axis of the same size B, or parameter groups (dicts).
+        defaults: the default hyperparameters (numbers or length-B sequences).
+    """
+
+    per_model: ClassVar[tuple[str, ...]] = ("lr",)
+    cpu_state: ClassVar[tuple[str, ...]] = ("step",)
+
+    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], defaults: dict[str, Any]) -> None:
+        self._batch: int | None = None
+        super().__init__(params, defaults)
+
+    # ---- population size and hyperparameters -------------------------------------------------
+    @property
+    def batch(self) -> int:
+        """The number of models B."""
+        assert self._batch is not None
+        return self._batch
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            for p in group["params"]:
+                if p.dim() == 0:
+                    raise ValueError(f"{type(self).__name__}: parameters need a leading model axis (B, ...), "
+                                     "got a 0-d tensor")
+                if p.is_complex():
+                    raise TypeError(f"{type(self).__name__}: complex parameters are not supported, got {p.dtype}")
+                if self._batch is None:
+                    self._batch = int(p.shape[0])
+                if p.shape[0] != self._batch:
+                    raise ValueError(f"{type(self).__name__}: every parameter needs the same leading model axis "
+                                     f"B = {self._batch}, got a parameter of shape {tuple(p.shape)}")
+            for name in self.per_model:
+                group[name] = self._normalize(name, group[name])
+        except Exception:
+            self.param_groups.pop()
+            raise
+        self._init_group_state(group)
+
+    def _normalize(self, name: str, value: Any) -> Any:
+        if name == "betas":
+            if not isinstance(value, (tuple, list)) or len(value) != 2:
+                raise ValueError(f"betas: expected a pair (beta1, beta2), each a number or {self.batch} numbers")
+            betas = (per_model_values(value[0], self.batch, "betas[0]"),
+                     per_model_values(value[1], self.batch, "betas[1]"))
+            self._validate("betas", betas)
+            return betas
+        values = per_model_values(value, self.batch, name)
+        self._validate(name, values)
+        return values
+
+    def _validate(self, name: str, values: Any) -> None:
+        """Raise on out-of-range hyperparameter values (subclasses extend)."""
+        if name in ("lr", "eps", "weight_decay", "momentum", "lr_decay", "initial_accumulator_value"):
+            check_range(name, values, low=0.0)
+
+    def _init_group_state(self, group: dict[str, Any]) -> None:
+        """Create state eagerly at construction (only Adagrad does, like torch)."""
+
+    def get_hyperparameter(self, name: str, group: int = 0) -> Any:
+        """A copy of the per-model values of ``name`` in ``param_groups[group]``: ``(B,)`` float64."""
+        value = self.param_groups[group][name]
+        if isinstance(value, tuple):
+            return tuple(v.clone() for v in value)
+        return value.clone() if isinstance(value, Tensor) else value
+
+    def set_hyperparameter(self, name: str, value: Any, group: int | None = None) -> None:
+        """Set ``name`` to a number (all models) or B numbers, in one parameter group or (None) all of them.
+
+        ``betas`` takes a pair; ``beta1`` / ``beta2`` set one half of it.
+        """
+        groups = self.param_groups if group is None else [self.param_groups[group]]
+        if name in ("beta1", "beta2") and "betas" in self.per_model:
+            i = 0 if name == "beta1" else 1
+            for g in groups:
+                betas = list(g["betas"])
+                betas[i] = value
+                g["betas"] = self._normalize("betas", tuple(betas))
+            return
+        if name not in self.per_model:
+            raise KeyError(f"{type(self).__name__} has no per-model hyperparameter {name!r}; "
+                           f"expected one of {list(self.per_model)}")
+        for g in groups:
+            g[name] = self._normalize(name, value)
+
+    def step_counts(self) -> Tensor:
+        """The number of steps each model has taken: ``(B,)`` float64 (the largest over its parameters)."""
+        counts = torch.zeros(self.batch, dtype=torch.float64)
+        for state in self.state.values():
+            if "step" in state:
+                counts = torch.maximum(counts, state["step"])
+        return counts
+
+    # ---- population changes -------------------------------------------------------------------
+    def _per_model_entries(self, group: dict[str, Any]) -> list[str]:
+        batch = self.batch
+        names = []
+        for key, value in group.items():
+            if key == "params":
+                continue
+            if isinstance(value, Tensor) and value.shape == (batch,):
+                names.append(key)
+            elif isinstance(value, tuple) and value and all(isinstance(v, Tensor) and v.shape == (batch,)
+                                                             for v in value):
+                names.append(key)
+        return names
+
+    def select(self, keep: Any) -> None:
+        """Keep only the models ``keep`` (indices, in the new order, or a bool mask of length B).
+
+        Re-indexes every per-model hyperparameter (including those a scheduler stored in the groups,
+        such as ``initial_lr``) and every state tensor along the model axis. Call it with the same
+        ``keep`` as ``BatchModule.select``, before or after it; the survivors then continue exactly as
+        they would have.
+        """
+        index = _as_index(keep, self.batch)
+        if index.numel() == 0:
+            raise ValueError("select: keep at least one model")
+        for group in self.param_groups:
+            for key in self._per_model_entries(group):
+                value = group[key]
+                group[key] = tuple(v[index] for v in value) if isinstance(value, tuple) else value[index]
+            for p in group["params"]:
+                state = self.state.get(p)
+                if not state:
+                    continue
+                for key, value in state.items():
+                    if isinstance(value, Tensor) and value.dim() and value.shape[0] == self.batch:
+                        state[key] = value[index.to(value.device)]
+        self._batch = int(index.numel())
+
+    def load_model_state(self, dst: Any, source: BatchOptimizer | None = None, src: Any = None, *,
+                         hyperparameters: bool = True) -> None:
+        """Copy models' optimizer state into other slots (population-based training's exploit step).
+
+        Args:
+            dst: destination model index, or a sequence of them.
+            source: the optimizer to copy from (``None``: this one). It must be the same class with the
+                same parameter groups and parameter shapes (its B may differ).
+            src: source model index / indices in ``source``, one per ``dst``.
+            hyperparameters: also copy the per-model hyperparameters (PBT's exploit copies them and then
+                perturbs them with :meth:`set_hyperparameter`).
+
+        Only optimizer state is copied; copy the weights with the model (``BatchModule``).
+        """
+        source = self if source is None else source
+        if type(source) is not type(self):
+            raise TypeError(f"load_model_state: source must be a {type(self).__name__}, got {type(source).__name__}")
+        if src is None:
+            raise ValueError("load_model_state: give the source model index src")
+        dst_index = _as_index([dst] if isinstance(dst, int) else dst, self.batch, "dst")
+        src_index = _as_index([src] if isinstance(src, int) else src, source.batch, "src")
+        if dst_index.numel() != src_index.numel():
+            raise ValueError(f"load_model_state: dst and src must name as many models, got {dst_index.numel()} "
+                             f"and {src_index.numel()}")
+        if len(source.param_groups) != len(self.param_groups):
+            raise ValueError("load_model_state: source has a different number of parameter groups")
+        for group, src_group in zip(self.param_groups, source.param_groups):
+            if len(group["params"]) != len(src_group["params"]):
+                raise ValueError("load_model_state: source groups hold a different number of parameters")
+            for p, q in zip(group["params"], src_group["params"]):
+                if p.shape[1:] != q.shape[1:]:
+                    raise ValueError(f"load_model_state: parameter shapes differ: {tuple(p.shape)} and "
+                                     f"{tuple(q.shape)}")
+        # Read everything first so that self-copies between overlapping slots see the old values.
+        copies = []
+        for group, src_group in zip(self.param_groups, source.param_groups):
+            if hyperparameters:
+                for key in source._per_model_entries(src_group):
+                    if key in group:
+                        value = src_group[key]
+                        rows = tuple(v[src_index] for v in value) if isinstance(value, tuple) else value[src_index]
+                        copies.append(("group", group, key, rows))
+            for p, q in zip(group["params"], src_group["params"]):
+                src_state = source._ensure_state(q, src_group)
+                own = self._ensure_state(p, group)
+                for key, value in src_state.items():
+                    if isinstance(value, Tensor) and key in own:
+                        copies.append(("state", own, key, value[src_index.to(value.device)].clone()))
+        for kind, holder, key, rows in copies:
+            if kind == "group":
+                value = holder[key]
+                if isinstance(value, tuple):
+                    holder[key] = tuple(v.index_copy(0, dst_index, r) for v, r in zip(value, rows))
+                else:
+                    holder[key] = value.index_copy(0, dst_index, rows)
+            else:
+                target = holder[key]
+                target.index_copy_(0, dst_index.to(target.device), rows.to(target.device, target.dtype))
+
+    # ---- state --------------------------------------------------------------------------------
+    def _ensure_state(self, p: Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        state = self.state[p]
+        if p.shape[0] != self.batch:
+            raise ValueError(f"{type(self).__name__}: a parameter has shape {tuple(p.shape)} but the optimizer "
+                             f"holds B = {self.batch} models; call optimizer.select(keep) with the same keep "
+                             "as BatchModule.select(keep)")
+        if "step" not in state:
+            state["step"] = torch.zeros(self.batch, dtype=torch.float64)
+        self._init_state(p, group, state)
+        return state
+
+    def _init_state(self, p: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
+        """Add the state entries of ``p`` that are missing (called before every step; idempotent)."""
+        raise NotImplementedError
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        groups = state_dict["param_groups"]
+        batch = None
+        for group in groups:
+            for key, value in group.items():
+                if isinstance(value, Tensor) and value.dim() == 1 and key in self.per_model:
+                    batch = int(value.shape[0])
+                    break
+            if batch is not None:
+                break
+        super().load_state_dict(state_dict)
+        if batch is not None:
+            self._batch = batch
+        for group in self.param_groups:
+            for name in self.per_model:
+                group[name] = self._normalize(name, group[name])
+            for p in group["params"]:
+                if p.shape[0] != self.batch:
+                    raise ValueError(f"load_state_dict: the state holds B = {self.batch} models but a parameter has "
+                                     f"shape {tuple(p.shape)}")
+        for state in self.state.values():
+            for key in self.cpu_state:
+                if key in state:
+                    state[key] = state[key].to("cpu", torch.float64)
+
+    # ---- stepping -----------------------------------------------------------------------------
+    def _coefficients(self, params: list[Tensor], values: dict[str, list[Tensor]]) -> dict[str, list[Tensor]]:
+        """Per-parameter ``(B,)`` float64 CPU values as ``(B, 1, ..., 1)`` device tensors, in one copy per device.
+
+        Coefficients are float32 for 16-bit parameters (their arithmetic runs in float32, as with the
+        Python numbers ``torch.optim`` passes) and the parameter's dtype otherwise.
+        """
+        out: dict[str, list[Tensor]] = {name: [None] * len(params) for name in values}  # type: ignore[misc]
+        pending: dict[tuple[torch.device, torch.dtype], list[tuple[str, int, Tensor]]] = {}
+        for name, per_param in values.items():
+            for i, (p, v) in enumerate(zip(params, per_param)):
+                dtype = p.dtype if p.dtype in (torch.float32, torch.float64) else torch.float32
+                pending.setdefault((p.device, dtype), []).append((name, i, v))
+        for (device, dtype), items in pending.items():
+            rows: dict[int, int] = {}
+            stacked: list[Tensor] = []
+            for _, _, v in items:
+                if id(v) not in rows:
+                    rows[id(v)] = len(stacked)
+                    stacked.append(v)
+            host = torch.stack(stacked).to(dtype)
+            if device.type == "cuda":
+                moved = host.pin_memory().to(device, non_blocking=True)
+            else:
+                moved = host.to(device)
+            for name, i, v in items:
+                out[name][i] = moved[rows[id(v)]].view(-1, *([1] * (params[i].dim() - 1)))
+        return out
+
+    def _skip_index(self, skip: Any) -> Tensor | None:
+        if skip is None:
+            return None
+        index = _as_index(skip, self.batch, "skip")
+        return index if index.numel() else None
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None, *, skip: Any = None) -> Any:
+        """Take one optimization step for every model.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (as in ``torch.optim``).
+            skip: models that must not step this time (a bool mask of length B or indices): their
+                weights, state and step counts stay exactly as they are. ``torchmb.amp.GradScaler``
+                uses it to skip only the models whose gradients overflowed.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        skip_index = self._skip_index(skip)
+        skip_mask = None
+        if skip_index is not None:
+            skip_mask = torch.zeros(self.batch, dtype=torch.bool)
+            skip_mask[skip_index] = True
+        for group in self.param_groups:
+            params, grads, states = [], [], []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.shape[0] != self.batch:
+                    raise ValueError(f"{type(self).__name__}: a parameter has shape {tuple(p.shape)} but the optimizer "
+                                     f"holds B = {self.batch} models; call optimizer.select(keep) with the same keep "
+                                     "as BatchModule.select(keep)")
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                if p.grad.shape != p.shape:
+                    raise ValueError(f"{type(self).__name__}: gradient of shape {tuple(p.grad.shape)} for a parameter "
+                                     f"of shape {tuple(p.shape)}")
+                params.append(p)
+                grads.append(p.grad)
+                states.append(self._ensure_state(p, group))
+            if not params:
+                continue
+            saved = None
+            if skip_index is not None:
+                saved = []
+                for p, state in zip(params, states):
+                    for t in [p, *(v for k, v in state.items() if isinstance(v, Tensor) and k not in self.cpu_state)]:
+                        idx = skip_index.to(t.device)
+                        saved.append((t, idx, t.index_select(0, idx)))
+            counts = [state["step"] + 1 for state in states]
+            self._step_group(group, params, grads, states, counts, skip_mask)
+            for state, count in zip(states, counts):
+                state["step"] = count if skip_mask is None else torch.where(skip_mask, state["step"], count)
+            if saved is not None:
+                for t, idx, rows in saved:
+                    t.index_copy_(0, idx, rows)
+        return loss
+
+    def _step_group(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+                    states: list[dict[str, Any]], counts: list[Tensor], skip_mask: Tensor | None) -> None:
+        raise NotImplementedError
+
+
+def prepare_grads(params: list[Tensor], grads: list[Tensor], maximize: bool, weight_decay: Tensor,
+                  coefs: dict[str, list[Tensor]]) -> list[Tensor]:
+    """``-grad`` when maximizing, plus L2 weight decay (when any model has some), without touching ``.grad``."""
+    if maximize:
+        grads = list(torch._foreach_neg(grads))
+    if bool((weight_decay != 0).any()):
+        grads = axpy(grads, params, coefs["weight_decay"])
+    return grads
+
+
+class frozen_rows:
+    """Keep the rows ``index`` of ``tensors`` as they are across a block (models whose step size is 0).
+
+    A per-model step size folded into a denominator (``p += m / (d / s)``) cannot express ``s == 0``;
+    those models' weights are restored instead, which is what ``p += 0 * m / d`` leaves for finite values.
+    """
+
+    def __init__(self, tensors: list[Tensor], index: Tensor | None) -> None:
+        self.tensors = tensors
+        self.index = index
+        self.saved: list[tuple[Tensor, Tensor, Tensor]] = []
+
+    def __enter__(self) -> frozen_rows:
+        if self.index is not None and self.index.numel():
+            for t in self.tensors:
+                idx = self.index.to(t.device)
+                self.saved.append((t, idx, t.index_select(0, idx)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for t, idx, rows in self.saved:
+            t.index_copy_(0, idx, rows)
+
+
+def zero_rows(values: list[Tensor]) -> Tensor | None:
+    """The models whose value is 0 in any of the per-parameter ``(B,)`` vectors, or None."""
+    mask = torch.zeros_like(values[0], dtype=torch.bool)
+    for v in values:
+        mask |= v == 0
+    return mask.nonzero().flatten() if bool(mask.any()) else None
