@@ -1,0 +1,805 @@
+"""Batched embedding layers whose backward is an atomic scatter-add (CuPy kernel) instead of a sort.
+
+``nn.Embedding``'s CUDA backward sorts the indices and reduces by key; for the many-repeated indices
+and small dims of recommendation and language models an atomic scatter-add is several times faster.
+Every layer here runs one of two paths with one signature (see :mod:`batch_layers._backend`):
+
+- the **kernel path** (CUDA tensors, CuPy importable): one gather launch for all B tables and one
+  scatter launch that atomically adds the output gradient into an fp32 gradient (warp-level
+  de-duplication of repeated rows, vectorised atomics), then casts to the weight's dtype;
+- the **reference path** (CPU, no CuPy, or ``set_backend("torch")``): ``index_select`` forward and
+  ``index_add_`` backward into an fp32 (fp64 for fp64 weights) gradient.
+
+Under ``torch.use_deterministic_algorithms(True)`` the backward on CUDA is a sort-based
+``index_put_(accumulate=True)``, which torch makes deterministic.
+
+Bad indices (negative, or ``>= num_embeddings``) raise ``IndexError`` naming the value and the table
+size. On the CPU that happens at once; on CUDA the kernels skip the bad entry (a zero row forward, no
+gradient), record it on the device and in pinned host memory, and the error is raised by the next
+forward of any embedding layer once the report has reached the host, or by :func:`check_indices` /
+the layer's :meth:`check`, which synchronise. No device-side assert, no per-step host sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+from . import _embedding_cuda as _cuda
+from ._backend import get_backend
+from ._base import AbstractBatchModule, stack_copies
+
+__all__ = [
+    "Embedding",
+    "EmbeddingBag",
+    "FastEmbedding",
+    "MultiEmbedding",
+    "batched_embedding",
+    "check_indices",
+]
+
+_SPARSE_MSG = (
+    "sparse=True is not supported: torchmb's embeddings return a dense gradient (the atomic scatter "
+    "writes it directly, and every torch.optim optimizer accepts it); sparse gradients would also mix "
+    "the B models' rows in one sparse tensor. Use sparse=False (the default)"
+)
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_indices(device: torch.device | str | None = None) -> None:
+    """Synchronise and raise the pending ``IndexError`` of a bad index looked up on ``device`` (every
+    CUDA device if ``None``). On the CPU bad indices raise at once, so this is a no-op there."""
+    _cuda.check(device)
+
+
+def _use_kernels(weight: Tensor) -> bool:
+    if not _cuda.use_kernels(weight.device):
+        return False
+    if weight.dtype not in _KERNEL_DTYPES:
+        if get_backend() == "cupy":
+            raise TypeError(
+                f"the CuPy embedding kernels support {_KERNEL_DTYPES}, got weight dtype {weight.dtype}; "
+                "use set_backend('auto') or set_backend('torch') for it"
+            )
+        return False
+    return True
+
+
+def _normalize_padding(padding_idx: int | None, num: int) -> int | None:
+    if padding_idx is None:
+        return None
+    if not -num <= padding_idx < num:
+        raise ValueError(
+            f"padding_idx must be within num_embeddings = {num} (in [{-num}, {num - 1}]), got {padding_idx}"
+        )
+    return padding_idx + num if padding_idx < 0 else padding_idx
+
+
+def _check_index_tensor(input: Tensor, weight: Tensor, what: str = "input") -> None:
+    if not isinstance(input, Tensor):
+        raise TypeError(f"{what} must be a tensor of indices, got {type(input).__name__}")
+    if input.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{what} must be an integer tensor of dtype int64 or int32, got {input.dtype}")
+    if input.device != weight.device:
+        raise ValueError(f"{what} is on {input.device} but the embedding weight is on {weight.device}")
+
+
+def _raise_bad_now(idx: Tensor, num: int | Tensor) -> None:
+    """Synchronous check (CPU tensors, and paths that synchronise anyway)."""
+    nums = num if isinstance(num, Tensor) else torch.tensor(num, device=idx.device)
+    bad = (idx < 0) | (idx >= nums)
+    if bool(bad.any()):
+        pos = int(bad.reshape(-1).nonzero()[0, 0])
+        value = int(idx.reshape(-1)[pos])
+        size = int(nums.expand_as(idx).reshape(-1)[pos]) if isinstance(num, Tensor) else num
+        raise IndexError(
+            f"index {value} is out of range for an embedding table of {size} rows (valid indices are "
+            f"0..{size - 1})"
+        )
+
+
+def _positions(idx: Tensor, tables: int, num: int, per: int) -> tuple[Tensor, Tensor]:
+    """Reference path: ``(local index, flat row key)`` for each merged position (int64)."""
+    full = idx.long().repeat(tables) if idx.numel() != tables * per else idx.long()
+    table = torch.arange(tables * per, device=idx.device) // max(per, 1)
+    return full, table * num + full
+
+
+class _LookupFn(torch.autograd.Function):
+    """Row lookup in ``tables`` tables of ``num`` rows (``weight`` holds ``tables * num`` rows)."""
+
+    @staticmethod
+    def forward(ctx, weight, idx, tables, num, per, pad, freq, kernels):
+        dim = weight.shape[-1]
+        flat = weight.view(tables * num, dim)
+        if kernels:
+            out = _cuda.gather(flat, idx, tables, num, per)
+        else:
+            local, key = _positions(idx, tables, num, per)
+            valid = (local >= 0) & (local < num)
+            if weight.is_cuda:
+                if idx.numel():
+                    _cuda.record_bad_indices(idx, num)
+                out = flat.index_select(0, torch.where(valid, key, 0)).masked_fill_(~valid.unsqueeze(1), 0)
+            else:
+                out = flat.index_select(0, key)  # indices were validated by the caller
+        ctx.save_for_backward(idx)
+        ctx.meta = (tables, num, per, pad, freq, kernels, weight.shape, weight.dtype)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        if not ctx.needs_input_grad[0]:
+            return (None,) * 8
+        (idx,) = ctx.saved_tensors
+        tables, num, per, pad, freq, kernels, shape, dtype = ctx.meta
+        grad = grad.contiguous()
+        if kernels and not torch.are_deterministic_algorithms_enabled():
+            counts = _cuda.counts(idx, tables, num, per) if freq else None
+            gw = _cuda.scatter(grad, idx, tuple(shape), tables, num, per, pad, counts)
+        else:
+            gw = _reference_scatter(grad, idx, tables, num, per, pad, freq, shape, dtype)
+        return (gw if gw.dtype == dtype else gw.to(dtype)), None, None, None, None, None, None, None
+
+
+def _reference_scatter(grad, idx, tables, num, per, pad, freq, shape, dtype) -> Tensor:
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    local, key = _positions(idx, tables, num, per)
+    dump = tables * num  # an extra row takes padding and bad entries, and is dropped
+    valid = (local >= 0) & (local < num)
+    target = torch.where(valid & (local != pad), key, dump)
+    g = grad.to(acc)
+    if freq:
+        counts = torch.bincount(torch.where(valid, key, dump), minlength=dump + 1).clamp_(min=1)
+        g = g / counts[target].unsqueeze(1).to(acc)
+    gw = torch.zeros(dump + 1, grad.shape[-1], dtype=acc, device=grad.device)
+    if grad.is_cuda and torch.are_deterministic_algorithms_enabled():
+        gw.index_put_((target,), g, accumulate=True)  # sort-based and deterministic under the flag
+    else:
+        gw.index_add_(0, target, g)
+    return gw[:dump].reshape(shape)
+
+
+def _renorm_(weight: Tensor, idx: Tensor, tables: int, num: int, per: int, max_norm: float, norm_type: float) -> None:
+    """``torch.embedding_renorm_`` of the looked-up rows of every table, in place (as nn.Embedding)."""
+    _raise_bad_now(idx, num)  # the renorm needs the unique rows, a host sync torch takes too
+    _, key = _positions(idx, tables, num, per)
+    with torch.no_grad():
+        torch.embedding_renorm_(weight.view(tables * num, weight.shape[-1]), key, max_norm, norm_type)
+
+
+def batched_embedding(
+    input: Tensor,
+    weight: Tensor,
+    padding_idx: int | None = None,
+    max_norm: float | None = None,
+    norm_type: float = 2.0,
+    scale_grad_by_freq: bool = False,
+    sparse: bool = False,
+    *,
+    shared: bool = False,
+) -> Tensor:
+    """``F.embedding`` for B tables at once.
+
+    Args:
+        input: merged ``(B*n, *)`` indices (model b's are rows ``b*n .. b*n+n-1``), or with
+            ``shared=True`` one ``(n, *)`` index tensor every model looks up in its own table.
+        weight: ``(B, num_embeddings, embedding_dim)``, or ``(num_embeddings, embedding_dim)`` for one
+            table (then ``input`` is any shape, as for ``F.embedding``).
+        padding_idx, max_norm, norm_type, scale_grad_by_freq: as :func:`torch.nn.functional.embedding`,
+            applied per table (``padding_idx`` is a row index of each table).
+        sparse: must be ``False``; sparse gradients are refused.
+
+    Returns:
+        ``(B*n, *, embedding_dim)`` (``input.shape + (embedding_dim,)`` when not shared).
+    """
+    if sparse:
+        raise ValueError(_SPARSE_MSG)
+    if weight.dim() not in (2, 3):
+        raise ValueError(f"weight must be (B, num_embeddings, dim) or (num_embeddings, dim), got {tuple(weight.shape)}")
+    _check_index_tensor(input, weight)
+    tables = weight.shape[0] if weight.dim() == 3 else 1
+    num, dim = weight.shape[-2], weight.shape[-1]
+    pad = _normalize_padding(padding_idx, num)
+    if weight.is_cuda:
+        _cuda.raise_pending(weight.device)
+    kernels = _use_kernels(weight)
+    idx = input.reshape(-1)
+    if not idx.is_contiguous():
+        idx = idx.contiguous()
+    if shared:
+        per = idx.numel()
+        out_shape = (tables * input.shape[0], *input.shape[1:], dim) if input.dim() else (tables, dim)
+    else:
+        if idx.numel() % tables:
+            raise ValueError(
+                f"expected the indices to hold {tables} models' lookups (numel divisible by B = {tables}), "
+                f"got shape {tuple(input.shape)}"
+            )
+        per = idx.numel() // tables
+        out_shape = (*input.shape, dim)
+    if not weight.is_cuda:
+        _raise_bad_now(idx, num)
+    if max_norm is not None:
+        _renorm_(weight, idx, tables, num, per, max_norm, norm_type)
+    w = weight if weight.is_contiguous() else weight.contiguous()
+    out = _LookupFn.apply(w, idx, tables, num, per, -1 if pad is None else pad, bool(scale_grad_by_freq), kernels)
+    return out.view(out_shape)
+
+
+_SHARED_DOC = """
+    The merged model axis is models-major (row ``b*n + i`` is sample ``i`` of model ``b``). Inside a
+    shared-input forward of :class:`torchmb.BatchModule` a ``(n, *)`` input is looked up by every
+    model in its own table without B copies of the indices.
+"""
+
+
+class Embedding(AbstractBatchModule):
+    r"""``batch`` independent :class:`torch.nn.Embedding` tables, looked up in one launch.
+
+    Args:
+        num_embeddings: rows of each table.
+        embedding_dim: size of each row.
+        padding_idx: row of every table that gets no gradient (and starts at zero).
+        max_norm, norm_type: renormalise looked-up rows whose ``norm_type``-norm exceeds ``max_norm``,
+            in place, as ``nn.Embedding`` does.
+        scale_grad_by_freq: divide each row's gradient by its frequency in the model's mini-batch.
+        sparse: must be ``False`` (refused with an explanation).
+        _weight: an initial ``(batch, num_embeddings, embedding_dim)`` weight (used as the parameter).
+        _freeze: with ``_weight``, do not train it.
+        batch: number of models B.
+
+    Shape:
+        - Input: ``(B*n, *)`` int64/int32 indices with the model axis merged into dim 0.
+        - Output: ``(B*n, *, embedding_dim)``.
+
+    Attributes:
+        weight: ``(B, num_embeddings, embedding_dim)``, each slice initialised from N(0, 1).
+    {shared}
+    The backward is an atomic scatter-add on CUDA (a CuPy kernel) and ``index_add_`` elsewhere; see
+    :mod:`batch_layers._embedding`. Bad indices raise ``IndexError`` (on CUDA at the next forward or
+    :meth:`check`).
+
+    Examples::
+
+        >>> emb = Embedding(10, 3, batch=4)
+        >>> emb(torch.randint(0, 10, (4 * 5, 7))).shape
+        torch.Size([20, 7, 3])
+    """
+
+    base_class: ClassVar[type[nn.Module]] = nn.Embedding
+    merged_order = "models"
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
+        _weight: Tensor | None = None,
+        _freeze: bool = False,
+        *,
+        batch: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(batch)
+        if sparse:
+            raise ValueError(_SPARSE_MSG)
+        factory_kwargs = {"device": device, "dtype": dtype}
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.padding_idx = _normalize_padding(padding_idx, num_embeddings)
+        self.max_norm = max_norm
+        self.norm_type = norm_type
+        self.scale_grad_by_freq = scale_grad_by_freq
+        self.sparse = False
+        if _weight is None:
+            self.weight = nn.Parameter(
+                torch.empty(batch, num_embeddings, embedding_dim, **factory_kwargs), requires_grad=not _freeze
+            )
+            self.reset_parameters()
+        else:
+            expected = (batch, num_embeddings, embedding_dim)
+            if tuple(_weight.shape) != expected:
+                raise ValueError(f"_weight must have shape (batch, num_embeddings, embedding_dim) = {expected}, "
+                                 f"got {tuple(_weight.shape)}")
+            self.weight = nn.Parameter(_weight, requires_grad=not _freeze)
+
+    def reset_parameters(self) -> None:
+        """Every model's table from N(0, 1), its padding row zeroed (as ``nn.Embedding``)."""
+        for i in range(self.weight.shape[0]):
+            nn.init.normal_(self.weight[i])
+        self._fill_padding_idx_with_zero()
+
+    def _fill_padding_idx_with_zero(self) -> None:
+        if self.padding_idx is not None:
+            with torch.no_grad():
+                self.weight[:, self.padding_idx].fill_(0)
+
+    @classmethod
+    def from_module(cls, module: nn.Embedding, batch: int) -> Embedding:
+        """B copies of ``module``'s table and settings."""
+        if module.sparse:
+            raise ValueError(_SPARSE_MSG)
+        return cls(
+            module.num_embeddings, module.embedding_dim, module.padding_idx, module.max_norm, module.norm_type,
+            module.scale_grad_by_freq, _weight=stack_copies(module.weight, batch),
+            _freeze=not module.weight.requires_grad, batch=batch,
+        )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        embeddings: Tensor,
+        freeze: bool = True,
+        padding_idx: int | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
+        *,
+        batch: int | None = None,
+    ) -> Embedding:
+        """From ``(B, num, dim)`` tables, or one ``(num, dim)`` table copied into ``batch`` slots."""
+        if embeddings.dim() == 2:
+            if batch is None:
+                raise ValueError("a 2-D embeddings tensor is one table: pass batch= (the number of copies)")
+            embeddings = stack_copies(embeddings, batch)
+        elif embeddings.dim() != 3:
+            raise ValueError(f"embeddings must be (B, num, dim) or (num, dim), got {tuple(embeddings.shape)}")
+        elif batch is not None and batch != embeddings.shape[0]:
+            raise ValueError(f"batch={batch} disagrees with embeddings of shape {tuple(embeddings.shape)}")
+        b, num, dim = embeddings.shape
+        return cls(num, dim, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse,
+                   _weight=embeddings, _freeze=freeze, batch=b)
+
+    def forward(self, input: Tensor) -> Tensor:
+        shared = self.is_shared(input)
+        if not shared and input.dim():
+            self.check_merged(input)
+        return batched_embedding(
+            input, self.weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq,
+            shared=shared,
+        )
+
+    def check(self) -> None:
+        """Synchronise and raise a pending ``IndexError`` from an earlier lookup on this device."""
+        if self.weight.is_cuda:
+            _cuda.check(self.weight.device)
+
+
+Embedding.__doc__ = Embedding.__doc__.replace("{shared}", _SHARED_DOC)
+
+
+class FastEmbedding(nn.Embedding):
+    r"""A drop-in :class:`torch.nn.Embedding` (same constructor, state dict and behaviour) whose backward
+    is the atomic scatter-add kernel on CUDA.
+
+    It *is* an ``nn.Embedding`` (``isinstance`` holds, ``weight`` is ``(num_embeddings, dim)``), so
+    optimizers, checkpoints and ``from_pretrained`` work unchanged. ``sparse=True`` is refused.
+    Out-of-range indices raise ``IndexError`` (on CUDA at the next forward or :meth:`check`).
+
+    Examples::
+
+        >>> emb = FastEmbedding(1000, 16, padding_idx=0)
+        >>> emb(torch.tensor([[0, 5, 999]])).shape
+        torch.Size([1, 3, 16])
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        if kwargs.get("sparse") or (len(args) > 6 and args[6]):
+            raise ValueError(_SPARSE_MSG)
+        super().__init__(*args, **kwargs)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return batched_embedding(
+            input, self.weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq
+        )
+
+    def check(self) -> None:
+        """Synchronise and raise a pending ``IndexError`` from an earlier lookup on this device."""
+        if self.weight.is_cuda:
+            _cuda.check(self.weight.device)
+
+
+class EmbeddingBag(AbstractBatchModule):
+    r"""``batch`` independent :class:`torch.nn.EmbeddingBag` tables: sums, means or maxima of bags of rows.
+
+    The per-index rows come from the same lookup as :class:`Embedding` (one gather launch, the atomic
+    scatter-add backward), then bags are reduced with torch ops.
+
+    Args:
+        num_embeddings, embedding_dim, max_norm, norm_type, scale_grad_by_freq, mode, sparse,
+        _weight, include_last_offset, padding_idx: as :class:`torch.nn.EmbeddingBag`
+        (``sparse=True`` refused), per table.
+        batch: number of models B.
+
+    Shape:
+        - 2-D input ``(B*n, L)``: ``n`` bags of ``L`` indices per model, ``offsets`` must be ``None``;
+          output ``(B*n, embedding_dim)``.
+        - 1-D input ``(B*T,)``: the B models' index lists of ``T`` each, one after the other, with
+          ``offsets`` ``(B*m,)`` (``(B*(m+1),)`` with ``include_last_offset``): model b's offsets, local to
+          its own list, at ``offsets[b*m : (b+1)*m]``. Output ``(B*m, embedding_dim)``.
+        - ``per_sample_weights``: the input's shape (mode ``"sum"`` only).
+    {shared}
+    Attributes:
+        weight: ``(B, num_embeddings, embedding_dim)``, each slice from N(0, 1).
+    """
+
+    base_class: ClassVar[type[nn.Module]] = nn.EmbeddingBag
+    merged_order = "models"
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        mode: str = "mean",
+        sparse: bool = False,
+        _weight: Tensor | None = None,
+        include_last_offset: bool = False,
+        padding_idx: int | None = None,
+        *,
+        batch: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(batch)
+        if sparse:
+            raise ValueError(_SPARSE_MSG)
+        if mode not in ("sum", "mean", "max"):
+            raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
+        factory_kwargs = {"device": device, "dtype": dtype}
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.max_norm = max_norm
+        self.norm_type = norm_type
+        self.scale_grad_by_freq = scale_grad_by_freq
+        self.mode = mode
+        self.sparse = False
+        self.include_last_offset = include_last_offset
+        self.padding_idx = _normalize_padding(padding_idx, num_embeddings)
+        if _weight is None:
+            self.weight = nn.Parameter(torch.empty(batch, num_embeddings, embedding_dim, **factory_kwargs))
+            self.reset_parameters()
+        else:
+            expected = (batch, num_embeddings, embedding_dim)
+            if tuple(_weight.shape) != expected:
+                raise ValueError(f"_weight must have shape {expected}, got {tuple(_weight.shape)}")
+            self.weight = nn.Parameter(_weight)
+
+    def reset_parameters(self) -> None:
+        """Every model's table from N(0, 1), its padding row zeroed (as ``nn.EmbeddingBag``)."""
+        for i in range(self.weight.shape[0]):
+            nn.init.normal_(self.weight[i])
+        if self.padding_idx is not None:
+            with torch.no_grad():
+                self.weight[:, self.padding_idx].fill_(0)
+
+    @classmethod
+    def from_module(cls, module: nn.EmbeddingBag, batch: int) -> EmbeddingBag:
+        """B copies of ``module``'s table and settings."""
+        if module.sparse:
+            raise ValueError(_SPARSE_MSG)
+        layer = cls(
+            module.num_embeddings, module.embedding_dim, module.max_norm, module.norm_type,
+            module.scale_grad_by_freq, module.mode, _weight=stack_copies(module.weight, batch),
+            include_last_offset=module.include_last_offset, padding_idx=module.padding_idx, batch=batch,
+        )
+        layer.weight.requires_grad_(module.weight.requires_grad)
+        return layer
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        embeddings: Tensor,
+        freeze: bool = True,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        mode: str = "mean",
+        sparse: bool = False,
+        include_last_offset: bool = False,
+        padding_idx: int | None = None,
+        *,
+        batch: int | None = None,
+    ) -> EmbeddingBag:
+        """From ``(B, num, dim)`` tables, or one ``(num, dim)`` table copied into ``batch`` slots."""
+        if embeddings.dim() == 2:
+            if batch is None:
+                raise ValueError("a 2-D embeddings tensor is one table: pass batch= (the number of copies)")
+            embeddings = stack_copies(embeddings, batch)
+        elif embeddings.dim() != 3:
+            raise ValueError(f"embeddings must be (B, num, dim) or (num, dim), got {tuple(embeddings.shape)}")
+        b, num, dim = embeddings.shape
+        layer = cls(num, dim, max_norm, norm_type, scale_grad_by_freq, mode, sparse, embeddings,
+                    include_last_offset, padding_idx, batch=b)
+        layer.weight.requires_grad_(not freeze)
+        return layer
+
+    def forward(self, input: Tensor, offsets: Tensor | None = None, per_sample_weights: Tensor | None = None) -> Tensor:
+        B = self.batch
+        _check_index_tensor(input, self.weight)
+        if per_sample_weights is not None:
+            if self.mode != "sum":
+                raise NotImplementedError(
+                    f"per_sample_weights is only supported for mode='sum' (as in torch), got mode={self.mode!r}"
+                )
+            if per_sample_weights.shape != input.shape:
+                raise ValueError(f"per_sample_weights must have the input's shape {tuple(input.shape)}, "
+                                 f"got {tuple(per_sample_weights.shape)}")
+        shared = self.is_shared(input)
+        if input.dim() == 2:
+            if offsets is not None:
+                raise ValueError("if input is 2-D, offsets must be None (each row is one bag)")
+            if not shared:
+                self.check_merged(input)
+            bags_per_model = input.shape[0] if shared else input.shape[0] // B
+            length = input.shape[1]
+            pos = torch.arange(input.numel(), device=input.device)
+            bag = pos // max(length, 1)  # bag of each position within the (shared or merged) input
+            if not shared:
+                bag = bag - (bag // bags_per_model) * bags_per_model  # local bag within the model
+            per = input.numel() if shared else input.numel() // B
+            in_range = torch.ones_like(bag, dtype=torch.bool)
+        elif input.dim() == 1:
+            if offsets is None:
+                raise ValueError("a 1-D input needs offsets (the start of each bag)")
+            _check_index_tensor(offsets, self.weight, "offsets")
+            groups = 1 if shared else B
+            if input.numel() % groups or offsets.numel() % groups:
+                raise ValueError(f"expected B = {B} models' indices and offsets, got input {tuple(input.shape)} "
+                                 f"and offsets {tuple(offsets.shape)}")
+            per = input.numel() // groups
+            starts = offsets.long().view(groups, -1)
+            if self.include_last_offset:
+                if starts.shape[1] < 1:
+                    raise ValueError("include_last_offset=True needs at least one offset per model")
+                ends = starts[:, -1:]
+                starts = starts[:, :-1]
+            else:
+                ends = torch.full((groups, 1), per, device=input.device, dtype=torch.long)
+            bags_per_model = starts.shape[1]
+            local_pos = torch.arange(per, device=input.device).expand(groups, per)
+            bag = (torch.searchsorted(starts.contiguous(), local_pos.contiguous(), right=True) - 1).reshape(-1)
+            in_range = ((local_pos < ends) & (bag.view(groups, per) >= 0)).reshape(-1)
+            bag = bag.clamp(min=0)
+        else:
+            raise ValueError(f"input must be 1-D (with offsets) or 2-D (B*n, L), got shape {tuple(input.shape)}")
+
+        rows = batched_embedding(
+            input.reshape(-1), self.weight, None, self.max_norm, self.norm_type, self.scale_grad_by_freq,
+            shared=shared,
+        )  # (B*per, dim), models-major
+        dim = self.embedding_dim
+        idx_all = input.reshape(-1).repeat(B) if shared else input.reshape(-1)
+        keep = in_range.repeat(B) if shared else in_range
+        if self.padding_idx is not None:
+            keep = keep & (idx_all != self.padding_idx)
+        model = torch.arange(B * per, device=input.device) // max(per, 1)
+        bag_all = bag.repeat(B) if shared else bag
+        nbags = B * bags_per_model
+        target = torch.where(keep, model * bags_per_model + bag_all, nbags)  # nbags: a dump row
+        out_rows = nbags + 1
+        if self.mode == "max":
+            src = rows
+            out = torch.zeros(out_rows, dim, dtype=rows.dtype, device=rows.device)
+            out = out.scatter_reduce(0, target.unsqueeze(1).expand(-1, dim), src, "amax", include_self=False)
+        else:
+            w = keep.to(rows.dtype)
+            if per_sample_weights is not None:
+                psw = per_sample_weights.reshape(-1)
+                w = w * (psw.repeat(B) if shared else psw).to(rows.dtype)
+            src = rows * w.unsqueeze(1)
+            out = torch.zeros(out_rows, dim, dtype=rows.dtype, device=rows.device)
+            if rows.is_cuda and torch.are_deterministic_algorithms_enabled():
+                out = out.index_put((target,), src, accumulate=True)
+            else:
+                out = out.index_add(0, target, src)
+            if self.mode == "mean":
+                count = torch.zeros(out_rows, dtype=rows.dtype, device=rows.device).index_add(
+                    0, target, keep.to(rows.dtype))
+                out = out / count.clamp(min=1).unsqueeze(1)
+        return out[:nbags]
+
+    def check(self) -> None:
+        """Synchronise and raise a pending ``IndexError`` from an earlier lookup on this device."""
+        if self.weight.is_cuda:
+            _cuda.check(self.weight.device)
+
+    def extra_repr(self) -> str:
+        s = f"{self.num_embeddings}, {self.embedding_dim}"
+        if self.max_norm is not None:
+            s += f", max_norm={self.max_norm}"
+        if self.norm_type != 2:
+            s += f", norm_type={self.norm_type}"
+        if self.scale_grad_by_freq:
+            s += ", scale_grad_by_freq=True"
+        s += f", mode={self.mode!r}"
+        if self.include_last_offset:
+            s += ", include_last_offset=True"
+        if self.padding_idx is not None:
+            s += f", padding_idx={self.padding_idx}"
+        return s + f", batch={self.batch}"
+
+
+EmbeddingBag.__doc__ = EmbeddingBag.__doc__.replace("{shared}", _SHARED_DOC)
+
+
+class _MultiLookupFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight, idx, meta, per, samples):
+        out = _cuda.multi_gather(weight, idx, meta, per, samples)
+        ctx.save_for_backward(idx)
+        ctx.meta = (meta, per, weight.shape, weight.dtype)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
+        (idx,) = ctx.saved_tensors
+        meta, per, shape, dtype = ctx.meta
+        gw = _cuda.multi_scatter(grad.contiguous(), idx, meta, tuple(shape), per)
+        return (gw if gw.dtype == dtype else gw.to(dtype)), None, None, None, None
+
+
+class MultiEmbedding(nn.Module):
+    r"""Several small embedding tables of different sizes and dims in one tensor, looked up in one
+    launch with their outputs concatenated (the "many tiny embeddings" of recommendation models).
+
+    Table ``t`` has ``num_embeddings[t]`` rows of ``embedding_dims[t]``; all live in one flat parameter
+    ``weight`` of shape ``(B, sum_t num_t * dim_t)`` (``B = batch`` independent models, 1 by default),
+    and :meth:`table` gives the ``(B, num_t, dim_t)`` view of table ``t``. The forward takes one index
+    column per table and returns ``(*, sum_t dim_t)``: table 0's row, then table 1's, ...
+
+    Args:
+        num_embeddings: rows of each table.
+        embedding_dims: the dim of each table, or one int for all.
+        batch: number of models B (keyword-only, default 1).
+
+    Shape:
+        - Input: ``(B*n, T)`` int64/int32 (merged model axis; with ``B = 1`` any ``(*, T)``), or a shared
+          ``(n, T)`` inside a shared-input forward.
+        - Output: ``(B*n, sum(embedding_dims))``.
+
+    On CUDA with CuPy both the gather and the backward (fp32 atomics) are single launches over all
+    tables; elsewhere (and under deterministic algorithms) each table is looked up with torch indexing.
+    Bad indices raise ``IndexError`` naming the value and the table's size.
+
+    Examples::
+
+        >>> emb = MultiEmbedding([100, 7, 3000], [8, 2, 16])
+        >>> emb(torch.tensor([[5, 6, 2999], [0, 0, 0]])).shape
+        torch.Size([2, 26])
+    """
+
+    def __init__(
+        self,
+        num_embeddings: Sequence[int],
+        embedding_dims: Sequence[int] | int,
+        *,
+        batch: int = 1,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        nums = [int(n) for n in num_embeddings]
+        if isinstance(embedding_dims, int):
+            dims = [embedding_dims] * len(nums)
+        else:
+            dims = [int(d) for d in embedding_dims]
+        if not nums or len(nums) != len(dims):
+            raise ValueError(f"need one dim per table: got {len(nums)} tables and {len(dims)} dims")
+        if any(n < 1 for n in nums) or any(d < 1 for d in dims):
+            raise ValueError(f"table sizes and dims must be positive, got {nums} and {dims}")
+        if not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch must be a positive int, got {batch!r}")
+        self.batch = batch
+        self.num_embeddings = tuple(nums)
+        self.embedding_dims = tuple(dims)
+        sizes = [n * d for n, d in zip(nums, dims)]
+        woff = [0]
+        for s in sizes[:-1]:
+            woff.append(woff[-1] + s)
+        col_start = [0]
+        for d in dims[:-1]:
+            col_start.append(col_start[-1] + d)
+        col_table = [t for t, d in enumerate(dims) for _ in range(d)]
+        self.register_buffer("rows", torch.tensor(nums, dtype=torch.int64, device=device), persistent=False)
+        self.register_buffer("woff", torch.tensor(woff, dtype=torch.int64, device=device), persistent=False)
+        self.register_buffer("dims", torch.tensor(dims, dtype=torch.int64, device=device), persistent=False)
+        self.register_buffer("col_start", torch.tensor(col_start, dtype=torch.int64, device=device), persistent=False)
+        self.register_buffer("col_table", torch.tensor(col_table, dtype=torch.int32, device=device), persistent=False)
+        self.weight = nn.Parameter(torch.empty(batch, sum(sizes), device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def table(self, t: int) -> Tensor:
+        """The ``(B, num_t, dim_t)`` view of table ``t`` inside ``weight`` (shares its memory)."""
+        n, d = self.num_embeddings[t], self.embedding_dims[t]
+        start = sum(a * b for a, b in zip(self.num_embeddings[:t], self.embedding_dims[:t]))
+        return self.weight[:, start:start + n * d].view(self.weight.shape[0], n, d)
+
+    def reset_parameters(self) -> None:
+        """Every table from N(0, 1), as ``nn.Embedding``."""
+        nn.init.normal_(self.weight)
+
+    @classmethod
+    def from_modules(cls, modules: Sequence[nn.Embedding], *, batch: int = 1) -> MultiEmbedding:
+        """One MultiEmbedding holding copies of ``modules``' tables (``batch`` copies of each)."""
+        for m in modules:
+            if m.padding_idx is not None or m.max_norm is not None or m.scale_grad_by_freq or m.sparse:
+                raise ValueError("MultiEmbedding supports plain tables only (no padding_idx, max_norm, "
+                                 "scale_grad_by_freq or sparse)")
+        w = modules[0].weight
+        layer = cls([m.num_embeddings for m in modules], [m.embedding_dim for m in modules], batch=batch,
+                    device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            for t, m in enumerate(modules):
+                layer.table(t).copy_(stack_copies(m.weight, batch))
+        return layer
+
+    def _meta(self) -> dict[str, Tensor]:
+        return {"rows": self.rows, "woff": self.woff, "dims": self.dims, "col_start": self.col_start,
+                "col_table": self.col_table}
+
+    def forward(self, input: Tensor) -> Tensor:
+        T = len(self.num_embeddings)
+        B = self.weight.shape[0]
+        _check_index_tensor(input, self.weight)
+        if input.dim() < 1 or input.shape[-1] != T:
+            raise ValueError(f"expected indices of shape (*, {T}) (one column per table), got {tuple(input.shape)}")
+        lead = input.shape[:-1]
+        idx = input.reshape(-1, T)
+        shared = B > 1 and AbstractBatchModule.is_shared(self, idx)  # type: ignore[arg-type]
+        if not shared and idx.shape[0] % B:
+            raise ValueError(f"expected the merged (B*n, {T}) indices of B = {B} models, got {tuple(input.shape)}")
+        samples = idx.shape[0] * B if shared else idx.shape[0]
+        per = samples // B
+        if self.weight.is_cuda:
+            _cuda.raise_pending(self.weight.device)
+        else:
+            _raise_bad_now(idx, self.rows.to(idx.device))
+        D = sum(self.embedding_dims)
+        kernels = _use_kernels(self.weight) and not torch.are_deterministic_algorithms_enabled()
+        if kernels:
+            flat = idx if idx.is_contiguous() else idx.contiguous()
+            w = self.weight if self.weight.is_contiguous() else self.weight.contiguous()
+            out = _MultiLookupFn.apply(w, flat, self._meta(), per, samples)
+        else:
+            rows = self.rows.to(idx.device)
+            if self.weight.is_cuda and idx.numel():
+                _cuda.record_bad_indices(idx, rows)
+            full = idx.long().repeat(B, 1) if shared else idx.long()
+            valid = (full >= 0) & (full < rows)
+            safe = torch.where(valid, full, 0)
+            model = torch.arange(samples, device=idx.device) // max(per, 1)
+            parts = []
+            for t in range(T):
+                part = self.table(t)[model, safe[:, t]]
+                parts.append(part.masked_fill(~valid[:, t : t + 1], 0) if self.weight.is_cuda else part)
+            out = torch.cat(parts, dim=1)
+        if shared:
+            return out.view(samples, D)
+        return out.view(*lead, D)
+
+    def check(self) -> None:
+        """Synchronise and raise a pending ``IndexError`` from an earlier lookup on this device."""
+        if self.weight.is_cuda:
+            _cuda.check(self.weight.device)
+
+    def extra_repr(self) -> str:
+        s = f"num_embeddings={list(self.num_embeddings)}, embedding_dims={list(self.embedding_dims)}"
+        return s + (f", batch={self.batch}" if self.batch != 1 else "")
