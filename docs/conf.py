@@ -1,0 +1,11 @@
+project = "torchmb"
+author = "the torchmb developers"
+extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon", "sphinx.ext.viewcode"]
+source_suffix = {".md": "markdown"}
+myst_enable_extensions = ["colon_fence"]
+exclude_patterns = ["_build"]
+autodoc_member_order = "bysource"
+autodoc_typehints = "description"
+html_theme = "alabaster"
+suppress_warnings = ["myst.xref_missing"]
+nitpicky = False
