@@ -108,9 +108,30 @@ class AbstractBatchModule(nn.Module):
             where = f"B * n = {self.batch} * {context.samples}" if context is not None else f"B = {self.batch}"
             raise ValueError(
                 f"{type(self).__name__}: expected the {what}'s dim 0 to be a multiple of {where} (the merged "
-                f"model axis), got shape {tuple(x.shape)}; a model that moves the sample axis out of dim 0 "
-                "(e.g. seq-first layouts) must be batched through torchmb's torch.func path"
+                f"model axis), got shape {tuple(x.shape)}; the model moved or reshaped the sample axis in a way "
+                "that mixes models (check it with torchmb.testing.assert_isolated)"
             )
+
+    def merged_dim(self, x: Tensor, feature_dims: int = 1) -> int:
+        """The dim of ``x`` holding the merged model axis, for layers that take any leading dims.
+
+        Dim 0 normally. Inside a ``BatchModule`` forward (which knows ``n``), a tensor laid out
+        sequence-first, ``(seq, B*n, ...)`` as ``nn.TransformerEncoderLayer`` does by default, has it in
+        another leading dim: the first leading dim of exactly ``B*n`` wins, then dim 0 if it is a multiple
+        of ``B*n``, then any other multiple. ``feature_dims`` trailing dims are never candidates.
+        """
+        context = current_forward()
+        leading = range(max(x.dim() - feature_dims, 0))
+        if context is not None and not self.is_shared(x):
+            step = self.batch * context.samples
+            exact = [d for d in leading if x.shape[d] == step]
+            if exact:
+                return exact[0]
+            multiples = [d for d in leading if x.shape[d] % step == 0]
+            if multiples:
+                return multiples[0]
+        self.check_merged(x)
+        return 0
 
     def split(self, x: Tensor) -> Tensor:
         """View a merged ``(B*m, ...)`` tensor as ``(B, m, ...)``; a shared input becomes an expanded view."""

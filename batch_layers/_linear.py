@@ -22,7 +22,8 @@ class Linear(AbstractBatchModule):
         batch: number of models B.
 
     Shape:
-        - Input: ``(B*n, *, in_features)`` with the model axis merged into dim 0, or the shared
+        - Input: ``(B*n, *, in_features)`` with the model axis merged into dim 0 (or, inside a
+          ``BatchModule``, into another leading dim, e.g. ``(seq, B*n, in_features)``), or the shared
           ``(n, *, in_features)`` input of a shared-input forward.
         - Output: ``(B*n, *, out_features)``.
 
@@ -88,7 +89,9 @@ class Linear(AbstractBatchModule):
     def forward(self, x: Tensor) -> Tensor:
         if self.is_shared(x):
             return self._shared_forward(x)
-        self.check_merged(x)
+        dim = self.merged_dim(x)
+        if dim:  # sequence-first layout: bring the model axis to the front for the batched product
+            return self.forward(x.movedim(dim, 0)).movedim(0, dim)
         rows = x.reshape(self.batch, -1, self.in_features)
         weight_t = self.weight.transpose(1, 2)
         if self.bias is None:

@@ -154,18 +154,34 @@ def test_forward_refuses_input_without_model_axis() -> None:
         batched(torch.randn(4, 6, 12))
 
 
-def test_seq_first_model_is_refused_not_silently_mixed() -> None:
-    class SeqFirst(nn.Module):
+class SeqFirst(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):  # (n, seq, d) -> (seq, n, d): the sample axis leaves dim 0, as in seq-first models
+        return self.fc(x.transpose(0, 1)).transpose(0, 1)
+
+
+def test_sequence_first_layout_is_found_and_batched() -> None:
+    torch.manual_seed(0)
+    assert_equivalent(SeqFirst, 3, torch.randn(3, 2, 5, 4))
+    assert_equivalent(SeqFirst, 3, torch.randn(3, 2, 12, 4))  # seq a multiple of B*n: the exact dim wins
+    assert_isolated(BatchModule(SeqFirst(), 3, init="independent", seed=0), torch.randn(3, 2, 5, 4))
+
+
+def test_model_that_mixes_samples_across_models_is_refused() -> None:
+    class HardCodedBatch(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.fc = nn.Linear(4, 4)
+            self.fc = nn.Linear(8, 3)
 
-        def forward(self, x):  # (n, seq, d) -> (seq, n, d): the sample axis leaves dim 0
-            return self.fc(x.transpose(0, 1)).transpose(0, 1)
+        def forward(self, x):  # assumes 2 samples per call: pairs up rows of different models
+            return self.fc(x.reshape(2, -1))
 
-    batched = BatchModule(SeqFirst(), 3)
-    with pytest.raises(ValueError, match="multiple of B \\* n = 3 \\* 2"):
-        batched(torch.randn(3, 2, 5, 4))
+    batched = BatchModule(HardCodedBatch(), 3)
+    with pytest.raises(ValueError, match=r"multiple of B \* n = 3 \* 2 \(the merged model axis\), got shape \(2, 12\)"):
+        batched(torch.randn(3, 2, 4))
 
 
 def test_tuple_dict_and_keyword_inputs_and_outputs() -> None:
