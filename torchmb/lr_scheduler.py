@@ -40,6 +40,12 @@ def _per_model_ints(value: Any, batch: int, name: str, minimum: int = 1) -> Tens
     return values.to(torch.int64)
 
 
+def _batch(optimizer: Any, who: str) -> int:
+    if not isinstance(optimizer, BatchOptimizer):
+        raise TypeError(f"{who} needs a torchmb.optim optimizer (per-model lr), got {type(optimizer).__name__}")
+    return optimizer.batch
+
+
 class BatchLRScheduler:
     """Base class of batched schedulers: B torch schedulers, one per model, stepped together.
 
@@ -54,9 +60,7 @@ class BatchLRScheduler:
     per_model_args: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, optimizer: BatchOptimizer, last_epoch: int = -1) -> None:
-        if not isinstance(optimizer, BatchOptimizer):
-            raise TypeError(f"{type(self).__name__} needs a torchmb.optim optimizer (per-model lr), got "
-                            f"{type(optimizer).__name__}")
+        _batch(optimizer, type(self).__name__)
         self.optimizer = optimizer
         if last_epoch == -1:
             for group in optimizer.param_groups:
@@ -154,8 +158,9 @@ class StepLR(BatchLRScheduler):
     per_model_args = ("step_size", "gamma")
 
     def __init__(self, optimizer: BatchOptimizer, step_size: Any, gamma: Any = 0.1, last_epoch: int = -1) -> None:
-        self.step_size = _per_model_ints(step_size, optimizer.batch, "step_size")
-        self.gamma = per_model_values(gamma, optimizer.batch, "gamma")
+        batch = _batch(optimizer, "StepLR")
+        self.step_size = _per_model_ints(step_size, batch, "step_size")
+        self.gamma = per_model_values(gamma, batch, "gamma")
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> list[Tensor]:
@@ -181,7 +186,7 @@ class MultiStepLR(BatchLRScheduler):
 
     def __init__(self, optimizer: BatchOptimizer, milestones: Iterable[int] | Sequence[Iterable[int]],
                  gamma: Any = 0.1, last_epoch: int = -1) -> None:
-        batch = optimizer.batch
+        batch = _batch(optimizer, "MultiStepLR")
         milestones = list(milestones)
         if milestones and all(isinstance(m, Iterable) and not isinstance(m, (str, bytes)) for m in milestones):
             if len(milestones) != batch:
@@ -213,7 +218,7 @@ class ExponentialLR(BatchLRScheduler):
     per_model_args = ("gamma",)
 
     def __init__(self, optimizer: BatchOptimizer, gamma: Any, last_epoch: int = -1) -> None:
-        self.gamma = per_model_values(gamma, optimizer.batch, "gamma")
+        self.gamma = per_model_values(gamma, _batch(optimizer, "ExponentialLR"), "gamma")
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> list[Tensor]:
@@ -232,7 +237,7 @@ class LinearLR(BatchLRScheduler):
 
     def __init__(self, optimizer: BatchOptimizer, start_factor: Any = 1.0 / 3, end_factor: Any = 1.0,
                  total_iters: Any = 5, last_epoch: int = -1) -> None:
-        batch = optimizer.batch
+        batch = _batch(optimizer, "LinearLR")
         self.start_factor = per_model_values(start_factor, batch, "start_factor")
         self.end_factor = per_model_values(end_factor, batch, "end_factor")
         check_range("start_factor", self.start_factor, 0.0, 1.0, low_open=True)
@@ -259,8 +264,9 @@ class CosineAnnealingLR(BatchLRScheduler):
     per_model_args = ("T_max", "eta_min")
 
     def __init__(self, optimizer: BatchOptimizer, T_max: Any, eta_min: Any = 0.0, last_epoch: int = -1) -> None:
-        self.T_max = _per_model_ints(T_max, optimizer.batch, "T_max")
-        self.eta_min = per_model_values(eta_min, optimizer.batch, "eta_min")
+        batch = _batch(optimizer, "CosineAnnealingLR")
+        self.T_max = _per_model_ints(T_max, batch, "T_max")
+        self.eta_min = per_model_values(eta_min, batch, "eta_min")
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> list[Tensor]:
@@ -296,8 +302,9 @@ class LambdaLR(BatchLRScheduler):
     def __init__(self, optimizer: BatchOptimizer, lr_lambda: Callable[[int], Any] | Sequence[Callable[[int], Any]],
                  last_epoch: int = -1) -> None:
         if isinstance(lr_lambda, (list, tuple)):
-            if len(lr_lambda) != optimizer.batch:
-                raise ValueError(f"lr_lambda: expected one function per model ({optimizer.batch}), "
+            batch = _batch(optimizer, "LambdaLR")
+            if len(lr_lambda) != batch:
+                raise ValueError(f"lr_lambda: expected one function per model ({batch}), "
                                  f"got {len(lr_lambda)}")
             if not all(callable(f) for f in lr_lambda):
                 raise TypeError("lr_lambda: every entry must be callable")
@@ -358,9 +365,7 @@ class OneCycleLR(BatchLRScheduler):
                  anneal_strategy: Literal["cos", "linear"] = "cos", cycle_momentum: bool = True,
                  base_momentum: Any = 0.85, max_momentum: Any = 0.95, div_factor: Any = 25.0,
                  final_div_factor: Any = 1e4, three_phase: bool = False, last_epoch: int = -1) -> None:
-        if not isinstance(optimizer, BatchOptimizer):
-            raise TypeError(f"OneCycleLR needs a torchmb.optim optimizer, got {type(optimizer).__name__}")
-        batch = optimizer.batch
+        batch = _batch(optimizer, "OneCycleLR")
         if total_steps is not None:
             if not isinstance(total_steps, int) or total_steps <= 0:
                 raise ValueError(f"Expected positive integer total_steps, but got {total_steps}")
