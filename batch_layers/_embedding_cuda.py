@@ -80,8 +80,9 @@ __device__ __forceinline__ void report_bad(ull* rec, volatile ll* mirror, ll v, 
 
 _GATHER = _COMMON + r"""
 // WORD: the raw word a row is copied in; IDX: index dtype.
+typedef WORD word_t;
 extern "C" __global__ void emb_gather(
-        const WORD* __restrict__ weight, const IDX* __restrict__ idx, WORD* __restrict__ out,
+        const word_t* __restrict__ weight, const IDX* __restrict__ idx, word_t* __restrict__ out,
         ll M, ll words, ll per, ll idx_len, ll num, ll log2g, ull* rec, ll* mirror) {
     const int lane = threadIdx.x & 31;
     const int G = 1 << log2g;
@@ -93,12 +94,12 @@ extern "C" __global__ void emb_gather(
         if (i >= M) continue;
         const ll j = (idx_len == M) ? i : i % idx_len;
         const ll v = (ll)idx[j];
-        WORD* o = out + i * words;
+        word_t* o = out + i * words;
         if (v >= 0 && v < num) {
-            const WORD* src = weight + ((i / per) * num + v) * words;
+            const word_t* src = weight + ((i / per) * num + v) * words;
             for (ll w = cl; w < words; w += G) o[w] = src[w];
         } else {
-            const WORD z = WORD();
+            const word_t z = word_t();
             for (ll w = cl; w < words; w += G) o[w] = z;
             if (cl == 0) report_bad(rec, mirror, v, num);
         }
@@ -223,8 +224,9 @@ extern "C" __global__ void emb_count(const IDX* __restrict__ idx, int* __restric
 
 _MULTI_GATHER = _COMMON + r"""
 // ELEM: raw element word; IDX: index dtype. One thread per output element (s, col).
+typedef ELEM elem_t;
 extern "C" __global__ void memb_gather(
-        const ELEM* __restrict__ weight, const IDX* __restrict__ idx, ELEM* __restrict__ out,
+        const elem_t* __restrict__ weight, const IDX* __restrict__ idx, elem_t* __restrict__ out,
         const ll* __restrict__ rows, const ll* __restrict__ woff, const ll* __restrict__ dims,
         const ll* __restrict__ col_start, const int* __restrict__ col_table,
         ll M, ll T, ll D, ll per, ll idx_len, ll total, ull* rec, ll* mirror) {
@@ -238,7 +240,7 @@ extern "C" __global__ void memb_gather(
         if (v >= 0 && v < num) {
             out[e] = weight[(s / per) * total + woff[t] + v * dims[t] + (col - col_start[t])];
         } else {
-            out[e] = ELEM();
+            out[e] = elem_t();
             if (col == col_start[t]) report_bad(rec, mirror, v, num);
         }
     }
@@ -343,8 +345,14 @@ def _launch(kernel, name: str, grid: int, block: int, args: tuple, device: torch
     LAUNCHES[name] += 1
 
 
+_SMS: dict[int, int] = {}
+
+
 def _grid(work: int, block: int, device: torch.device) -> int:
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    index = _index(device)
+    sms = _SMS.get(index)
+    if sms is None:
+        sms = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return max(1, min((work + block - 1) // block, sms * 32))
 
 
