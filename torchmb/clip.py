@@ -110,7 +110,7 @@ def clip_grad_value_(parameters: Tensor | Iterable[Tensor], clip_value: Any) -> 
     if bool((values < 0).any()):
         raise ValueError(f"clip_value: expected non-negative values, got {values.tolist()}")
     for g in grads:
-        bound = _rows(values, g) if g.is_floating_point() else values
+        bound = _rows(values, g)
         g.clamp_(min=-bound, max=bound)
 
 
