@@ -1,0 +1,141 @@
+"""Host memory for offloaded tables: allocation, page-locking ("pinning") and the errors around them.
+
+A table is allocated as ordinary host memory and then page-locked in place with ``cudaHostRegister``
+(or, for a memory-mapped ``.npy`` file, the mapping is registered). Unlike ``torch.empty(...,
+pin_memory=True)``, whose caching allocator rounds every block up to a power of two, this costs
+exactly the table's bytes, and it lets a memory-mapped file be pinned without a second copy.
+"""
+
+from __future__ import annotations
+
+import resource
+import threading
+
+import torch
+
+__all__ = ["HostMemoryError", "host_memory_available", "pin_tensor", "unpin_tensor"]
+
+
+class HostMemoryError(MemoryError):
+    """Host memory for a table could not be allocated or page-locked.
+
+    The message states the bytes asked for and what the machine reports as available; nothing is
+    left allocated or registered when it is raised.
+    """
+
+
+def _fmt_bytes(n: int | float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def host_memory_available() -> dict[str, int | None]:
+    """What the machine reports: ``MemAvailable`` (bytes, from /proc/meminfo) and ``RLIMIT_MEMLOCK``.
+
+    Values are ``None`` where the platform does not report them; ``memlock`` is ``None`` when unlimited.
+    """
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    memlock: int | None
+    try:
+        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        memlock = None if soft == resource.RLIM_INFINITY else int(soft)
+    except (OSError, ValueError, AttributeError):
+        memlock = None
+    return {"available": avail, "memlock": memlock}
+
+
+def _memory_report() -> str:
+    info = host_memory_available()
+    avail = "unknown" if info["available"] is None else _fmt_bytes(info["available"])
+    lock = "unlimited" if info["memlock"] is None else _fmt_bytes(info["memlock"])
+    return f"MemAvailable {avail}, RLIMIT_MEMLOCK {lock}"
+
+
+def allocate_host(shape: tuple[int, ...], dtype: torch.dtype, what: str) -> torch.Tensor:
+    """An uninitialised plain CPU tensor; a failed allocation raises :class:`HostMemoryError`."""
+    nbytes = _nbytes(shape, dtype)
+    try:
+        return torch.empty(shape, dtype=dtype)
+    except (RuntimeError, MemoryError) as e:
+        raise HostMemoryError(
+            f"could not allocate {_fmt_bytes(nbytes)} ({nbytes} bytes) of host memory for {what} "
+            f"({_memory_report()}): {e}"
+        ) from e
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = torch.empty((), dtype=dtype).element_size()
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+# cudaHostRegisterPortable | cudaHostRegisterMapped: visible to every device, mapped for UVA access.
+_REGISTER_FLAGS = 0x01 | 0x02
+_registered: dict[int, int] = {}
+_lock = threading.Lock()
+
+
+def _cuda_register(ptr: int, nbytes: int) -> int:
+    """Calls ``cudaHostRegister``; returns the CUDA error code (0 on success). Patched in tests."""
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(ptr, nbytes, _REGISTER_FLAGS)
+    return int(getattr(err, "value", err))
+
+
+def _cuda_unregister(ptr: int) -> int:
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostUnregister(ptr)
+    return int(getattr(err, "value", err))
+
+
+def pin_tensor(t: torch.Tensor, what: str) -> None:
+    """Page-lock ``t``'s memory in place (``cudaHostRegister``). Raises :class:`HostMemoryError`.
+
+    On failure the CUDA error is cleared and nothing stays registered.
+    """
+    if not torch.cuda.is_available():
+        raise HostMemoryError(f"cannot pin host memory for {what}: CUDA is not available on this machine")
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return
+    ptr = t.data_ptr()
+    torch.cuda.init()
+    err = _cuda_register(ptr, nbytes)
+    if err != 0:
+        # Clear the sticky "last error" so later CUDA calls do not report this failure.
+        try:
+            torch.cuda.cudart().cudaGetLastError()
+        except AttributeError:
+            pass
+        raise HostMemoryError(
+            f"could not pin (cudaHostRegister) {_fmt_bytes(nbytes)} ({nbytes} bytes) of host memory for "
+            f"{what} ({_memory_report()}): CUDA error {err}"
+        )
+    with _lock:
+        _registered[ptr] = nbytes
+
+
+def unpin_tensor(t: torch.Tensor) -> None:
+    """Undo :func:`pin_tensor` (no-op when ``t`` was not registered by it)."""
+    ptr = t.data_ptr()
+    with _lock:
+        if _registered.pop(ptr, None) is None:
+            return
+    _cuda_unregister(ptr)
+
+
+def is_registered(t: torch.Tensor) -> bool:
+    with _lock:
+        return t.data_ptr() in _registered

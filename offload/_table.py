@@ -1,0 +1,790 @@
+"""Tables of rows in host memory that the GPU gathers from and scatters to.
+
+:class:`HostTable` is the building block of the package: a ``(num_rows, dim)`` table in page-locked host
+memory with ``gather(idx)`` (rows to the compute device) and ``scatter(idx, rows)`` (rows back), through
+one of two engines, plus :meth:`HostTable.prefetch` on a side stream. :class:`HostArray` is the read-mostly
+variant for dataset rows of any shape.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from . import _uva
+from ._memory import allocate_host, pin_tensor, unpin_tensor
+
+__all__ = [
+    "HostArray",
+    "HostTable",
+    "Prefetch",
+    "batches",
+    "engine_choice",
+    "get_engine",
+    "set_engine",
+    "use_engine",
+]
+
+Engine = Literal["auto", "uva", "cpu"]
+_ENGINES = ("auto", "uva", "cpu")
+ENV_ENGINE = "TORCHMB_OFFLOAD_ENGINE"
+
+# ----------------------------------------------------------------------------------------------------------
+# The engine switch
+
+
+def _check_engine(name: str) -> str:
+    if name not in _ENGINES:
+        raise ValueError(f"offload engine must be one of {_ENGINES}, got {name!r}")
+    return name
+
+
+_engine: str = _check_engine(os.environ.get(ENV_ENGINE) or "auto")
+
+
+def get_engine() -> str:
+    """The default engine of tables created without ``engine=``: ``"auto"``, ``"uva"`` or ``"cpu"``.
+
+    Starts as ``$TORCHMB_OFFLOAD_ENGINE`` (default ``"auto"``).
+    """
+    return _engine
+
+
+def set_engine(name: Engine) -> None:
+    """Set the default engine (see :func:`get_engine`)."""
+    global _engine
+    _engine = _check_engine(name)
+
+
+@contextlib.contextmanager
+def use_engine(name: Engine) -> Iterator[None]:
+    """Use ``name`` as the default engine inside the block; the old default is restored after."""
+    old = get_engine()
+    set_engine(name)
+    try:
+        yield
+    finally:
+        set_engine(old)
+
+
+_choice: dict[int, dict[str, str]] = {}
+_choice_lock = threading.Lock()
+
+
+def engine_choice(device: torch.device | str | int | None = None) -> dict[str, str]:
+    """What ``"auto"`` picks on ``device`` for ``"gather"`` and ``"scatter"``.
+
+    Measured once per device and process: a 32 MiB pinned table, 16,384 random rows gathered and
+    scattered by both engines, the faster kept. Without CuPy or a suitable GPU the answer is ``"cpu"``.
+    """
+    if not torch.cuda.is_available():
+        return {"gather": "cpu", "scatter": "cpu"}
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if dev.type != "cuda":
+        return {"gather": "cpu", "scatter": "cpu"}
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    with _choice_lock:
+        got = _choice.get(index)
+        if got is None:
+            got = _measure(torch.device("cuda", index)) if _uva.available(dev) else {"gather": "cpu",
+                                                                                     "scatter": "cpu"}
+            _choice[index] = got
+    return dict(got)
+
+
+def _measure(device: torch.device) -> dict[str, str]:
+    table = HostTable(65536, 128, torch.float32, device=device, pin=True, engine="cpu")
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randperm(65536, generator=g)[:16384].sort().values
+    idx_dev = idx.to(device)
+    rows = torch.empty(idx.numel(), 128, device=device)
+    best: dict[str, str] = {}
+    with torch.cuda.device(device):
+        for op in ("gather", "scatter"):
+            times = {}
+            for eng in ("uva", "cpu"):
+                def run(eng=eng, op=op):
+                    if op == "gather":
+                        table._gather_unique(idx_dev, idx, rows, eng)
+                    else:
+                        table._scatter_unique(idx_dev, idx, rows, eng)
+                run()
+                torch.cuda.synchronize(device)
+                samples = []
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    run()
+                    torch.cuda.synchronize(device)
+                    samples.append(time.perf_counter() - t0)
+                times[eng] = sorted(samples)[len(samples) // 2]
+            best[op] = min(times, key=times.__getitem__)
+    table.close()
+    return best
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Staging buffers of the CPU engine
+
+
+class _Staging:
+    """A few page-locked byte buffers, each guarded by an event, shared by the tables on one device."""
+
+    SLOT_BYTES = 16 << 20
+    SLOTS = 4
+
+    def __init__(self, device: torch.device):
+        self.slots = [torch.empty(self.SLOT_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(self.SLOTS)]
+        self.events = [torch.cuda.Event() for _ in range(self.SLOTS)]
+        for ev in self.events:
+            ev.record(torch.cuda.current_stream(device))
+
+
+_staging: dict[int, _Staging] = {}
+
+
+def _staging_for(device: torch.device) -> _Staging:
+    got = _staging.get(device.index)
+    if got is None:
+        got = _staging[device.index] = _Staging(device)
+    return got
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Index preparation
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _as_index(idx, device: torch.device) -> Tensor:
+    if not isinstance(idx, Tensor):
+        idx = torch.as_tensor(idx)
+    if idx.dtype == torch.bool or idx.dtype.is_floating_point or idx.dtype.is_complex:
+        raise TypeError(f"indices must be an integer tensor, got dtype {idx.dtype}")
+    return idx.reshape(-1).to(device=device, dtype=torch.int64, non_blocking=True)
+
+
+def _check_bounds(lo: int, hi: int, num_rows: int) -> None:
+    if lo < 0:
+        raise IndexError(f"index {lo} is out of range for a table of {num_rows} rows (valid: 0..{num_rows - 1})")
+    if hi >= num_rows:
+        raise IndexError(f"index {hi} is out of range for a table of {num_rows} rows (valid: 0..{num_rows - 1})")
+
+
+def _distinct_or_raise(flat: Tensor, uniq: Tensor) -> None:
+    if uniq.numel() != flat.numel():
+        vals, counts = torch.unique(flat, return_counts=True)
+        dup = int(vals[counts > 1][0])
+        raise ValueError(f"scatter needs distinct indices, but index {dup} appears more than once")
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+class HostTable:
+    """A ``(num_rows, dim)`` table in page-locked host memory, gathered to and scattered from the GPU.
+
+    Args:
+        num_rows: number of rows.
+        dim: row length.
+        dtype: element type (any torch dtype; rows are moved as raw bytes).
+        device: the compute device that :meth:`gather` returns rows on (default: the current CUDA device,
+            or the CPU on a machine without CUDA).
+        pin: page-lock the memory (default: whenever CUDA is available). Pinning is what makes
+            asynchronous copies and the ``"uva"`` engine possible.
+        engine: ``"auto"``, ``"uva"`` or ``"cpu"``; ``None`` follows :func:`get_engine`.
+        fill: initial value of every element (``None`` leaves the memory uninitialised).
+
+    Engines:
+        ``"uva"`` launches a CuPy kernel that reads (writes) the page-locked rows directly over PCIe.
+        ``"cpu"`` gathers rows with a multi-threaded ``index_select`` into page-locked staging buffers and
+        copies them asynchronously, in chunks, so CPU gathering and the DMA overlap (scatter is the reverse).
+        ``"auto"`` uses :func:`engine_choice`, measured once per device. On a CPU compute device both are
+        plain CPU indexing.
+
+    Indices are checked before any engine touches host memory: they must be integers in
+    ``[0, num_rows)``, else :class:`IndexError` names the first bad value and the table size. ``gather``
+    deduplicates them (each row crosses PCIe once); ``scatter`` refuses duplicates.
+
+    GPU work is ordered on the current CUDA stream. ``"uva"`` writes land when the stream reaches them;
+    every CPU-side access of the table (the ``"cpu"`` engine, :attr:`data` readers that call
+    :meth:`synchronize`, :meth:`save_npy`) waits for them first.
+
+    Batched layers store B models' tables as one ``HostTable`` of ``B * rows`` rows and address row ``i``
+    of model ``b`` as ``b * rows + i`` (see :meth:`block`).
+
+    Examples:
+        >>> t = HostTable(1000, 8)
+        >>> t.scatter(torch.tensor([3, 7]), torch.ones(2, 8, device=t.device))
+        >>> t.gather(torch.tensor([[7, 3], [3, 0]])).shape
+        torch.Size([2, 2, 8])
+    """
+
+    def __init__(self, num_rows: int, dim: int, dtype: torch.dtype = torch.float32, *,
+                 device: torch.device | str | None = None, pin: bool | None = None,
+                 engine: Engine | None = None, fill: float | None = 0.0):
+        num_rows, dim = int(num_rows), int(dim)
+        if num_rows < 0 or dim <= 0:
+            raise ValueError(f"HostTable needs num_rows >= 0 and dim > 0, got ({num_rows}, {dim})")
+        data = allocate_host((num_rows, dim), dtype, f"a {num_rows} x {dim} {dtype} table")
+        if fill is not None:
+            data.fill_(fill)
+        self._init(data, device=device, pin=pin, engine=engine, keepalive=None)
+
+    # -- construction -----------------------------------------------------------------------------------
+    def _init(self, data: Tensor, *, device, pin, engine, keepalive) -> None:
+        if data.dim() != 2 or not data.is_contiguous() or data.device.type != "cpu":
+            raise ValueError(f"a HostTable holds a contiguous 2-D CPU tensor, got {tuple(data.shape)} on {data.device}")
+        self.device = _default_device() if device is None else torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"HostTable device {self.device} requested but CUDA is not available")
+        self.engine = None if engine is None else _check_engine(engine)
+        self.num_rows, self.dim = data.shape
+        self.dtype = data.dtype
+        self._keepalive = keepalive
+        self._events: dict[int, torch.cuda.Event] = {}
+        self._prefetches: weakref.WeakSet[Prefetch] = weakref.WeakSet()
+        self._side: torch.cuda.Stream | None = None
+        self._pinned_here = False
+        want_pin = torch.cuda.is_available() if pin is None else bool(pin)
+        if want_pin and not data.is_pinned():
+            pin_tensor(data, f"a {self.num_rows} x {self.dim} {self.dtype} table")
+            self._pinned_here = True
+        self._data = data
+        self.pinned = bool(want_pin or (torch.cuda.is_available() and data.is_pinned()))
+
+    @classmethod
+    def from_tensor(cls, tensor: Tensor, *, device=None, pin: bool | None = None, engine: Engine | None = None,
+                    copy: bool = True) -> HostTable:
+        """A table holding ``tensor``'s rows (2-D). ``copy=False`` uses a contiguous CPU ``tensor`` in place."""
+        if tensor.dim() != 2:
+            raise ValueError(f"HostTable.from_tensor needs a 2-D tensor (rows, dim), got shape {tuple(tensor.shape)}")
+        self = cls.__new__(cls)
+        if copy or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            if not copy:
+                raise ValueError("copy=False needs a contiguous CPU tensor")
+            data = allocate_host(tuple(tensor.shape), tensor.dtype, f"a {tuple(tensor.shape)} {tensor.dtype} table")
+            data.copy_(tensor.detach())
+        else:
+            data = tensor.detach()
+        self._init(data, device=device, pin=pin, engine=engine, keepalive=None)
+        return self
+
+    @classmethod
+    def from_npy(cls, path: str | os.PathLike, *, mmap_mode: Literal["r+", "c", "r"] | None = "r+",
+                 dtype: torch.dtype | None = None, device=None, pin: bool | None = None,
+                 engine: Engine | None = None) -> HostTable:
+        """A table over a 2-D ``.npy`` file.
+
+        With ``mmap_mode`` (default ``"r+"``: writes go to the file) the file is memory-mapped, not read, so a
+        table larger than half of RAM loads without a second copy; ``"c"`` is copy-on-write (the file stays
+        as it is), ``"r"`` read-only (:meth:`scatter` then fails). ``mmap_mode=None`` reads it into memory.
+        ``pin`` defaults to pinning only a table read into memory; ``pin=True`` page-locks the mapping
+        itself (it must then fit in RAM). ``dtype`` reinterprets the stored bytes (``.npy`` has no
+        bfloat16: such tables are stored as uint16 and loaded with ``dtype=torch.bfloat16``).
+        """
+        arr = np.load(os.fspath(path), mmap_mode=mmap_mode)
+        if arr.ndim != 2:
+            raise ValueError(f"{os.fspath(path)}: a HostTable needs a 2-D array, got shape {arr.shape}")
+        if mmap_mode is None:
+            data = allocate_host(arr.shape, _torch_dtype(arr.dtype), f"the table in {os.fspath(path)}")
+            data.copy_(torch.from_numpy(arr))
+            keepalive = None
+        else:
+            with _quiet_readonly():
+                data = torch.from_numpy(arr)
+            keepalive = arr
+        if dtype is not None and dtype != data.dtype:
+            data = data.view(dtype)
+        if pin is None:
+            pin = mmap_mode is None and torch.cuda.is_available()
+        self = cls.__new__(cls)
+        self._init(data, device=device, pin=pin, engine=engine, keepalive=keepalive)
+        self._readonly = mmap_mode == "r"
+        return self
+
+    def save_npy(self, path: str | os.PathLike) -> None:
+        """Write the table to ``path`` as ``.npy`` (atomically: a temporary file renamed into place).
+
+        bfloat16 is stored as uint16 (load it back with ``from_npy(path, dtype=torch.bfloat16)``).
+        """
+        self.synchronize()
+        path = os.fspath(path)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".npy.tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.save(f, _numpy_view(self._data))
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    def close(self) -> None:
+        """Unpin the memory (the table stays readable on the CPU; the ``"uva"`` engine no longer applies)."""
+        if getattr(self, "_pinned_here", False):
+            self.synchronize()
+            unpin_tensor(self._data)
+            self._pinned_here = False
+            self.pinned = self._data.is_pinned() if torch.cuda.is_available() else False
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self.close()
+
+    # -- plain accessors ----------------------------------------------------------------------------------
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.num_rows, self.dim))
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_rows * self.dim * self._data.element_size()
+
+    @property
+    def data(self) -> Tensor:
+        """The host tensor itself, after pending GPU writes to it have landed."""
+        self.synchronize()
+        return self._data
+
+    def block(self, index: int, rows: int) -> Tensor:
+        """Rows ``index * rows`` to ``(index + 1) * rows`` of the host tensor (model ``index``'s table when B
+        models' ``rows``-row tables are stacked), after pending GPU writes have landed."""
+        if rows <= 0 or index < 0 or (index + 1) * rows > self.num_rows:
+            raise IndexError(f"block {index} of {rows} rows is outside a table of {self.num_rows} rows")
+        return self.data[index * rows:(index + 1) * rows]
+
+    def __repr__(self) -> str:
+        return (f"HostTable({self.num_rows}, {self.dim}, dtype={self.dtype}, device={self.device}, "
+                f"pinned={self.pinned}, engine={self.engine or get_engine()!r})")
+
+    def synchronize(self) -> None:
+        """Wait until every GPU-side read or write of this table that was launched so far has finished."""
+        for ev in list(self._events.values()):
+            ev.synchronize()
+        self._events.clear()
+
+    # -- engines -----------------------------------------------------------------------------------------
+    def resolved_engine(self, op: Literal["gather", "scatter"]) -> str:
+        """The engine that ``op`` uses now: ``"uva"`` or ``"cpu"``."""
+        want = self.engine or get_engine()
+        if self.device.type != "cuda":
+            if want == "uva":
+                raise RuntimeError("the 'uva' offload engine needs a CUDA compute device; this table's is the CPU")
+            return "cpu"
+        if want == "uva":
+            _uva.require()
+            if not self.pinned:
+                raise RuntimeError("the 'uva' offload engine needs a pinned table (create it with pin=True)")
+            return "uva"
+        if want == "cpu" or not self.pinned:
+            return "cpu"
+        return engine_choice(self.device)[op]
+
+    def _note_gpu_access(self) -> None:
+        stream = torch.cuda.current_stream(self.device)
+        ev = self._events.get(stream.cuda_stream)
+        if ev is None:
+            ev = self._events[stream.cuda_stream] = torch.cuda.Event()
+        ev.record(stream)
+
+    def _gather_unique(self, uniq: Tensor, uniq_cpu: Tensor | None, out: Tensor, engine: str) -> None:
+        """``out[:] = rows[uniq]``; ``uniq`` checked, on ``self.device``; ``uniq_cpu`` its CPU copy or None."""
+        n = uniq.numel()
+        if n == 0:
+            return
+        if self.device.type != "cuda":
+            torch.index_select(self._data, 0, uniq.cpu() if uniq_cpu is None else uniq_cpu, out=out)
+            return
+        if engine == "uva":
+            _uva.gather_rows(self._data, uniq, out)
+            self._note_gpu_access()
+            return
+        self.synchronize()
+        if uniq_cpu is None:
+            uniq_cpu = uniq.cpu()
+        stage = _staging_for(self.device)
+        stream = torch.cuda.current_stream(self.device)
+        row_bytes = self.dim * self._data.element_size()
+        per = max(1, _Staging.SLOT_BYTES // row_bytes)
+        if per * row_bytes > _Staging.SLOT_BYTES:  # a row longer than a slot: copy directly
+            out.copy_(self._data.index_select(0, uniq_cpu), non_blocking=False)
+            return
+        for k, s in enumerate(range(0, n, per)):
+            e = min(n, s + per)
+            slot, ev = stage.slots[k % _Staging.SLOTS], stage.events[k % _Staging.SLOTS]
+            ev.synchronize()
+            view = slot[: (e - s) * row_bytes].view(self.dtype).view(e - s, self.dim)
+            torch.index_select(self._data, 0, uniq_cpu[s:e], out=view)
+            out[s:e].copy_(view, non_blocking=True)
+            ev.record(stream)
+
+    def _scatter_unique(self, uniq: Tensor, uniq_cpu: Tensor | None, rows: Tensor, engine: str) -> None:
+        """``rows[uniq] = rows``; ``uniq`` checked and distinct, on ``self.device``."""
+        if getattr(self, "_readonly", False):
+            raise RuntimeError("this HostTable is a read-only memory map (mmap_mode='r'); it cannot be scattered to")
+        n = uniq.numel()
+        if n == 0:
+            return
+        if self.device.type != "cuda":
+            self._data.index_copy_(0, uniq.cpu() if uniq_cpu is None else uniq_cpu, rows.to(self.dtype))
+            self._patch_prefetches(uniq, rows)
+            return
+        rows = rows.to(self.dtype).contiguous()
+        if engine == "uva":
+            _uva.scatter_rows(self._data, uniq, rows)
+            self._note_gpu_access()
+            self._patch_prefetches(uniq, rows)
+            return
+        self.synchronize()
+        if uniq_cpu is None:
+            uniq_cpu = uniq.cpu()
+        stage = _staging_for(self.device)
+        stream = torch.cuda.current_stream(self.device)
+        row_bytes = self.dim * self._data.element_size()
+        per = max(1, _Staging.SLOT_BYTES // row_bytes)
+        if per * row_bytes > _Staging.SLOT_BYTES:
+            self._data.index_copy_(0, uniq_cpu, rows.cpu())
+            self._patch_prefetches(uniq, rows)
+            return
+        chunks = [(s, min(n, s + per)) for s in range(0, n, per)]
+        views: list[Tensor] = []
+
+        def consume(j: int) -> None:
+            s, e = chunks[j]
+            stage.events[j % _Staging.SLOTS].synchronize()
+            self._data.index_copy_(0, uniq_cpu[s:e], views[j])
+
+        for k, (s, e) in enumerate(chunks):
+            if k >= _Staging.SLOTS:
+                consume(k - _Staging.SLOTS)
+            slot, ev = stage.slots[k % _Staging.SLOTS], stage.events[k % _Staging.SLOTS]
+            ev.synchronize()
+            view = slot[: (e - s) * row_bytes].view(self.dtype).view(e - s, self.dim)
+            view.copy_(rows[s:e], non_blocking=True)
+            ev.record(stream)
+            views.append(view)
+        for j in range(max(0, len(chunks) - _Staging.SLOTS), len(chunks)):
+            consume(j)
+        self._patch_prefetches(uniq, rows)
+
+    # -- public gather / scatter -------------------------------------------------------------------------
+    def prepare(self, idx, *, unique: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Check and deduplicate indices: returns ``(rows, inverse)`` with ``rows`` the distinct indices,
+        sorted, on :attr:`device` and ``inverse`` such that ``rows[inverse]`` is the flattened input
+        (``None`` when ``unique=True``: the caller promises distinct indices, which are kept in order).
+
+        Raises:
+            TypeError: non-integer indices.
+            IndexError: an index outside ``[0, num_rows)``, naming it and the table size.
+        """
+        flat = _as_index(idx, self.device)
+        if flat.numel() == 0:
+            return flat, (None if unique else flat)
+        if unique:
+            lo, hi = torch.aminmax(flat)
+            _check_bounds(int(lo), int(hi), self.num_rows)
+            return flat, None
+        uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+        lo, hi = torch.stack([uniq[0], uniq[-1]]).tolist()
+        _check_bounds(lo, hi, self.num_rows)
+        return uniq, inverse
+
+    def gather(self, idx, *, unique: bool = False, out: Tensor | None = None) -> Tensor:
+        """Rows ``idx`` on :attr:`device`, shaped ``idx.shape + (dim,)``.
+
+        Args:
+            idx: integer indices of any shape (on any device).
+            unique: promise that ``idx`` holds no duplicates (skips deduplication; bounds are still checked).
+            out: optional contiguous ``(idx.numel(), dim)`` tensor on :attr:`device` to write into.
+        """
+        shape = tuple(idx.shape) if isinstance(idx, Tensor) else tuple(np.shape(idx))
+        uniq, inverse = self.prepare(idx, unique=unique)
+        n = uniq.numel()
+        engine = self.resolved_engine("gather")
+        if inverse is None and out is not None:
+            self._check_out(out, n)
+            self._gather_unique(uniq, None, out, engine)
+            return out.view(*shape, self.dim)
+        rows = torch.empty(n, self.dim, dtype=self.dtype, device=self.device)
+        self._gather_unique(uniq, None, rows, engine)
+        if inverse is not None:
+            if out is not None:
+                self._check_out(out, inverse.numel())
+                torch.index_select(rows, 0, inverse, out=out)
+                rows = out
+            else:
+                rows = rows.index_select(0, inverse)
+        return rows.view(*shape, self.dim)
+
+    def _check_out(self, out: Tensor, n: int) -> None:
+        bad = out.shape != (n, self.dim) or out.dtype != self.dtype or out.device != self.device
+        if bad or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous ({n}, {self.dim}) {self.dtype} tensor on {self.device}, "
+                             f"got {tuple(out.shape)} {out.dtype} on {out.device}")
+
+    def scatter(self, idx, rows: Tensor, *, unique: bool = False) -> None:
+        """Write ``rows`` (shaped ``idx.shape + (dim,)``) to rows ``idx`` of the table.
+
+        Indices must be distinct (checked unless ``unique=True``: then the caller promises it).
+        """
+        flat_rows = rows.reshape(-1, self.dim) if rows.dim() >= 1 and rows.shape[-1] == self.dim else None
+        n_idx = idx.numel() if isinstance(idx, Tensor) else int(np.size(idx))
+        if flat_rows is None or flat_rows.shape[0] != n_idx:
+            raise ValueError(f"scatter: rows must have shape idx.shape + ({self.dim},) = "
+                             f"({n_idx}, {self.dim}) after flattening, got {tuple(rows.shape)}")
+        flat = _as_index(idx, self.device)
+        if flat.numel() == 0:
+            return
+        lo, hi = torch.aminmax(flat)
+        _check_bounds(int(lo), int(hi), self.num_rows)
+        if not unique:
+            _distinct_or_raise(flat, torch.unique(flat))
+        self._scatter_unique(flat, None, flat_rows.to(self.device), self.resolved_engine("scatter"))
+
+    # -- prefetch ----------------------------------------------------------------------------------------
+    def prefetch(self, idx, *, unique: bool = False) -> Prefetch:
+        """Start gathering rows ``idx`` on a side stream; :meth:`Prefetch.rows` waits and returns them.
+
+        Rows scattered to the table after this call (and before :meth:`Prefetch.release`) are patched
+        into the prefetched copy, so it never goes stale.
+        """
+        if self.device.type != "cuda":
+            uniq, inverse = self.prepare(idx, unique=unique)
+            buf = torch.empty(uniq.numel() + 1, self.dim, dtype=self.dtype)
+            self._gather_unique(uniq, None, buf[:-1], "cpu")
+            p = Prefetch(self, uniq, inverse, buf, None)
+            self._prefetches.add(p)
+            return p
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        main = torch.cuda.current_stream(self.device)
+        self._side.wait_stream(main)
+        with torch.cuda.stream(self._side):
+            uniq, inverse = self.prepare(idx, unique=unique)
+            buf = torch.empty(uniq.numel() + 1, self.dim, dtype=self.dtype, device=self.device)
+            self._gather_unique(uniq, None, buf[:-1], self.resolved_engine("gather"))
+            ev = torch.cuda.Event()
+            ev.record(self._side)
+        p = Prefetch(self, uniq, inverse, buf, ev)
+        self._prefetches.add(p)
+        return p
+
+    def _patch_prefetches(self, idx: Tensor, rows: Tensor) -> None:
+        for p in list(self._prefetches):
+            p._patch(idx, rows)
+
+
+class Prefetch:
+    """Rows of a :class:`HostTable` being gathered on a side stream (see :meth:`HostTable.prefetch`).
+
+    Attributes:
+        indices: the distinct row indices, sorted (or in the given order when prefetched with ``unique=True``).
+        inverse: ``indices[inverse]`` is the flattened index tensor that was asked for (``None`` with
+            ``unique=True``).
+    """
+
+    def __init__(self, table: HostTable, indices: Tensor, inverse: Tensor | None, buf: Tensor, event):
+        self.table = table
+        self.indices = indices
+        self.inverse = inverse
+        self._buf = buf
+        self._event = event
+        self._sorted = inverse is not None
+
+    def _patch(self, idx: Tensor, rows: Tensor) -> None:
+        n = self.indices.numel()
+        if n == 0:
+            return
+        if self._sorted:
+            keys, order = self.indices, None
+        else:
+            keys, order = torch.sort(self.indices)
+        if self._event is not None:
+            stream = torch.cuda.current_stream(self.table.device)
+            stream.wait_event(self._event)
+            self._buf.record_stream(stream)
+        pos = torch.searchsorted(keys, idx).clamp_(max=n - 1)
+        hit = keys[pos] == idx
+        if order is not None:
+            pos = order[pos]
+        dest = torch.where(hit, pos, torch.full_like(pos, n))
+        self._buf.index_copy_(0, dest, rows.to(self._buf.dtype))
+        if self._event is not None:
+            self._event.record(stream)
+
+    def rows(self) -> Tensor:
+        """The ``(len(indices), dim)`` rows of :attr:`indices`, valid on the current stream."""
+        if self._event is not None:
+            stream = torch.cuda.current_stream(self.table.device)
+            stream.wait_event(self._event)
+            self._buf.record_stream(stream)
+        return self._buf[:-1]
+
+    def result(self) -> Tensor:
+        """The rows in the order (and, flattened, the number) of the indices asked for."""
+        rows = self.rows()
+        return rows if self.inverse is None else rows.index_select(0, self.inverse)
+
+    def release(self) -> None:
+        """Stop patching this prefetch (call when its rows have been consumed)."""
+        self.table._prefetches.discard(self)
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+class HostArray:
+    """Rows of a dataset in host memory (or a memory-mapped ``.npy``), gathered to the GPU by index.
+
+    Row ``i`` may have any shape (an image, a token sequence); batches come back shaped
+    ``idx.shape + row_shape`` on the compute device. Built on :class:`HostTable`, so it has the same
+    engines, bounds checks and prefetch.
+
+    Args:
+        data: a tensor or array whose first axis indexes rows.
+        device, pin, engine: as for :class:`HostTable`.
+
+    Examples:
+        >>> x = HostArray(torch.arange(12.).view(6, 2))
+        >>> x[torch.tensor([4, 1])].tolist()
+        [[8.0, 9.0], [2.0, 3.0]]
+    """
+
+    def __init__(self, data, *, device=None, pin: bool | None = None, engine: Engine | None = None,
+                 _table: HostTable | None = None, _row_shape: tuple[int, ...] | None = None):
+        if _table is not None:
+            self.table, self.row_shape = _table, tuple(_row_shape or ())
+            return
+        t = data if isinstance(data, Tensor) else torch.from_numpy(np.ascontiguousarray(data))
+        if t.dim() < 1:
+            raise ValueError("HostArray needs at least one axis (rows)")
+        self.row_shape = tuple(t.shape[1:])
+        flat = t.reshape(t.shape[0], -1) if t.dim() != 2 else t
+        if flat.shape[1] == 0:
+            raise ValueError(f"HostArray rows must not be empty, got row shape {self.row_shape}")
+        self.table = HostTable.from_tensor(flat, device=device, pin=pin, engine=engine)
+
+    @classmethod
+    def from_npy(cls, path: str | os.PathLike, *, mmap_mode: Literal["r+", "c", "r"] | None = "r",
+                 device=None, pin: bool | None = None, engine: Engine | None = None) -> HostArray:
+        """A dataset over a ``.npy`` file, memory-mapped read-only by default (see :meth:`HostTable.from_npy`)."""
+        arr = np.load(os.fspath(path), mmap_mode=mmap_mode)
+        if arr.ndim < 1:
+            raise ValueError(f"{os.fspath(path)}: HostArray needs at least one axis (rows)")
+        row_shape = tuple(arr.shape[1:])
+        flat = arr.reshape(arr.shape[0], -1)
+        if mmap_mode is None:
+            table = HostTable.from_tensor(torch.from_numpy(flat), device=device, pin=pin, engine=engine)
+        else:
+            with _quiet_readonly():
+                data = torch.from_numpy(flat)
+            table = HostTable.__new__(HostTable)
+            table._init(data, device=device, pin=bool(pin), engine=engine, keepalive=arr)
+            table._readonly = mmap_mode == "r"
+        return cls(None, _table=table, _row_shape=row_shape)
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+    @property
+    def device(self) -> torch.device:
+        return self.table.device
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.table.num_rows, *self.row_shape))
+
+    def __getitem__(self, idx) -> Tensor:
+        return self.gather(idx)
+
+    def gather(self, idx, *, unique: bool = False) -> Tensor:
+        """Rows ``idx`` on the compute device, shaped ``idx.shape + row_shape``."""
+        shape = tuple(idx.shape) if isinstance(idx, Tensor) else tuple(np.shape(idx))
+        return self.table.gather(idx, unique=unique).view(*shape, *self.row_shape)
+
+    def prefetch(self, idx, *, unique: bool = False) -> Prefetch:
+        """Start gathering ``idx`` on a side stream (see :meth:`HostTable.prefetch`)."""
+        return self.table.prefetch(idx, unique=unique)
+
+    def __repr__(self) -> str:
+        return f"HostArray(shape={tuple(self.shape)}, dtype={self.table.dtype}, device={self.device})"
+
+
+def batches(*arrays: HostArray, batch_size: int, shuffle: bool = False, generator: torch.Generator | None = None,
+            drop_last: bool = False) -> Iterator[Tensor | tuple[Tensor, ...]]:
+    """Iterate over minibatches of equally long :class:`HostArray`\\ s, each batch on the compute device.
+
+    The next batch is prefetched on a side stream while the caller works on the current one. Yields one
+    tensor for one array, else a tuple.
+    """
+    if not arrays:
+        raise ValueError("batches() needs at least one HostArray")
+    n = len(arrays[0])
+    for a in arrays[1:]:
+        if len(a) != n:
+            raise ValueError(f"batches(): arrays differ in length ({n} vs {len(a)})")
+    if batch_size <= 0:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
+    stops = list(range(batch_size, n + 1, batch_size))
+    if not drop_last and (not stops or stops[-1] != n) and n > 0:
+        stops.append(n)
+    starts = [0, *stops[:-1]]
+
+    def start(k: int) -> list[Prefetch]:
+        idx = order[starts[k]:stops[k]]
+        return [a.prefetch(idx, unique=True) for a in arrays]
+
+    pending = start(0) if stops else None
+    for k in range(len(stops)):
+        current = pending
+        pending = start(k + 1) if k + 1 < len(stops) else None
+        out = []
+        for a, p in zip(arrays, current, strict=True):
+            out.append(p.rows().view(-1, *a.row_shape))
+            p.release()
+        yield out[0] if len(out) == 1 else tuple(out)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# numpy <-> torch dtype helpers
+
+_NP_STORE = {torch.bfloat16: np.uint16}
+
+
+def _numpy_view(t: Tensor) -> np.ndarray:
+    if t.dtype in _NP_STORE:
+        return t.view(torch.int16).numpy().view(_NP_STORE[t.dtype])
+    return t.numpy()
+
+
+def _torch_dtype(np_dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype=np_dtype)).dtype
+
+
+@contextlib.contextmanager
+def _quiet_readonly():
+    """torch.from_numpy warns on read-only arrays (pytest runs with warnings as errors); writes are refused
+    by the table itself."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        yield
+
