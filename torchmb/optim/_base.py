@@ -435,6 +435,8 @@ class BatchOptimizer(torch.optim.Optimizer):
                         idx = skip_index.to(t.device)
                         saved.append((t, idx, t.index_select(0, idx)))
             counts = [state["step"] + 1 for state in states]
+            if all(torch.equal(c, counts[0]) for c in counts[1:]):  # the usual case: share one object so that
+                counts = [counts[0]] * len(counts)  # per-count coefficients are computed and sent once
             self._step_group(group, params, grads, states, counts, skip_mask)
             for state, count in zip(states, counts):
                 state["step"] = count if skip_mask is None else torch.where(skip_mask, state["step"], count)
@@ -446,6 +448,17 @@ class BatchOptimizer(torch.optim.Optimizer):
     def _step_group(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
                     states: list[dict[str, Any]], counts: list[Tensor], skip_mask: Tensor | None) -> None:
         raise NotImplementedError
+
+
+def per_count(counts: list[Tensor], fn: Callable[[Tensor], Any]) -> list[Any]:
+    """``[fn(c) for c in counts]``, computing once per distinct tensor object."""
+    memo: dict[int, Any] = {}
+    out = []
+    for c in counts:
+        if id(c) not in memo:
+            memo[id(c)] = fn(c)
+        out.append(memo[id(c)])
+    return out
 
 
 def prepare_grads(params: list[Tensor], grads: list[Tensor], maximize: bool, weight_decay: Tensor,

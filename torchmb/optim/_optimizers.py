@@ -15,7 +15,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import BatchOptimizer, axpy, axpy_, check_range, frozen_rows, lerp_, prepare_grads, zero_rows
+from ._base import (
+    BatchOptimizer,
+    axpy,
+    axpy_,
+    check_range,
+    frozen_rows,
+    lerp_,
+    per_count,
+    prepare_grads,
+    zero_rows,
+)
 
 __all__ = ["SGD", "Adagrad", "Adam", "AdamW", "RMSprop"]
 
@@ -139,16 +149,21 @@ class Adam(BatchOptimizer):
         n = len(params)
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         beta1, beta2 = group["betas"]
-        step_size = [lr / (1 - beta1**c) for c in counts]
-        bc2_sqrt = [(1 - beta2**c) ** 0.5 for c in counts]
         # torch's capturable Adam: denom = sqrt(v) / (bc2_sqrt * -step_size) + eps / -step_size, p += m / denom.
-        # A model whose step size is 0 folds in -1 instead and gets its weights restored afterwards.
-        safe = [torch.where(s == 0, 1.0, s) for s in step_size]
+        # A model whose step size is 0 folds in 1 instead and gets its weights restored afterwards.
+
+        def coefficients(count: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+            step_size = lr / (1 - beta1**count)
+            safe = torch.where(step_size == 0, 1.0, step_size)
+            return step_size, (1 - beta2**count) ** 0.5 * -safe, eps / -safe
+
+        per = per_count(counts, coefficients)
+        step_size = [c[0] for c in per]
         values: dict[str, list[Tensor]] = {
             "one_minus_beta1": [1 - beta1] * n,
             "one_minus_beta2": [1 - beta2] * n,
-            "scale": [b * -s for b, s in zip(bc2_sqrt, safe)],
-            "eps_scaled": [eps / -s for s in safe],
+            "scale": [c[1] for c in per],
+            "eps_scaled": [c[2] for c in per],
         }
         if self.decoupled_weight_decay:
             values["decay"] = [1 - lr * wd] * n
@@ -298,10 +313,10 @@ class Adagrad(BatchOptimizer):
     def _step_group(self, group, params, grads, states, counts, skip_mask) -> None:
         n = len(params)
         lr, lr_decay, eps, wd = group["lr"], group["lr_decay"], group["eps"], group["weight_decay"]
-        clr = [lr / (1 + (c - 1) * lr_decay) for c in counts]
+        clr = per_count(counts, lambda c: lr / (1 + (c - 1) * lr_decay))
         # p += g / (std / -clr); a model with clr 0 folds in -1 and gets its weights restored
         values: dict[str, list[Tensor]] = {"eps": [eps] * n, "weight_decay": [wd] * n,
-                                           "neg_clr": [torch.where(c == 0, -1.0, -c) for c in clr]}
+                                           "neg_clr": per_count(clr, lambda c: torch.where(c == 0, -1.0, -c))}
         coefs = self._coefficients(params, values)
         grads = prepare_grads(params, grads, group["maximize"], wd, coefs)
         sums = [s["sum"] for s in states]
