@@ -109,7 +109,7 @@ class _Chunk:
     states: dict[str, Prefetch] = field(default_factory=dict)  # rows of the state tables being gathered
     admit: Tensor | None = None  # positions (into ids) of rows admitted to the cache this chunk
     admit_slots: Tensor | None = None
-    leaf: Tensor | None = None  # rows of chunks after the first: a separate leaf, folded in before step
+    leaf: Tensor | None = None  # the rows as the autograd leaf of the lookups (chunks > 0 are folded in before step)
 
 
 @dataclass
@@ -122,6 +122,7 @@ class _Work:
     folded: bool = False
     stepped: bool = False
     state_rows: dict[str, Tensor] = field(default_factory=dict)
+    pad: tuple | None = None
 
 
 class OffloadedEmbedding(nn.Module):
@@ -399,6 +400,8 @@ class OffloadedEmbedding(nn.Module):
         if cache is None:
             return chunk, miss_rows
         n_miss = miss_ids.numel()
+        hit = chunk.slots >= 0
+        cache.last_use[chunk.slots[hit]] = cache.clock  # this step's cached rows are not evicted for its misses
         if n_miss:
             key = torch.where(cache.last_use == cache.clock, torch.full_like(cache.last_use, _INT64_MAX),
                               cache.last_use)
@@ -415,8 +418,7 @@ class OffloadedEmbedding(nn.Module):
                 chunk.slots[miss_pos[:n_admit]] = victims
                 chunk.admit = miss_pos[:n_admit]
                 chunk.admit_slots = victims
-        hit = chunk.slots >= 0
-        cache.last_use[chunk.slots[hit]] = cache.clock
+                cache.last_use[victims] = cache.clock
         rows = cache.weight.index_select(0, chunk.slots.clamp(min=0))
         if n_miss:
             rows[miss_pos] = miss_rows
@@ -497,6 +499,12 @@ class OffloadedEmbedding(nn.Module):
             self._renorm(rows)
         self.weight.data = rows
         self.weight.grad = None
+        # Autograd runs on a fresh leaf that shares the rows' memory, not on ``weight`` itself: a graph of an
+        # earlier step that is still referenced would otherwise pin ``weight``'s old shape. Its gradient is
+        # handed to ``weight`` as soon as it is accumulated, so clipping between backward and step sees it.
+        chunk.leaf = rows.detach().requires_grad_(True)
+        weight = self.weight
+        chunk.leaf.register_post_accumulate_grad_hook(lambda leaf: setattr(weight, "grad", leaf.grad))
         self._work = _Work(chunks=[chunk], sorted_ids=ids, perm=torch.arange(ids.numel(), device=ids.device),
                            renormed=self.max_norm is not None)
         self._work.version = self.weight._version
@@ -543,7 +551,7 @@ class OffloadedEmbedding(nn.Module):
             self._begin(flat)
         local = self._locate(flat).view(input.shape)
         work = self._work
-        table = self.weight if len(work.chunks) == 1 else torch.cat([self.weight] + [c.leaf for c in work.chunks[1:]])
+        table = work.chunks[0].leaf if len(work.chunks) == 1 else torch.cat([c.leaf for c in work.chunks])
         pad = None
         if self.padding_idx is not None:
             p = torch.searchsorted(work.sorted_ids, torch.tensor([self.padding_idx], device=flat.device))
@@ -577,7 +585,7 @@ class OffloadedEmbedding(nn.Module):
                 pos = torch.searchsorted(work.sorted_ids, ids).clamp_(max=n - 1)
                 found = torch.nonzero(work.sorted_ids[pos] == ids).squeeze(1)
                 step_rows = self.weight if len(work.chunks) == 1 or work.folded else \
-                    torch.cat([self.weight] + [c.leaf for c in work.chunks[1:]])
+                    torch.cat([self.weight.data] + [c.leaf.data for c in work.chunks[1:]])
                 rows[found] = step_rows.detach().index_select(0, work.perm[pos[found]])
             elif self.max_norm is not None:
                 before = rows.clone()
@@ -627,6 +635,13 @@ class OffloadedEmbedding(nn.Module):
         if self._work is None:
             return
         self._fold()
+        if self.padding_idx is not None:
+            # The padding row is never trained (nn.Embedding gives it no gradient and SparseAdam no update),
+            # but max_norm may have renormalised it: keep its pre-step weight and state to write back.
+            pos = torch.nonzero(self.working_ids == self.padding_idx).squeeze(1)
+            if pos.numel():
+                self._work.pad = (pos, self.weight.data[pos].clone(),
+                                  {k: v[pos].clone() for k, v in self._work.state_rows.items()})
         if self.weight.grad is None:
             return  # the optimizer skips a parameter without gradient
         state = optimizer.state[self.weight]
@@ -661,8 +676,11 @@ class OffloadedEmbedding(nn.Module):
     def _store(self, work: _Work, weight_rows: Tensor, state_rows: dict[str, Tensor]) -> None:
         ids = torch.cat([c.ids for c in work.chunks]) if len(work.chunks) > 1 else work.chunks[0].ids
         keep = None
-        if self.padding_idx is not None:
-            keep = ids != self.padding_idx  # the padding row is never trained (nn.Embedding leaves it out)
+        if work.pad is not None:
+            pos, w_pad, s_pad = work.pad
+            weight_rows[pos] = w_pad
+            for k in self._spec:
+                state_rows[k][pos] = s_pad[k]
         cache = self._cache
         if cache is not None and work.chunks[0].slots is not None:
             slots = torch.cat([c.slots for c in work.chunks]) if len(work.chunks) > 1 else work.chunks[0].slots

@@ -1,0 +1,158 @@
+"""HostTable, HostArray and the engine switch, against plain torch indexing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import offload
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def _table(device, rows=50, dim=7, dtype=torch.float32, seed=0):
+    src = (torch.randn(rows, dim, generator=torch.Generator().manual_seed(seed)) * 100).to(dtype)
+    return src, offload.HostTable.from_tensor(src, device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.uint8])
+def test_gather_and_scatter_match_indexing(device, dtype):
+    src, t = _table(device, dtype=dtype)
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 50, (4, 9), generator=g)  # with duplicates
+    out = t.gather(idx.to(device))
+    assert out.shape == (4, 9, 7) and out.device.type == device and out.dtype == dtype
+    assert torch.equal(out.cpu(), src[idx])
+    new_idx = torch.randperm(50, generator=g)[:13]
+    rows = (torch.randn(13, 7, generator=g) * 100).to(dtype)
+    t.scatter(new_idx, rows.to(device))
+    expected = src.clone()
+    expected[new_idx] = rows
+    assert torch.equal(t.data, expected)
+    buf = torch.empty(13, 7, dtype=dtype, device=device)
+    assert t.gather(new_idx, unique=True, out=buf).data_ptr() == buf.data_ptr()
+    assert torch.equal(buf.cpu(), rows)
+
+
+def test_bounds_duplicates_and_types_are_checked_before_any_access():
+    src, t = _table("cpu")
+    for bad in ([0, 50], [-1, 2]):
+        for call in (lambda i: t.gather(torch.tensor(i)), lambda i: t.gather(torch.tensor(i), unique=True),
+                     lambda i: t.scatter(torch.tensor(i), torch.zeros(2, 7)), lambda i: t.prefetch(torch.tensor(i))):
+            with pytest.raises(IndexError, match=f"index {max(bad) if bad[1] == 50 else -1} is out of range "
+                                                 f"for a table of 50 rows"):
+                call(bad)
+    assert torch.equal(t.data, src)  # nothing was written
+    with pytest.raises(ValueError, match="index 3 appears more than once"):
+        t.scatter(torch.tensor([3, 1, 3]), torch.zeros(3, 7))
+    assert torch.equal(t.data, src)
+    with pytest.raises(TypeError, match=r"indices must be an integer tensor, got dtype torch\.float32"):
+        t.gather(torch.tensor([1.0]))
+    with pytest.raises(ValueError, match=r"rows must have shape idx.shape \+ \(7,\)"):
+        t.scatter(torch.tensor([1, 2]), torch.zeros(2, 6))
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        t.gather(torch.tensor([1, 2]), unique=True, out=torch.empty(3, 7))
+
+
+def test_prefetch_returns_rows_and_stays_fresh():
+    src, t = _table("cpu")
+    idx = torch.tensor([[5, 2], [5, 40]])
+    p = t.prefetch(idx)
+    t.scatter(torch.tensor([40, 9]), torch.full((2, 7), 3.0))  # after the prefetch started
+    expected = src.clone()
+    expected[40] = 3.0
+    assert torch.equal(p.result().view(2, 2, 7), expected[idx])
+    assert torch.equal(p.indices, torch.tensor([2, 5, 40]))
+    p.release()
+    t.scatter(torch.tensor([2]), torch.zeros(1, 7))
+    assert torch.equal(p.rows()[0], expected[2])  # released: no longer patched
+
+
+def test_npy_memory_mapping(tmp_path):
+    arr = np.arange(60, dtype=np.float32).reshape(12, 5)
+    path = tmp_path / "t.npy"
+    np.save(path, arr)
+    shared = offload.HostTable.from_npy(path)  # r+: writes reach the file
+    shared.scatter(torch.tensor([3]), torch.full((1, 5), -1.0))
+    shared.synchronize()
+    del shared
+    assert np.load(path)[3].tolist() == [-1.0] * 5
+    cow = offload.HostTable.from_npy(path, mmap_mode="c")
+    cow.scatter(torch.tensor([4]), torch.full((1, 5), -2.0))
+    assert cow.data[4].tolist() == [-2.0] * 5 and np.load(path)[4].tolist() == arr[4].tolist()
+    ro = offload.HostTable.from_npy(path, mmap_mode="r")
+    assert ro.gather(torch.tensor([4])).tolist() == [arr[4].tolist()]
+    with pytest.raises(RuntimeError, match="read-only memory map"):
+        ro.scatter(torch.tensor([4]), torch.zeros(1, 5))
+    loaded = offload.HostTable.from_npy(path, mmap_mode=None)
+    assert loaded.data[3].tolist() == [-1.0] * 5
+    np.save(tmp_path / "bad.npy", np.zeros(3, dtype=np.float32))
+    with pytest.raises(ValueError, match="needs a 2-D array, got shape"):
+        offload.HostTable.from_npy(tmp_path / "bad.npy")
+
+
+def test_bfloat16_save_and_load(tmp_path):
+    src, t = _table("cpu", dtype=torch.bfloat16)
+    t.save_npy(tmp_path / "b.npy")
+    back = offload.HostTable.from_npy(tmp_path / "b.npy", dtype=torch.bfloat16)
+    assert back.dtype == torch.bfloat16 and torch.equal(back.data, src)
+
+
+def test_failed_allocation_names_size_and_availability():
+    with pytest.raises(offload.HostMemoryError, match=r"could not allocate .* of host memory for a "
+                                                     r"1099511627776 x 65536 .*MemAvailable"):
+        offload.HostTable(1 << 40, 1 << 16)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without CUDA")
+def test_pinning_without_cuda_is_refused():
+    with pytest.raises(offload.HostMemoryError, match="CUDA is not available"):
+        offload.HostTable(4, 4, pin=True)
+
+
+def test_engine_switch():
+    assert offload.get_engine() in ("auto", "uva", "cpu")
+    old = offload.get_engine()
+    with offload.use_engine("cpu"):
+        assert offload.get_engine() == "cpu"
+    assert offload.get_engine() == old
+    with pytest.raises(ValueError, match="offload engine must be one of"):
+        offload.set_engine("gpu")
+    _, t = _table("cpu")
+    assert t.resolved_engine("gather") == "cpu"
+    t.engine = "uva"
+    with pytest.raises(RuntimeError, match="needs a CUDA compute device"):
+        t.gather(torch.tensor([1]))
+
+
+def test_block_addresses_stacked_model_tables():
+    src, t = _table("cpu", rows=12, dim=3)
+    assert torch.equal(t.block(2, 4), src[8:12])
+    assert torch.equal(t.gather(torch.tensor([2 * 4 + 1])), src[[9]])
+    with pytest.raises(IndexError, match="block 3 of 4 rows is outside a table of 12 rows"):
+        t.block(3, 4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_host_array_and_batches(device, tmp_path):
+    x = np.random.default_rng(0).integers(0, 255, size=(23, 3, 4), dtype=np.uint8)
+    y = np.arange(23, dtype=np.int64)
+    xs = offload.HostArray(torch.from_numpy(x), device=device)
+    assert xs.shape == (23, 3, 4)
+    got = xs[torch.tensor([[4, 2], [4, 0]])]
+    assert got.shape == (2, 2, 3, 4) and torch.equal(got.cpu(), torch.from_numpy(x)[torch.tensor([[4, 2], [4, 0]])])
+    np.save(tmp_path / "y.npy", y)
+    ys = offload.HostArray.from_npy(tmp_path / "y.npy", device=device)
+    assert ys.shape == (23,)
+    seen = []
+    g = torch.Generator().manual_seed(0)
+    for xb, yb in offload.batches(xs, ys, batch_size=5, shuffle=True, generator=g):
+        assert xb.device.type == device and xb.shape[1:] == (3, 4) and xb.shape[0] == yb.shape[0] <= 5
+        assert torch.equal(xb.cpu(), torch.from_numpy(x)[yb.cpu()])  # rows of x and y stay paired
+        seen += yb.tolist()
+    assert sorted(seen) == list(range(23)) and seen != list(range(23))
+    assert sum(1 for _ in offload.batches(xs, batch_size=5, drop_last=True)) == 4
+    with pytest.raises(ValueError, match="arrays differ in length"):
+        next(offload.batches(xs, offload.HostArray(torch.zeros(3)), batch_size=2))
