@@ -208,7 +208,9 @@ def batched_embedding(
     pad = _normalize_padding(padding_idx, num)
     if weight.is_cuda:
         _cuda.raise_pending(weight.device)
-    kernels = _use_kernels(weight)
+        kernels = _use_kernels(weight)
+    else:
+        kernels = False
     idx = input.reshape(-1)
     if not idx.is_contiguous():
         idx = idx.contiguous()

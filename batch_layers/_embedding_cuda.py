@@ -29,7 +29,9 @@ the next forward, and :func:`check` synchronises and raises at once.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import warnings
 from collections import Counter
 
 import torch
@@ -313,35 +315,91 @@ def use_kernels(device: torch.device) -> bool:
     return True
 
 
-def _stream(device: torch.device):
-    ptr = torch.cuda.current_stream(device).cuda_stream
-    key = (device.index if device.index is not None else torch.cuda.current_device(), ptr)
+class _RawStream:
+    """A stream handle for ``cupy.cuda.Function.__call__(..., stream=)``, which reads only ``.ptr``."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+
+class _StreamProtocol:
+    """torch's raw stream behind the CUDA stream protocol (for ``cupy.cuda.Stream.from_external``)."""
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
+def _stream_ptr(index: int) -> int:
+    """The raw ``cudaStream_t`` of torch's current stream on device ``index``."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+def _external_stream(ptr: int, index: int):
+    """A cached CuPy stream object wrapping torch's stream ``ptr`` (the slow, always-available path)."""
+    key = (index, ptr)
     stream = _STREAMS.get(key)
     if stream is None:
-        stream = cupy.cuda.ExternalStream(ptr, key[0])
+        if hasattr(cupy.cuda, "ExternalStream"):
+            with warnings.catch_warnings():  # deprecated in CuPy 14 in favour of Stream.from_external
+                warnings.simplefilter("ignore", DeprecationWarning)
+                stream = cupy.cuda.ExternalStream(ptr, index)
+        else:
+            stream = cupy.cuda.Stream.from_external(_StreamProtocol(ptr))
         _STREAMS[key] = stream
     return stream
 
 
 def _compile(kind: str, source: str, name: str, defines: dict[str, object], device: torch.device):
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (kind, index, tuple(sorted(defines.items())))
-    kernel = _KERNELS.get(key)
-    if kernel is None:
+    """``(function, raw_kernel)`` compiled once per (kind, device, defines) and cached."""
+    index = _index(device)
+    key = (kind, index, *defines.values())
+    entry = _KERNELS.get(key)
+    if entry is None:
         with _LOCK:
-            kernel = _KERNELS.get(key)
-            if kernel is None:
-                header = "".join(f"#define {k} {v}\n" for k, v in sorted(defines.items()))
+            entry = _KERNELS.get(key)
+            if entry is None:
+                header = "".join(f"#define {k} {v}\n" for k, v in defines.items())
                 with cupy.cuda.Device(index):
-                    kernel = cupy.RawKernel(header + source, name, options=("-std=c++17",))
-                    kernel.compile()
-                _KERNELS[key] = kernel
-    return kernel
+                    raw = cupy.RawKernel(header + source, name, options=("-std=c++17",))
+                    raw.compile()
+                    try:
+                        function = raw.kernel  # the loaded cupy.cuda.Function of this device
+                    except Exception:  # pragma: no cover - depends on the CuPy version
+                        function = None
+                entry = (function, raw)
+                _KERNELS[key] = entry
+    return entry
 
 
-def _launch(kernel, name: str, grid: int, block: int, args: tuple, device: torch.device) -> None:
-    with cupy.cuda.Device(device.index), _stream(device):
-        kernel((grid,), (block,), args)
+_DIRECT_LAUNCH = [True]
+
+
+def _launch(entry, name: str, grid: int, block: int, args: tuple, device: torch.device) -> None:
+    """Launch on torch's current stream of ``device``: ``Function(..., stream=)`` directly where CuPy
+    accepts it (no stream object, no context managers), else through a cached CuPy external stream."""
+    function, raw = entry
+    index = _index(device)
+    ptr = _stream_ptr(index)
+    switch = index != torch.cuda.current_device()
+    with cupy.cuda.Device(index) if switch else contextlib.nullcontext():
+        if function is not None and _DIRECT_LAUNCH[0]:
+            try:
+                function((grid,), (block,), args, stream=_RawStream(ptr))
+            except (TypeError, AttributeError):  # pragma: no cover - a CuPy without duck-typed streams
+                _DIRECT_LAUNCH[0] = False
+            else:
+                LAUNCHES[name] += 1
+                return
+        with _external_stream(ptr, index):
+            raw((grid,), (block,), args)
     LAUNCHES[name] += 1
 
 
@@ -406,10 +464,14 @@ def _raise_from(device_index: int, host_view) -> None:
 def raise_pending(device: torch.device | None = None) -> None:
     """Raise the ``IndexError`` of a bad index seen by an earlier kernel on ``device``, if the report has
     already reached the host. Costs no synchronisation; every forward calls it."""
-    indices = _RECORDS if device is None else [device.index if device.index is not None else 0]
-    for index in list(indices):
+    if device is not None:
+        index = device.index if device.index is not None else 0
         rec = _RECORDS.get(index)
         if rec is not None and rec[2][0] != 0:
+            _raise_from(index, rec[2])
+        return
+    for index, rec in list(_RECORDS.items()):
+        if rec[2][0] != 0:
             _raise_from(index, rec[2])
 
 

@@ -77,9 +77,15 @@ def indices(dist: str, n: int, rows: int, gen: torch.Generator) -> torch.Tensor:
     return (torch.exp(r * 2.5).long() - 1).clamp_(0, rows - 1)
 
 
+OUT_FILE: list[str] = []
+
+
 def emit(**row) -> None:
     RESULTS.append(row)
     print(json.dumps(row), flush=True)
+    if OUT_FILE:
+        with open(OUT_FILE[0], "a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 def part1() -> None:
@@ -121,6 +127,70 @@ def single_table(dist: str, idx: torch.Tensor, unique: int, rows: int, dim: int,
     emit(part=1, dist=dist, unique=unique, dim=dim, nn_embedding_ms=t_ref * 1e3, index_add_ms=t_add * 1e3,
          torchmb_ms=t_fast * 1e3, vs_nn_embedding=t_ref / t_fast, vs_index_add=t_add / t_fast,
          max_abs_grad_err=err, max_abs_grad=scale)
+
+
+def graph_time(fn, replays: int = 20, repeats: int = 7) -> float | None:
+    """Median seconds per replay of ``fn`` captured in a CUDA graph (GPU time, no launch overhead);
+    ``None`` if ``fn`` cannot be captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as err:  # report and go on
+        print(f"capture failed: {type(err).__name__}: {err}", flush=True)
+        torch.cuda.synchronize()
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / replays)
+    del graph
+    return statistics.median(times)
+
+
+def part_graph() -> None:
+    """GPU time of part 1's steps, each captured in a CUDA graph (what is left without CPU overhead)."""
+    rows, nidx = 1_000_000, 1 << 18
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for dist in ("uniform", "zipf"):
+        idx = indices(dist, nidx, rows, gen)
+        for dim in (16, 64, 256):
+            ref = nn.Embedding(rows, dim).to(dev)
+            fast = batch_layers.FastEmbedding(rows, dim).to(dev)
+            g = torch.randn(nidx, dim, device=dev, generator=gen)
+
+            def run_ref(ref=ref, g=g, idx=idx):
+                ref.weight.grad = None
+                ref(idx).backward(g)
+
+            def run_index_add(ref=ref, g=g, idx=idx):
+                ref.weight.grad = None
+                IndexAddEmbedding.apply(ref.weight, idx).backward(g)
+
+            def run_fast(fast=fast, g=g, idx=idx):
+                fast.weight.grad = None
+                fast(idx).backward(g)
+
+            t = {name: graph_time(fn) for name, fn in
+                 (("nn_embedding", run_ref), ("index_add", run_index_add), ("torchmb", run_fast))}
+            ratio = {f"vs_{k}": (v / t["torchmb"] if v and t["torchmb"] else None) for k, v in t.items()
+                     if k != "torchmb"}
+            emit(part="graph", dist=dist, dim=dim, **{f"{k}_ms": (v * 1e3 if v else None) for k, v in t.items()},
+                 **ratio)
+            del ref, fast, g
+            torch.cuda.empty_cache()
 
 
 def part2() -> None:
@@ -204,8 +274,10 @@ def part3() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--parts", default="123")
+    parser.add_argument("--parts", default="123g")
     args = parser.parse_args()
+    OUT_FILE.append(os.path.join(args.out, "bench_embedding.jsonl"))
+    open(OUT_FILE[0], "w").close()
     batch_layers.set_backend("cupy")
     props = torch.cuda.get_device_properties(dev)
     import cupy
@@ -213,11 +285,8 @@ def main() -> None:
     emit(part=0, device=torch.cuda.get_device_name(dev), sms=props.multi_processor_count, torch=torch.__version__,
          cupy=cupy.__version__, cuda=torch.version.cuda)
     for p in args.parts:
-        {"1": part1, "2": part2, "3": part3}[p]()
+        {"1": part1, "2": part2, "3": part3, "g": part_graph}[p]()
     emit(part=9, launches=dict(ecuda.LAUNCHES), scalar_atomics_fallback=sorted(ecuda._VECRED_BROKEN))
-    with open(os.path.join(args.out, "bench_embedding.jsonl"), "w") as f:
-        for row in RESULTS:
-            f.write(json.dumps(row) + "\n")
     print(f"\n{RESULTS[0]['device']}, torch {torch.__version__}, CuPy {cupy.__version__}")
     print("| indices | dim | nn.Embedding ms | index_add_ ms | torchmb ms | vs nn.Embedding | vs index_add_ |")
     print("|---|---|---|---|---|---|---|")
@@ -232,6 +301,15 @@ def main() -> None:
         if r["part"] == 2:
             print(f"| {r['dist']} | {r['torchmb_ms']:.3f} | {r['vmap_ms']:.3f} | {r['loop_ms']:.3f} | "
                   f"{r['flat_nn_embedding_ms']:.3f} | {r['vs_vmap']:.2f}x | {r['vs_loop']:.2f}x |")
+    print("\n| GPU time (CUDA graph) | dim | nn.Embedding ms | index_add_ ms | torchmb ms | vs nn.Embedding "
+          "| vs index_add_ |")
+    print("|---|---|---|---|---|---|---|")
+    fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
+    for r in RESULTS:
+        if r["part"] == "graph":
+            print(f"| {r['dist']} | {r['dim']} | {fmt(r['nn_embedding_ms'], '.3f')} | "
+                  f"{fmt(r['index_add_ms'], '.3f')} | {fmt(r['torchmb_ms'], '.3f')} | "
+                  f"{fmt(r['vs_nn_embedding'], '.2f')}x | {fmt(r['vs_index_add'], '.2f')}x |")
     for r in RESULTS:
         if r["part"] == 3:
             print(f"\nMultiEmbedding {r['tables']} tables, {r['samples']:,} samples: {r['multi_ms']:.3f} ms vs "
