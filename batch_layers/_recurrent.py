@@ -1,0 +1,695 @@
+"""Batched recurrent layers: B models' RNN / LSTM / GRU (and their cells) stepped together.
+
+cuDNN runs one weight set per call, so B models would take B calls. Here the input projection of every
+time step of every model is one batched product before the loop (``(B, T*N, F) @ (B, F, G)``); each time
+step is then one batched product ``(B, N, H) @ (B, H, G)`` for the hidden projection of all models plus the
+gate nonlinearities on the merged ``B*N`` rows (torch's fused LSTM/GRU cell kernels on CUDA, the same
+maths in plain torch elsewhere). Per-step work scales with ``B``, kernel launches do not.
+
+Packed sequences: the batched layer receives a :class:`~torch.nn.utils.rnn.PackedSequence` of ``B*N``
+sequences (model ``b``'s sample ``i`` is sequence ``b * N + i`` in the unsorted order, as
+``pack_padded_sequence(..., enforce_sorted=False)`` of a merged batch gives). It is unpacked into the
+merged layout, every state stops updating once its sequence ends (and a reverse direction starts at its
+sequence's own last element), and the output is packed again with the input's ``batch_sizes``,
+``sorted_indices`` and ``unsorted_indices``; ``h_n`` / ``c_n`` come back in the unsorted order, as torch does.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
+
+from ._base import AbstractBatchModule, current_forward, stack_copies
+
+__all__ = ["GRU", "LSTM", "RNN", "GRUCell", "LSTMCell", "RNNCell"]
+
+_GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
+
+
+def _fused_cells(t: Tensor) -> bool:
+    return t.is_cuda and hasattr(torch, "_thnn_fused_lstm_cell") and hasattr(torch, "_thnn_fused_gru_cell")
+
+
+def _lstm_cell(gates_x: Tensor, gates_h: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+    """One LSTM step on merged rows: gates ``(R, 4H)`` (input part with both biases, hidden part), ``c`` ``(R, H)``."""
+    if _fused_cells(gates_x):
+        h, c, _ = torch._thnn_fused_lstm_cell(gates_x.contiguous(), gates_h.contiguous(), c.contiguous())
+        return h, c
+    i, f, g, o = (gates_x + gates_h).chunk(4, dim=-1)
+    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    return torch.sigmoid(o) * torch.tanh(c), c
+
+
+def _gru_cell(gates_x: Tensor, gates_h: Tensor, h: Tensor) -> Tensor:
+    """One GRU step on merged rows; ``gates_h`` must include the hidden bias (it is gated by ``r``)."""
+    if _fused_cells(gates_x):
+        return torch._thnn_fused_gru_cell(gates_x.contiguous(), gates_h.contiguous(), h.contiguous())[0]
+    x_r, x_z, x_n = gates_x.chunk(3, dim=-1)
+    h_r, h_z, h_n = gates_h.chunk(3, dim=-1)
+    r = torch.sigmoid(x_r + h_r)
+    z = torch.sigmoid(x_z + h_z)
+    n = torch.tanh(x_n + r * h_n)
+    return (1 - z) * n + z * h
+
+
+def _rnn_cell(gates_x: Tensor, gates_h: Tensor, mode: str) -> Tensor:
+    pre = gates_x + gates_h
+    return torch.tanh(pre) if mode == "RNN_TANH" else torch.relu(pre)
+
+
+def _bmm_t(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``(B, m, in) @ (B, out, in)^T (+ (B, out))``."""
+    if bias is None:
+        return torch.bmm(x, weight.transpose(1, 2))
+    return torch.baddbmm(bias.unsqueeze(1), x, weight.transpose(1, 2))
+
+
+def _shared_rows(batch: int, rows: int) -> bool:
+    context = current_forward()
+    if context is None or not context.shared or batch == 1:
+        return False
+    return rows % (batch * context.samples) != 0 and rows % context.samples == 0
+
+
+class _RNNBase(AbstractBatchModule):
+    """``batch`` independent ``nn.RNN`` / ``nn.LSTM`` / ``nn.GRU`` layers; parameters named as torch names them."""
+
+    merged_order = "models"
+    mode: ClassVar[str]
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        num_layers: int = 1,
+        bias: bool = True,
+        batch_first: bool = False,
+        dropout: float = 0.0,
+        bidirectional: bool = False,
+        proj_size: int = 0,
+        *,
+        batch: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(batch)
+        if not isinstance(dropout, numbers.Number) or isinstance(dropout, bool) or not 0 <= dropout <= 1:
+            raise ValueError(
+                "dropout should be a number in range [0, 1] representing the probability of an element being zeroed"
+            )
+        if dropout > 0 and num_layers == 1:
+            warnings.warn(
+                "dropout option adds dropout after all but last recurrent layer, so non-zero dropout expects "
+                f"num_layers greater than 1, but got dropout={dropout} and num_layers={num_layers}",
+                stacklevel=2,
+            )
+        for name, value in (("input_size", input_size), ("hidden_size", hidden_size), ("num_layers", num_layers)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(proj_size, int) or proj_size < 0:
+            raise ValueError(
+                f"proj_size should be a positive integer or zero to disable projections, got {proj_size!r}"
+            )
+        if proj_size >= hidden_size:
+            raise ValueError(f"proj_size ({proj_size}) has to be smaller than hidden_size ({hidden_size})")
+        if proj_size and self.mode != "LSTM":
+            raise ValueError("proj_size argument is only supported for LSTM, not RNN or GRU")
+        factory_kwargs = {"device": device, "dtype": dtype}
+        self.input_size = input_size
+        self.hidden_size = hidden_size
+        self.num_layers = num_layers
+        self.bias = bias
+        self.batch_first = batch_first
+        self.dropout = float(dropout)
+        self.bidirectional = bidirectional
+        self.proj_size = proj_size
+        directions = 2 if bidirectional else 1
+        gate_size = _GATES[self.mode] * hidden_size
+        real_hidden = proj_size if proj_size > 0 else hidden_size
+        self._flat_weights_names: list[str] = []
+        for layer in range(num_layers):
+            for direction in range(directions):
+                layer_input = input_size if layer == 0 else real_hidden * directions
+                suffix = "_reverse" if direction == 1 else ""
+                shapes = [("weight_ih", (gate_size, layer_input)), ("weight_hh", (gate_size, real_hidden))]
+                if bias:
+                    shapes += [("bias_ih", (gate_size,)), ("bias_hh", (gate_size,))]
+                if proj_size > 0:
+                    shapes.append(("weight_hr", (proj_size, hidden_size)))
+                for name, shape in shapes:
+                    full = f"{name}_l{layer}{suffix}"
+                    self.register_parameter(full, nn.Parameter(torch.empty(batch, *shape, **factory_kwargs)))
+                    self._flat_weights_names.append(full)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Draw every model's slices as ``nn.{RNN,LSTM,GRU}.reset_parameters`` does, model after model."""
+        stdv = 1.0 / math.sqrt(self.hidden_size)
+        for i in range(self.batch):
+            for param in self.parameters():
+                nn.init.uniform_(param[i], -stdv, stdv)
+
+    @classmethod
+    def from_module(cls, module: nn.RNNBase, batch: int) -> _RNNBase:
+        kwargs = {"proj_size": module.proj_size} if cls.mode == "LSTM" else {}
+        reference = next(module.parameters())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch already warned about dropout with num_layers=1 for the module
+            layer = cls(
+                module.input_size,
+                module.hidden_size,
+                module.num_layers,
+                module.bias,
+                module.batch_first,
+                module.dropout,
+                module.bidirectional,
+                batch=batch,
+                device=reference.device,
+                dtype=reference.dtype,
+                **kwargs,
+            )
+        with torch.no_grad():
+            for name in layer._flat_weights_names:
+                getattr(layer, name).copy_(stack_copies(getattr(module, name), batch))
+        return layer
+
+    # -- shapes -----------------------------------------------------------------------------------
+    @property
+    def _directions(self) -> int:
+        return 2 if self.bidirectional else 1
+
+    @property
+    def _out_hidden(self) -> int:
+        return self.proj_size if self.proj_size > 0 else self.hidden_size
+
+    def _check_features(self, x: Tensor) -> None:
+        if not x.is_floating_point():
+            raise TypeError(f"{type(self).__name__}: expected a floating-point input, got dtype {x.dtype}")
+        if x.shape[-1] != self.input_size:
+            raise ValueError(
+                f"{type(self).__name__}: expected input with {self.input_size} features (input_size), got shape "
+                f"{tuple(x.shape)}"
+            )
+
+    def _time_major(self, x: Tensor) -> tuple[Tensor, str]:
+        """The input as ``(T, B, N, F)`` and its layout: ``"batch_first"``, ``"seq_first"`` or ``"unbatched"``."""
+        self._check_features(x)
+        if x.dim() == 2:  # unbatched models: each (T, F), merged (B*T, F)
+            if _shared_rows(self.batch, x.shape[0]):
+                return x.unsqueeze(1).unsqueeze(1).expand(-1, self.batch, 1, -1), "unbatched"
+            if x.shape[0] % self.batch:
+                raise ValueError(
+                    f"{type(self).__name__}: expected an unbatched input's dim 0 to be a multiple of B = {self.batch} "
+                    f"(models' sequences one after another), got shape {tuple(x.shape)}"
+                )
+            return x.view(self.batch, -1, 1, x.shape[-1]).transpose(0, 1), "unbatched"
+        if x.dim() != 3:
+            raise ValueError(f"{type(self).__name__}: expected a 2-D or 3-D input, got shape {tuple(x.shape)}")
+        seq = x.transpose(0, 1) if self.batch_first else x  # (T, rows, F)
+        layout = "batch_first" if self.batch_first else "seq_first"
+        rows = seq.shape[1]
+        if _shared_rows(self.batch, rows):
+            return seq.unsqueeze(1).expand(-1, self.batch, -1, -1), layout
+        if rows % self.batch:
+            raise ValueError(
+                f"{type(self).__name__}: expected the input's batch dim ({0 if self.batch_first else 1}) to be a "
+                f"multiple of B = {self.batch} (the merged model axis), got shape {tuple(x.shape)}"
+            )
+        return seq.reshape(seq.shape[0], self.batch, -1, seq.shape[-1]), layout
+
+    def _initial_state(
+        self, state: Tensor | None, per_model: int, size: int, like: Tensor, layout: str, what: str
+    ) -> Tensor:
+        """``(L*D, B, N, size)`` from a merged ``h_0`` / ``c_0`` (zeros when ``None``)."""
+        layers = self.num_layers * self._directions
+        if state is None:
+            return like.new_zeros(layers, self.batch, per_model, size)
+        if layout == "unbatched":
+            expected = (self.batch * layers, size)
+            if tuple(state.shape) == expected:
+                return state.view(self.batch, layers, 1, size).transpose(0, 1)
+        else:
+            expected = (layers, self.batch * per_model, size)
+            if tuple(state.shape) == expected:
+                return state.view(layers, self.batch, per_model, size)
+            if _shared_rows(self.batch, state.shape[1]) and tuple(state.shape) == (layers, per_model, size):
+                return state.unsqueeze(1).expand(-1, self.batch, -1, -1)
+        raise ValueError(f"{type(self).__name__}: expected {what} of shape {expected}, got {tuple(state.shape)}")
+
+    # -- forward ----------------------------------------------------------------------------------
+    def forward(self, input: Tensor | PackedSequence, hx: Tensor | tuple[Tensor, Tensor] | None = None):
+        packed = isinstance(input, PackedSequence)
+        valid = None
+        if packed:
+            padded, lengths = pad_packed_sequence(input)  # (T, M, F), unsorted (original) order
+            self._check_features(padded)
+            if padded.shape[1] % self.batch:
+                raise ValueError(
+                    f"{type(self).__name__}: expected a PackedSequence of a multiple of B = {self.batch} sequences "
+                    f"(the merged model axis), got {padded.shape[1]}"
+                )
+            x = padded.view(padded.shape[0], self.batch, -1, padded.shape[-1])
+            layout = "seq_first"
+            steps = torch.arange(padded.shape[0], device=lengths.device).unsqueeze(1)
+            valid = (steps < lengths.unsqueeze(0)).to(padded.device).view(*x.shape[:3], 1)
+        else:
+            x, layout = self._time_major(input)
+        per_model = x.shape[2]
+        if self.mode == "LSTM":
+            if hx is not None and (not isinstance(hx, tuple) or len(hx) != 2):
+                raise TypeError(f"{type(self).__name__}: expected hx as a tuple (h_0, c_0), got {type(hx).__name__}")
+            h0, c0 = (None, None) if hx is None else hx
+            c0 = self._initial_state(c0, per_model, self.hidden_size, x, layout, "c_0")
+        else:
+            if isinstance(hx, tuple):
+                raise TypeError(f"{type(self).__name__}: expected hx as one tensor, got a tuple")
+            h0, c0 = hx, None
+        h0 = self._initial_state(h0, per_model, self._out_hidden, x, layout, "h_0")
+        out, h_n, c_n = self._layers(x, h0, c0, valid)  # (T, B, N, D*H), (L*D, B, N, H)
+        h_n = self._state_to_layout(h_n, layout)
+        hidden = h_n if c_n is None else (h_n, self._state_to_layout(c_n, layout))
+        if packed:
+            merged = out.reshape(out.shape[0], -1, out.shape[-1])
+            if input.sorted_indices is not None:
+                merged = merged.index_select(1, input.sorted_indices)
+            keep = torch.arange(merged.shape[1], device=input.batch_sizes.device).unsqueeze(
+                0
+            ) < input.batch_sizes.unsqueeze(1)
+            data = merged[keep.to(merged.device)]
+            return PackedSequence(data, input.batch_sizes, input.sorted_indices, input.unsorted_indices), hidden
+        if layout == "unbatched":
+            return out.transpose(0, 1).reshape(-1, out.shape[-1]), hidden
+        if layout == "batch_first":
+            return out.permute(1, 2, 0, 3).reshape(-1, out.shape[0], out.shape[-1]), hidden
+        return out.reshape(out.shape[0], -1, out.shape[-1]), hidden
+
+    def _state_to_layout(self, state: Tensor, layout: str) -> Tensor:
+        if layout == "unbatched":
+            return state.transpose(0, 1).reshape(-1, state.shape[-1])
+        return state.reshape(state.shape[0], -1, state.shape[-1])
+
+    def _layers(self, x: Tensor, h0: Tensor, c0: Tensor | None, valid: Tensor | None):
+        steps, batch, per_model, _ = x.shape
+        directions = self._directions
+        h_n, c_n = [], []
+        for layer in range(self.num_layers):
+            flat = x.permute(1, 0, 2, 3).reshape(batch, steps * per_model, x.shape[-1])
+            outputs = []
+            for direction in range(directions):
+                suffix = "_reverse" if direction else ""
+                index = layer * directions + direction
+                w_ih = getattr(self, f"weight_ih_l{layer}{suffix}")
+                w_hh = getattr(self, f"weight_hh_l{layer}{suffix}")
+                b_ih = getattr(self, f"bias_ih_l{layer}{suffix}") if self.bias else None
+                b_hh = getattr(self, f"bias_hh_l{layer}{suffix}") if self.bias else None
+                w_hr = getattr(self, f"weight_hr_l{layer}{suffix}") if self.proj_size > 0 else None
+                if b_ih is not None and self.mode != "GRU":  # both biases enter the gates linearly: add once
+                    b_ih, b_hh = b_ih + b_hh, None
+                gates_x = _bmm_t(flat, w_ih, b_ih).view(batch, steps, per_model, -1).transpose(0, 1)
+                out, h, c = self._direction(
+                    gates_x.contiguous(),
+                    h0[index],
+                    None if c0 is None else c0[index],
+                    w_hh,
+                    b_hh,
+                    w_hr,
+                    valid,
+                    bool(direction),
+                )
+                outputs.append(out)
+                h_n.append(h)
+                if c is not None:
+                    c_n.append(c)
+            x = outputs[0] if directions == 1 else torch.cat(outputs, dim=-1)
+            if self.dropout and self.training and layer < self.num_layers - 1:
+                x = F.dropout(x, self.dropout, training=True)
+        return x, torch.stack(h_n), (torch.stack(c_n) if c_n else None)
+
+    def _direction(self, gates_x, h, c, w_hh, b_hh, w_hr, valid, reverse):
+        """Run one direction of one layer over ``gates_x`` ``(T, B, N, G)``; returns ``(T, B, N, H)``, h, c."""
+        steps, batch, per_model, _ = gates_x.shape
+        rows = batch * per_model
+        h = h.to(gates_x.dtype)
+        if c is not None:
+            c = c.to(gates_x.dtype)
+        outputs: list[Tensor | None] = [None] * steps
+        for t in reversed(range(steps)) if reverse else range(steps):
+            gates_h = _bmm_t(h, w_hh, b_hh)
+            if self.mode == "LSTM":
+                h_new, c_new = _lstm_cell(gates_x[t].view(rows, -1), gates_h.view(rows, -1), c.reshape(rows, -1))
+                h_new = h_new.view(batch, per_model, -1)
+                c_new = c_new.view(batch, per_model, -1)
+                if w_hr is not None:
+                    h_new = _bmm_t(h_new, w_hr)
+            elif self.mode == "GRU":
+                h_new = _gru_cell(gates_x[t].view(rows, -1), gates_h.view(rows, -1), h.reshape(rows, -1))
+                h_new = h_new.view(batch, per_model, -1)
+                c_new = None
+            else:
+                h_new, c_new = _rnn_cell(gates_x[t], gates_h, self.mode), None
+            if valid is not None:  # finished sequences keep their state; reverse ones wait for their start
+                h_new = torch.where(valid[t], h_new, h)
+                if c_new is not None:
+                    c_new = torch.where(valid[t], c_new, c)
+            h, c = h_new, c_new
+            outputs[t] = h
+        return torch.stack(outputs), h, c
+
+    def extra_repr(self) -> str:
+        parts = [f"{self.input_size}, {self.hidden_size}"]
+        if self.proj_size != 0:
+            parts.append(f"proj_size={self.proj_size}")
+        if self.num_layers != 1:
+            parts.append(f"num_layers={self.num_layers}")
+        if self.bias is not True:
+            parts.append(f"bias={self.bias}")
+        if self.batch_first is not False:
+            parts.append(f"batch_first={self.batch_first}")
+        if self.dropout != 0:
+            parts.append(f"dropout={self.dropout}")
+        if self.bidirectional is not False:
+            parts.append(f"bidirectional={self.bidirectional}")
+        parts.append(f"batch={self.batch}")
+        return ", ".join(parts)
+
+
+_SHARED_DOC = """
+
+    Args:
+        input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional{extra}: as
+            :class:`torch.nn.{name}`.
+        batch: number of models B.
+
+    Shape:
+        - input: ``(B*N, T, input_size)`` if ``batch_first`` else ``(T, B*N, input_size)`` (model ``b``'s
+          sample ``i`` at ``b * N + i``), ``(B*T, input_size)`` for unbatched models, or a
+          :class:`~torch.nn.utils.rnn.PackedSequence` of ``B*N`` sequences.
+        - {state}: ``(num_layers * D, B*N, H)`` (``(B * num_layers * D, H)`` for unbatched models);
+          zeros when omitted.
+        - output: the input's layout with ``D * H_out`` features (a ``PackedSequence`` for a packed input,
+          with the input's ``sorted_indices``); the final states like the initial ones.
+
+    Attributes:
+        weight_ih_l[k], weight_hh_l[k], bias_ih_l[k], bias_hh_l[k]{attr}(and ``_reverse``): torch's
+            parameters with a leading model axis, ``(B, *torch_shape)``.
+
+    Dropout between layers draws independent masks for every model and sample.
+"""
+
+
+class RNN(_RNNBase):
+    """``batch`` independent :class:`torch.nn.RNN` layers (tanh or ReLU) stepped together."""
+
+    base_class: ClassVar[type[nn.Module]] = nn.RNN
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        num_layers: int = 1,
+        nonlinearity: str = "tanh",
+        bias: bool = True,
+        batch_first: bool = False,
+        dropout: float = 0.0,
+        bidirectional: bool = False,
+        *,
+        batch: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if nonlinearity not in ("tanh", "relu"):
+            raise ValueError(f"Unknown nonlinearity '{nonlinearity}'. Select from 'tanh' or 'relu'.")
+        self.nonlinearity = nonlinearity
+        self.mode = "RNN_TANH" if nonlinearity == "tanh" else "RNN_RELU"
+        super().__init__(
+            input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional,
+            batch=batch, device=device, dtype=dtype,
+        )  # fmt: skip
+
+    @classmethod
+    def from_module(cls, module: nn.RNN, batch: int) -> RNN:
+        reference = next(module.parameters())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch already warned about dropout with num_layers=1
+            layer = cls(
+                module.input_size,
+                module.hidden_size,
+                module.num_layers,
+                module.nonlinearity,
+                module.bias,
+                module.batch_first,
+                module.dropout,
+                module.bidirectional,
+                batch=batch,
+                device=reference.device,
+                dtype=reference.dtype,
+            )
+        with torch.no_grad():
+            for name in layer._flat_weights_names:
+                getattr(layer, name).copy_(stack_copies(getattr(module, name), batch))
+        return layer
+
+    def extra_repr(self) -> str:
+        text = super().extra_repr()
+        return text if self.nonlinearity == "tanh" else text.replace(", batch=", ", nonlinearity='relu', batch=")
+
+
+class LSTM(_RNNBase):
+    """``batch`` independent :class:`torch.nn.LSTM` layers (with ``proj_size``) stepped together."""
+
+    base_class: ClassVar[type[nn.Module]] = nn.LSTM
+    mode = "LSTM"
+
+
+class GRU(_RNNBase):
+    """``batch`` independent :class:`torch.nn.GRU` layers stepped together."""
+
+    base_class: ClassVar[type[nn.Module]] = nn.GRU
+    mode = "GRU"
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        num_layers: int = 1,
+        bias: bool = True,
+        batch_first: bool = False,
+        dropout: float = 0.0,
+        bidirectional: bool = False,
+        *,
+        batch: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional,
+            batch=batch, device=device, dtype=dtype,
+        )  # fmt: skip
+
+
+RNN.__doc__ += _SHARED_DOC.format(extra=", nonlinearity", name="RNN", state="hx", attr=" ")
+LSTM.__doc__ += _SHARED_DOC.format(extra=", proj_size", name="LSTM", state="hx = (h_0, c_0)", attr=", weight_hr_l[k] ")
+GRU.__doc__ += _SHARED_DOC.format(extra="", name="GRU", state="hx", attr=" ")
+
+
+class _CellBase(AbstractBatchModule):
+    """``batch`` independent RNN / LSTM / GRU cells: one batched product per projection, gates on merged rows."""
+
+    merged_order = "models"
+    mode: ClassVar[str]
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        bias: bool = True,
+        *,
+        batch: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(batch)
+        factory_kwargs = {"device": device, "dtype": dtype}
+        self.input_size = input_size
+        self.hidden_size = hidden_size
+        self.bias = bias
+        gates = _GATES[self.mode] * hidden_size
+        self.weight_ih = nn.Parameter(torch.empty(batch, gates, input_size, **factory_kwargs))
+        self.weight_hh = nn.Parameter(torch.empty(batch, gates, hidden_size, **factory_kwargs))
+        if bias:
+            self.bias_ih = nn.Parameter(torch.empty(batch, gates, **factory_kwargs))
+            self.bias_hh = nn.Parameter(torch.empty(batch, gates, **factory_kwargs))
+        else:
+            self.register_parameter("bias_ih", None)
+            self.register_parameter("bias_hh", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Draw every model's slices as torch's cells do, model after model."""
+        stdv = 1.0 / math.sqrt(self.hidden_size) if self.hidden_size > 0 else 0
+        for i in range(self.batch):
+            for param in self.parameters():
+                nn.init.uniform_(param[i], -stdv, stdv)
+
+    @classmethod
+    def _constructor_kwargs(cls, module: nn.Module) -> dict:
+        return {}
+
+    @classmethod
+    def from_module(cls, module: nn.RNNCellBase, batch: int) -> _CellBase:
+        layer = cls(
+            module.input_size,
+            module.hidden_size,
+            module.bias,
+            batch=batch,
+            device=module.weight_ih.device,
+            dtype=module.weight_ih.dtype,
+            **cls._constructor_kwargs(module),
+        )
+        with torch.no_grad():
+            for name, param in layer.named_parameters():
+                param.copy_(stack_copies(module.get_parameter(name), batch))
+        return layer
+
+    def _rows(self, x: Tensor, size: int, what: str) -> tuple[Tensor, bool]:
+        """``(B, N, size)`` from a merged ``(B*N, size)`` tensor or an unbatched models' ``(B*size,)``."""
+        if x.dim() == 1:
+            if x.shape[0] == size and _shared_rows(self.batch, 1):
+                return x.expand(self.batch, 1, size), False
+            if x.shape[0] != self.batch * size:
+                raise ValueError(
+                    f"{type(self).__name__}: expected an unbatched {what} of shape ({self.batch} * {size},), got "
+                    f"{tuple(x.shape)}"
+                )
+            return x.view(self.batch, 1, size), False
+        if x.dim() != 2 or x.shape[1] != size:
+            raise ValueError(f"{type(self).__name__}: expected {what} of shape (B*N, {size}), got {tuple(x.shape)}")
+        if _shared_rows(self.batch, x.shape[0]):
+            return x.expand(self.batch, *x.shape), True
+        if x.shape[0] % self.batch:
+            raise ValueError(
+                f"{type(self).__name__}: expected {what}'s dim 0 to be a multiple of B = {self.batch} (the merged "
+                f"model axis), got shape {tuple(x.shape)}"
+            )
+        return x.view(self.batch, -1, size), True
+
+    def _gates(self, x: Tensor, hx: Tensor | None) -> tuple[Tensor, Tensor, Tensor, bool]:
+        if not x.is_floating_point():
+            raise TypeError(f"{type(self).__name__}: expected a floating-point input, got dtype {x.dtype}")
+        inputs, batched = self._rows(x, self.input_size, "input")
+        if hx is None:
+            h = inputs.new_zeros(self.batch, inputs.shape[1], self.hidden_size)
+        else:
+            h, _ = self._rows(hx, self.hidden_size, "hidden state")
+            if h.shape[1] != inputs.shape[1]:
+                raise ValueError(
+                    f"{type(self).__name__}: input {tuple(x.shape)} and hidden state {tuple(hx.shape)} disagree on "
+                    "the batch size"
+                )
+        bias_ih, bias_hh = self.bias_ih, self.bias_hh
+        gates_x = _bmm_t(inputs, self.weight_ih, bias_ih)
+        gates_h = _bmm_t(h.to(gates_x.dtype), self.weight_hh, bias_hh)
+        return gates_x, gates_h, h, batched
+
+    @staticmethod
+    def _out(y: Tensor, batched: bool) -> Tensor:
+        return y.reshape(-1, y.shape[-1]) if batched else y.reshape(-1)
+
+    def extra_repr(self) -> str:
+        text = f"{self.input_size}, {self.hidden_size}"
+        if not self.bias:
+            text += ", bias=False"
+        return f"{text}, batch={self.batch}"
+
+
+_CELL_DOC = """
+
+    Args:
+        input_size, hidden_size, bias{extra}: as :class:`torch.nn.{name}`.
+        batch: number of models B.
+
+    Shape:
+        - input: ``(B*N, input_size)`` or, for unbatched models, ``(B * input_size,)``.
+        - {state}: like the output; zeros when omitted.
+        - output: ``(B*N, hidden_size)`` (``(B * hidden_size,)`` unbatched).
+"""
+
+
+class RNNCell(_CellBase):
+    """``batch`` independent :class:`torch.nn.RNNCell` cells."""
+
+    base_class: ClassVar[type[nn.Module]] = nn.RNNCell
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        bias: bool = True,
+        nonlinearity: str = "tanh",
+        *,
+        batch: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if nonlinearity not in ("tanh", "relu"):
+            raise ValueError(f"Unknown nonlinearity: {nonlinearity}. Select from 'tanh' or 'relu'.")
+        self.mode = "RNN_TANH" if nonlinearity == "tanh" else "RNN_RELU"
+        self.nonlinearity = nonlinearity
+        super().__init__(input_size, hidden_size, bias, batch=batch, device=device, dtype=dtype)
+
+    @classmethod
+    def _constructor_kwargs(cls, module: nn.RNNCell) -> dict:
+        return {"nonlinearity": module.nonlinearity}
+
+    def forward(self, input: Tensor, hx: Tensor | None = None) -> Tensor:
+        gates_x, gates_h, _, batched = self._gates(input, hx)
+        return self._out(_rnn_cell(gates_x, gates_h, self.mode), batched)
+
+    def extra_repr(self) -> str:
+        text = super().extra_repr()
+        return text if self.nonlinearity == "tanh" else text.replace(", batch=", ", nonlinearity='relu', batch=")
+
+
+class LSTMCell(_CellBase):
+    """``batch`` independent :class:`torch.nn.LSTMCell` cells."""
+
+    base_class: ClassVar[type[nn.Module]] = nn.LSTMCell
+    mode = "LSTM"
+
+    def forward(self, input: Tensor, hx: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        if hx is not None and (not isinstance(hx, tuple) or len(hx) != 2):
+            raise TypeError(f"{type(self).__name__}: expected hx as a tuple (h_0, c_0)")
+        gates_x, gates_h, h, batched = self._gates(input, None if hx is None else hx[0])
+        c = h.new_zeros(h.shape) if hx is None else self._rows(hx[1], self.hidden_size, "cell state")[0]
+        batch, rows = gates_x.shape[0], gates_x.shape[0] * gates_x.shape[1]
+        h_new, c_new = _lstm_cell(
+            gates_x.reshape(rows, -1), gates_h.reshape(rows, -1), c.to(gates_x.dtype).reshape(rows, -1)
+        )
+        return self._out(h_new.view(batch, -1, self.hidden_size), batched), self._out(
+            c_new.view(batch, -1, self.hidden_size), batched
+        )
+
+
+class GRUCell(_CellBase):
+    """``batch`` independent :class:`torch.nn.GRUCell` cells."""
+
+    base_class: ClassVar[type[nn.Module]] = nn.GRUCell
+    mode = "GRU"
+
+    def forward(self, input: Tensor, hx: Tensor | None = None) -> Tensor:
+        gates_x, gates_h, h, batched = self._gates(input, hx)
+        rows = gates_x.shape[0] * gates_x.shape[1]
+        h_new = _gru_cell(gates_x.reshape(rows, -1), gates_h.reshape(rows, -1), h.to(gates_x.dtype).reshape(rows, -1))
+        return self._out(h_new.view(self.batch, -1, self.hidden_size), batched)
+
+
+RNNCell.__doc__ += _CELL_DOC.format(extra=", nonlinearity", name="RNNCell", state="hx")
+LSTMCell.__doc__ += _CELL_DOC.format(extra="", name="LSTMCell", state="hx = (h_0, c_0)")
+GRUCell.__doc__ += _CELL_DOC.format(extra="", name="GRUCell", state="hx")
