@@ -4,22 +4,48 @@ Every parameter has shape ``(B, *torch_shape)``; inputs carry the model axis mer
 (models-major, see :mod:`batch_layers._base`).
 """
 
+from ._activation import PReLU
 from ._base import AbstractBatchModule, ForwardContext, current_forward, forward_context
 from ._batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d
+from ._bilinear import Bilinear
 from ._conv import Conv1d, Conv2d, Conv3d
+from ._conv_transpose import ConvTranspose1d, ConvTranspose2d, ConvTranspose3d
+from ._dropout import AlphaDropout, Dropout, Dropout1d, Dropout2d, Dropout3d, FeatureAlphaDropout
 from ._linear import Linear
+from ._norm import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm, RMSNorm
+from ._out_of_scope import OUT_OF_SCOPE, LazyLinear, SyncBatchNorm
 
 __all__ = [
     "LAYERS",
+    "OUT_OF_SCOPE",
     "AbstractBatchModule",
+    "AlphaDropout",
     "BatchNorm1d",
     "BatchNorm2d",
     "BatchNorm3d",
+    "Bilinear",
     "Conv1d",
     "Conv2d",
     "Conv3d",
+    "ConvTranspose1d",
+    "ConvTranspose2d",
+    "ConvTranspose3d",
+    "Dropout",
+    "Dropout1d",
+    "Dropout2d",
+    "Dropout3d",
+    "FeatureAlphaDropout",
     "ForwardContext",
+    "GroupNorm",
+    "InstanceNorm1d",
+    "InstanceNorm2d",
+    "InstanceNorm3d",
+    "LayerNorm",
+    "LazyLinear",
     "Linear",
+    "PReLU",
+    "RMSNorm",
+    "SyncBatchNorm",
     "current_forward",
     "forward_context",
 ]
@@ -33,4 +59,22 @@ LAYERS: tuple[type[AbstractBatchModule], ...] = (
     BatchNorm1d,
     BatchNorm2d,
     BatchNorm3d,
+    ConvTranspose1d,
+    ConvTranspose2d,
+    ConvTranspose3d,
+    Bilinear,
+    LayerNorm,
+    RMSNorm,
+    GroupNorm,
+    InstanceNorm1d,
+    InstanceNorm2d,
+    InstanceNorm3d,
+    PReLU,
+    Dropout,
+    Dropout1d,
+    Dropout2d,
+    Dropout3d,
+    AlphaDropout,
+    FeatureAlphaDropout,
+    *OUT_OF_SCOPE,
 )

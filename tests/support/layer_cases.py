@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import pytest
 import torch
 from torch import Tensor, nn
 
@@ -27,6 +28,12 @@ class LayerCase:
     # (batch, samples, device) -> the layer's positional arguments for B models, each (B, n, ...).
     make_inputs: Callable[[int, int, str], tuple[Tensor, ...]] | None = None
     atol: float = 1e-5
+    # A registered refusal (out-of-scope layer): from_module must raise TypeError matching this pattern.
+    refuses: str | None = None
+    # Modes the generic comparison applies to; e.g. dropout is only deterministic in eval (its train
+    # mode has its own tests). Other modes are skipped with this reason.
+    modes: tuple[str, ...] = ("train", "eval")
+    skip_reason: str = ""
 
     def inputs(self, device: str) -> tuple[Tensor, ...]:
         if self.make_inputs is not None:
@@ -100,6 +107,12 @@ def _per_model(t: Tensor, i: int) -> Tensor:
 
 
 def run_case(case: LayerCase, mode: str, device: str, steps: int = 2) -> None:
+    if case.refuses is not None:
+        with pytest.raises(TypeError, match=case.refuses):
+            batched_from([case.make()])
+        return
+    if mode not in case.modes:
+        pytest.skip(f"{case.name}: {mode} mode is not compared here: {case.skip_reason}")
     torch.manual_seed(0)
     plain = [case.make().to(device) for _ in range(BATCH)]
     batched = batched_from(plain).to(device)
@@ -128,3 +141,125 @@ def run_case(case: LayerCase, mode: str, device: str, steps: int = 2) -> None:
     for i, layer in enumerate(plain):
         for name, value in layer.state_dict().items():
             torch.testing.assert_close(batched.state_dict()[name][i], value, atol=case.atol, rtol=0)
+
+
+# -- transposed convolutions, bilinear, norms, PReLU, dropout, refusals --------------------------------------
+
+
+def randomized(make: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    """``make`` with every parameter drawn from N(1, 0.5) and running stats moved off their defaults."""
+
+    def build() -> nn.Module:
+        layer = make()
+        with torch.no_grad():
+            for param in layer.parameters():
+                param.normal_(1.0, 0.5)
+            if getattr(layer, "running_mean", None) is not None:
+                layer.running_mean.normal_()
+                layer.running_var.uniform_(0.5, 2)
+        return layer
+
+    return build
+
+
+def two_inputs(shape1: tuple[int, ...], shape2: tuple[int, ...]) -> Callable[[int, int, str], tuple[Tensor, ...]]:
+    return lambda b, n, device: (torch.randn(b, n, *shape1, device=device), torch.randn(b, n, *shape2, device=device))
+
+
+_DROPOUT = "dropout is random in train mode; tests/batch_layers/test_dropout.py checks its masks and statistics"
+_OUT_OF_SCOPE = {
+    "LazyLinear": lambda: nn.LazyLinear(5),
+    "LazyConv1d": lambda: nn.LazyConv1d(6, 3),
+    "LazyConv2d": lambda: nn.LazyConv2d(6, 3),
+    "LazyConv3d": lambda: nn.LazyConv3d(6, 3),
+    "LazyConvTranspose1d": lambda: nn.LazyConvTranspose1d(6, 3),
+    "LazyConvTranspose2d": lambda: nn.LazyConvTranspose2d(6, 3),
+    "LazyConvTranspose3d": lambda: nn.LazyConvTranspose3d(6, 3),
+    "LazyBatchNorm1d": lambda: nn.LazyBatchNorm1d(),
+    "LazyBatchNorm2d": lambda: nn.LazyBatchNorm2d(),
+    "LazyBatchNorm3d": lambda: nn.LazyBatchNorm3d(),
+    "LazyInstanceNorm1d": lambda: nn.LazyInstanceNorm1d(),
+    "LazyInstanceNorm2d": lambda: nn.LazyInstanceNorm2d(),
+    "LazyInstanceNorm3d": lambda: nn.LazyInstanceNorm3d(),
+    "SyncBatchNorm": lambda: nn.SyncBatchNorm(6),
+}
+
+LAYER_CASES += [
+    LayerCase(
+        "convtranspose1d-stride-outpad",
+        lambda: nn.ConvTranspose1d(4, 6, 3, stride=2, padding=1, output_padding=1),
+        (4, 7),
+    ),
+    LayerCase(
+        "convtranspose1d-groups-dilation-nobias",
+        lambda: nn.ConvTranspose1d(4, 6, 3, stride=3, groups=2, dilation=2, output_padding=1, bias=False),
+        (4, 5),
+    ),
+    LayerCase(
+        "convtranspose2d", lambda: nn.ConvTranspose2d(3, 4, 3, stride=2, padding=1, output_padding=1), (3, 2, 3)
+    ),
+    LayerCase(
+        "convtranspose2d-groups-asym",
+        lambda: nn.ConvTranspose2d(4, 6, (2, 3), stride=(2, 1), padding=(0, 1), dilation=(1, 2), groups=2),
+        (4, 4, 5),
+    ),
+    LayerCase(
+        "convtranspose3d", lambda: nn.ConvTranspose3d(2, 3, 2, stride=2, output_padding=(1, 0, 1)), (2, 3, 2, 3)
+    ),
+    LayerCase("bilinear-x1-first", randomized(lambda: nn.Bilinear(5, 4, 3)), make_inputs=two_inputs((5,), (4,))),
+    LayerCase(
+        "bilinear-x2-first-nobias-3d",
+        lambda: nn.Bilinear(3, 6, 2, bias=False),
+        make_inputs=two_inputs((2, 3), (2, 6)),
+    ),
+    LayerCase("bilinear-outer", lambda: nn.Bilinear(2, 3, 8), make_inputs=two_inputs((2,), (3,))),
+    LayerCase("layernorm", randomized(lambda: nn.LayerNorm(6)), (5, 6)),
+    LayerCase("layernorm-2d-shape-nobias", randomized(lambda: nn.LayerNorm((3, 4), bias=False)), (2, 3, 4)),
+    LayerCase("layernorm-no-affine", lambda: nn.LayerNorm(6, elementwise_affine=False, eps=1e-3), (5, 6)),
+    LayerCase("rmsnorm", randomized(lambda: nn.RMSNorm(6)), (5, 6)),
+    LayerCase("rmsnorm-eps-2d-shape", randomized(lambda: nn.RMSNorm((2, 3), eps=1e-3)), (4, 2, 3)),
+    LayerCase("rmsnorm-no-affine", lambda: nn.RMSNorm(6, elementwise_affine=False), (6,)),
+    LayerCase("groupnorm", randomized(lambda: nn.GroupNorm(2, 6)), (6, 3, 3)),
+    LayerCase("groupnorm-2d-input", randomized(lambda: nn.GroupNorm(1, 6)), (6,)),
+    LayerCase("groupnorm-no-affine-1d", lambda: nn.GroupNorm(3, 6, affine=False), (6, 4)),
+    LayerCase("instancenorm1d", lambda: nn.InstanceNorm1d(6), (6, 5)),
+    LayerCase(
+        "instancenorm1d-affine-running",
+        randomized(lambda: nn.InstanceNorm1d(6, affine=True, track_running_stats=True)),
+        (6, 5),
+    ),
+    LayerCase("instancenorm2d-affine", randomized(lambda: nn.InstanceNorm2d(6, affine=True)), (6, 3, 4)),
+    LayerCase(
+        "instancenorm2d-running-stats",
+        randomized(lambda: nn.InstanceNorm2d(6, momentum=0.3, track_running_stats=True)),
+        (6, 3, 4),
+    ),
+    LayerCase(
+        "instancenorm2d-momentum-none",
+        randomized(lambda: nn.InstanceNorm2d(6, momentum=None, affine=True, track_running_stats=True)),
+        (6, 3, 3),
+    ),
+    LayerCase(
+        "instancenorm3d-affine-running",
+        randomized(lambda: nn.InstanceNorm3d(6, affine=True, track_running_stats=True)),
+        (6, 2, 3, 2),
+    ),
+    LayerCase("prelu", randomized(lambda: nn.PReLU()), (5, 3)),
+    LayerCase("prelu-channels", randomized(lambda: nn.PReLU(6)), (6, 3, 2)),
+    LayerCase("prelu-channels-2d-input", randomized(lambda: nn.PReLU(6, init=0.1)), (6,)),
+    *(
+        LayerCase(f"dropout-{layer().__class__.__name__}", layer, shape, modes=("eval",), skip_reason=_DROPOUT)
+        for layer, shape in (
+            (lambda: nn.Dropout(0.3), (5,)),
+            (lambda: nn.Dropout1d(0.3), (6, 5)),
+            (lambda: nn.Dropout2d(0.3), (6, 3, 3)),
+            (lambda: nn.Dropout3d(0.3), (6, 2, 2, 2)),
+            (lambda: nn.AlphaDropout(0.3), (5,)),
+            (lambda: nn.FeatureAlphaDropout(0.3), (6, 3, 3)),
+        )
+    ),
+    *(
+        LayerCase(f"refuses-{name}", make, refuses=f"{name} is out of scope for torchmb")
+        for name, make in _OUT_OF_SCOPE.items()
+    ),
+]

@@ -1,0 +1,450 @@
+"""Per-sample normalisations: LayerNorm, RMSNorm, GroupNorm, InstanceNorm1d/2d/3d.
+
+Their statistics are taken within one sample, so the normalisation itself runs unchanged on the merged
+``(B*n, ...)`` tensor (torch's fused kernels, no copies); only the elementwise affine differs per model,
+and it is applied as one broadcast ``addcmul`` against the ``(B, ...)`` weights on the ``(B, n, ...)``
+view. A shared ``(n, ...)`` input is normalised once; the per-model affine broadcasts it to ``(B, n, ...)``
+(without an affine the output stays shared).
+
+``nn.LocalResponseNorm`` has no parameters and normalises across the channels of one sample, so it needs
+no batched class: it runs on the merged axis as it is (tested against B plain models).
+"""
+
+from __future__ import annotations
+
+import numbers
+import warnings
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ._base import AbstractBatchModule, stack_copies
+
+__all__ = ["GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LayerNorm", "RMSNorm"]
+
+
+def _normalized_shape(normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
+    if isinstance(normalized_shape, numbers.Integral):
+        return (int(normalized_shape),)
+    return tuple(int(s) for s in normalized_shape)
+
+
+def _per_model(t: Tensor, dims: int, trailing: int = 0) -> Tensor:
+    """View a ``(B, *shape)`` parameter for broadcasting against ``(B, m, ...)``: ``(B, 1.., *shape, 1..)``."""
+    return t.view(t.shape[0], *([1] * (dims - t.dim() - trailing)), *t.shape[1:], *([1] * trailing))
+
+
+class _AffineNorm(AbstractBatchModule):
+    """Shared forward tail: ``y * weight + bias`` per model on the ``(B, m, ...)`` view of ``y``."""
+
+    merged_order = "models"
+
+    def _affine(self, y: Tensor, weight: Tensor | None, bias: Tensor | None, trailing: int = 0) -> Tensor:
+        if weight is None and bias is None:
+            return y
+        models = self.split(y)
+        if weight is None:
+            out = models + _per_model(bias, models.dim(), trailing)
+        elif bias is None:
+            out = models * _per_model(weight, models.dim(), trailing)
+        else:
+            out = torch.addcmul(
+                _per_model(bias, models.dim(), trailing), models, _per_model(weight, models.dim(), trailing)
+            )
+        return out.reshape(-1, *out.shape[2:])
+
+
+class LayerNorm(_AffineNorm):
+    """``batch`` independent :class:`torch.nn.LayerNorm` layers.
+
+    Args:
+        normalized_shape: the trailing shape normalised over, as in torch.
+        eps: added to the variance.
+        elementwise_affine: per-model ``weight`` (and ``bias``) of ``normalized_shape``.
+        bias: whether the affine has a bias (torch's ``bias`` argument).
+        batch: number of models B.
+
+    Shape:
+        - Input: ``(B*n, *, *normalized_shape)`` (inside a ``BatchModule`` the model axis may sit in another
+          leading dim, e.g. ``(seq, B*n, d)``), or the shared ``(n, *, *normalized_shape)``.
+        - Output: same shape as the input (``(B*n, ...)`` for a shared input with an affine).
+
+    Attributes:
+        weight: ``(B, *normalized_shape)``, ones. bias: ``(B, *normalized_shape)``, zeros.
+
+    Examples::
+
+        >>> norm = LayerNorm(16, batch=4)
+        >>> norm(torch.randn(4 * 2, 10, 16)).shape
+        torch.Size([8, 10, 16])
+    """
+
+    base_class: ClassVar[type[nn.Module]] = nn.LayerNorm
+
+    def __init__(
+        self,
+        normalized_shape: int | Sequence[int],
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        *,
+        batch: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(batch)
+        factory_kwargs = {"device": device, "dtype": dtype}
+        self.normalized_shape = _normalized_shape(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.empty(batch, *self.normalized_shape, **factory_kwargs))
+            if bias:
+                self.bias = nn.Parameter(torch.empty(batch, *self.normalized_shape, **factory_kwargs))
+            else:
+                self.register_parameter("bias", None)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.elementwise_affine:
+            nn.init.ones_(self.weight)
+            if self.bias is not None:
+                nn.init.zeros_(self.bias)
+
+    @classmethod
+    def from_module(cls, module: nn.LayerNorm, batch: int) -> LayerNorm:
+        layer = cls(
+            module.normalized_shape,
+            module.eps,
+            module.elementwise_affine,
+            getattr(module, "bias", None) is not None,
+            batch=batch,
+            device=None if module.weight is None else module.weight.device,
+            dtype=None if module.weight is None else module.weight.dtype,
+        )
+        _copy_parameters(layer, module, batch)
+        return layer
+
+    def forward(self, x: Tensor) -> Tensor:
+        k = len(self.normalized_shape)
+        if tuple(x.shape[x.dim() - k :]) != self.normalized_shape or x.dim() <= k:
+            raise ValueError(
+                f"{type(self).__name__}: expected an input of shape (B*n, *, "
+                f"{', '.join(map(str, self.normalized_shape))}), got {tuple(x.shape)}"
+            )
+        if self.weight is None:  # no parameters: per-sample, runs on any layout
+            return self._normalize(x)
+        if not self.is_shared(x):
+            dim = self.merged_dim(x, feature_dims=k)
+            if dim:  # sequence-first layout: bring the model axis to the front
+                return self.forward(x.movedim(dim, 0)).movedim(0, dim)
+        return self._affine(self._normalize(x), self.weight, self.bias)
+
+    def _normalize(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x, self.normalized_shape, None, None, self.eps)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
+            f"batch={self.batch}"
+        )
+
+
+class RMSNorm(LayerNorm):
+    """``batch`` independent :class:`torch.nn.RMSNorm` layers (``nn.RMSNorm`` exists in every supported torch, >= 2.5).
+
+    Args:
+        normalized_shape: the trailing shape normalised over.
+        eps: added to the mean square; ``None`` uses ``torch.finfo(x.dtype).eps`` as torch does.
+        elementwise_affine: per-model ``weight`` of ``normalized_shape`` (RMSNorm has no bias).
+        batch: number of models B.
+
+    Shape: as :class:`LayerNorm`. Attributes: ``weight`` ``(B, *normalized_shape)``, ones.
+    """
+
+    base_class: ClassVar[type[nn.Module]] = nn.RMSNorm
+
+    def __init__(
+        self,
+        normalized_shape: int | Sequence[int],
+        eps: float | None = None,
+        elementwise_affine: bool = True,
+        *,
+        batch: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            normalized_shape, eps, elementwise_affine, bias=False, batch=batch, device=device, dtype=dtype
+        )
+
+    @classmethod
+    def from_module(cls, module: nn.Module, batch: int) -> RMSNorm:
+        layer = cls(
+            module.normalized_shape,
+            module.eps,
+            module.elementwise_affine,
+            batch=batch,
+            device=None if module.weight is None else module.weight.device,
+            dtype=None if module.weight is None else module.weight.dtype,
+        )
+        _copy_parameters(layer, module, batch)
+        return layer
+
+    def _normalize(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, self.normalized_shape, None, self.eps)
+
+
+class GroupNorm(_AffineNorm):
+    """``batch`` independent :class:`torch.nn.GroupNorm` layers.
+
+    Args:
+        num_groups: groups the channels are split into.
+        num_channels: channels C of the input.
+        eps: added to the variance.
+        affine: per-model ``weight`` (ones) and ``bias`` (zeros) of shape ``(B, C)``.
+        batch: number of models B.
+
+    Shape:
+        - Input: ``(B*n, C, *)`` or the shared ``(n, C, *)``. Output: ``(B*n, C, *)``.
+    """
+
+    base_class: ClassVar[type[nn.Module]] = nn.GroupNorm
+
+    def __init__(
+        self,
+        num_groups: int,
+        num_channels: int,
+        eps: float = 1e-5,
+        affine: bool = True,
+        *,
+        batch: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(batch)
+        if num_groups < 1 or num_channels % num_groups:
+            raise ValueError(f"num_channels ({num_channels}) must be divisible by num_groups ({num_groups})")
+        factory_kwargs = {"device": device, "dtype": dtype}
+        self.num_groups = num_groups
+        self.num_channels = num_channels
+        self.eps = eps
+        self.affine = affine
+        if affine:
+            self.weight = nn.Parameter(torch.empty(batch, num_channels, **factory_kwargs))
+            self.bias = nn.Parameter(torch.empty(batch, num_channels, **factory_kwargs))
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.affine:
+            nn.init.ones_(self.weight)
+            nn.init.zeros_(self.bias)
+
+    @classmethod
+    def from_module(cls, module: nn.GroupNorm, batch: int) -> GroupNorm:
+        layer = cls(
+            module.num_groups,
+            module.num_channels,
+            module.eps,
+            module.affine,
+            batch=batch,
+            device=None if module.weight is None else module.weight.device,
+            dtype=None if module.weight is None else module.weight.dtype,
+        )
+        _copy_parameters(layer, module, batch)
+        return layer
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() < 2 or x.shape[1] != self.num_channels:
+            raise ValueError(
+                f"GroupNorm: expected an input of shape (B*n, {self.num_channels}, *), got {tuple(x.shape)}"
+            )
+        if self.weight is None:
+            return F.group_norm(x, self.num_groups, None, None, self.eps)
+        y = F.group_norm(x, self.num_groups, None, None, self.eps)
+        return self._affine(y, self.weight, self.bias, trailing=x.dim() - 2)
+
+    def extra_repr(self) -> str:
+        return f"{nn.GroupNorm.extra_repr(self)}, batch={self.batch}"
+
+
+class _InstanceNorm(_AffineNorm):
+    """``batch`` independent instance norms with per-model affine weights and running statistics.
+
+    Instance statistics belong to one sample and channel, so the merged input is normalised as it is. In
+    training with ``track_running_stats``, model ``b``'s ``running_mean`` / ``running_var`` (``(B, C)``)
+    move towards the mean over *its own* samples of the per-instance mean / unbiased variance, exactly as
+    torch's instance norm updates a single model's. Evaluation with running statistics applies each model's
+    statistics and affine as one fused scale-and-shift. ``momentum=None`` means ``0`` (no update), as in
+    torch; ``num_batches_tracked`` (``(B,)``) is kept for state-dict compatibility and, as in torch, never
+    incremented.
+    """
+
+    spatial_dims: ClassVar[int]
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = False,
+        track_running_stats: bool = False,
+        *,
+        batch: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(batch)
+        factory_kwargs = {"device": device, "dtype": dtype}
+        self.num_features = num_features
+        self.eps = eps
+        self.momentum = momentum
+        self.affine = affine
+        self.track_running_stats = track_running_stats
+        if affine:
+            self.weight = nn.Parameter(torch.empty(batch, num_features, **factory_kwargs))
+            self.bias = nn.Parameter(torch.empty(batch, num_features, **factory_kwargs))
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        if track_running_stats:
+            self.register_buffer("running_mean", torch.zeros(batch, num_features, **factory_kwargs))
+            self.register_buffer("running_var", torch.ones(batch, num_features, **factory_kwargs))
+            self.register_buffer(
+                "num_batches_tracked", torch.zeros(batch, dtype=torch.long, device=factory_kwargs["device"])
+            )
+        else:
+            self.register_buffer("running_mean", None)
+            self.register_buffer("running_var", None)
+            self.register_buffer("num_batches_tracked", None)
+        self.reset_parameters()
+
+    def reset_running_stats(self) -> None:
+        if self.track_running_stats:
+            self.running_mean.zero_()
+            self.running_var.fill_(1)
+            self.num_batches_tracked.zero_()
+
+    def reset_parameters(self) -> None:
+        self.reset_running_stats()
+        if self.affine:
+            nn.init.ones_(self.weight)
+            nn.init.zeros_(self.bias)
+
+    @classmethod
+    def from_module(cls, module: nn.Module, batch: int) -> _InstanceNorm:
+        reference = module.weight if module.affine else module.running_mean
+        layer = cls(
+            module.num_features,
+            module.eps,
+            module.momentum,
+            module.affine,
+            module.track_running_stats,
+            batch=batch,
+            device=None if reference is None else reference.device,
+            dtype=None if reference is None else reference.dtype,
+        )
+        _copy_parameters(layer, module, batch)
+        return layer
+
+    def _check_input(self, x: Tensor) -> None:
+        if x.dim() != self.spatial_dims + 2:
+            raise ValueError(
+                f"{type(self).__name__}: expected a {self.spatial_dims + 2}-D input (B*n, C, "
+                f"{', '.join('*' * self.spatial_dims)}) with the model axis merged into dim 0, got shape "
+                f"{tuple(x.shape)}"
+            )
+        if x.shape[1] != self.num_features:
+            if self.affine or self.track_running_stats:
+                raise ValueError(
+                    f"{type(self).__name__}: expected input's size at dim=1 to match num_features "
+                    f"({self.num_features}), but got: {x.shape[1]} (input shape {tuple(x.shape)})."
+                )
+            warnings.warn(
+                "input's size at dim=1 does not match num_features. You can silence this warning by not passing "
+                "in num_features, which is not used because affine=False",
+                stacklevel=2,
+            )
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check_input(x)
+        trailing = x.dim() - 2
+        if self.training or not self.track_running_stats:
+            y = F.instance_norm(x, None, None, None, None, True, 0.0, self.eps)
+            momentum = 0.0 if self.momentum is None else self.momentum
+            if self.training and self.track_running_stats and momentum != 0.0:
+                self._update_running_stats(x, momentum)
+            return self._affine(y, self.weight, self.bias, trailing)
+        # Evaluation with running statistics: y = x * scale + shift per model and channel.
+        scale = torch.rsqrt(self.running_var + self.eps)
+        if self.weight is not None:
+            scale = scale * self.weight
+        shift = -self.running_mean * scale
+        if self.bias is not None:
+            shift = shift + self.bias
+        models = self.split(x)
+        dims = models.dim()
+        out = torch.addcmul(_per_model(shift, dims, trailing), models, _per_model(scale, dims, trailing))
+        return out.reshape(-1, *out.shape[2:])
+
+    @torch.no_grad()
+    def _update_running_stats(self, x: Tensor, momentum: float) -> None:
+        stats_dtype = torch.promote_types(x.dtype, self.running_mean.dtype)
+        var, mean = torch.var_mean(x.detach().to(stats_dtype), dim=tuple(range(2, x.dim())), correction=1)
+        if self.is_shared(x):  # every model saw the same samples
+            var, mean = var.mean(0).expand(self.batch, -1), mean.mean(0).expand(self.batch, -1)
+        else:
+            var = var.view(self.batch, -1, self.num_features).mean(1)
+            mean = mean.view(self.batch, -1, self.num_features).mean(1)
+        self.running_mean.lerp_(mean.to(self.running_mean.dtype), momentum)
+        self.running_var.lerp_(var.to(self.running_var.dtype), momentum)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
+            f"track_running_stats={self.track_running_stats}, batch={self.batch}"
+        )
+
+
+class InstanceNorm1d(_InstanceNorm):
+    """``batch`` independent :class:`torch.nn.InstanceNorm1d`. Input ``(B*n, C, L)``."""
+
+    base_class = nn.InstanceNorm1d
+    spatial_dims = 1
+
+
+class InstanceNorm2d(_InstanceNorm):
+    """``batch`` independent :class:`torch.nn.InstanceNorm2d`. Input ``(B*n, C, H, W)`` (or shared ``(n, C, H, W)``).
+
+    Examples::
+
+        >>> norm = InstanceNorm2d(8, affine=True, batch=4)
+        >>> norm(torch.randn(4 * 2, 8, 5, 5)).shape
+        torch.Size([8, 8, 5, 5])
+    """
+
+    base_class = nn.InstanceNorm2d
+    spatial_dims = 2
+
+
+class InstanceNorm3d(_InstanceNorm):
+    """``batch`` independent :class:`torch.nn.InstanceNorm3d`. Input ``(B*n, C, D, H, W)``."""
+
+    base_class = nn.InstanceNorm3d
+    spatial_dims = 3
+
+
+def _copy_parameters(layer: AbstractBatchModule, module: nn.Module, batch: int) -> None:
+    """Copy every parameter and buffer of the plain ``module`` into all ``batch`` slots of ``layer``."""
+    with torch.no_grad():
+        for name, target in layer.state_dict(keep_vars=True).items():
+            target.copy_(stack_copies(module.state_dict()[name], batch))
