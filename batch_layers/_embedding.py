@@ -420,9 +420,16 @@ class EmbeddingBag(AbstractBatchModule):
     scatter-add backward), then bags are reduced with torch ops.
 
     Args:
-        num_embeddings, embedding_dim, max_norm, norm_type, scale_grad_by_freq, mode, sparse,
-        _weight, include_last_offset, padding_idx: as :class:`torch.nn.EmbeddingBag`
-        (``sparse=True`` refused), per table.
+        num_embeddings: rows of each table.
+        embedding_dim: size of each row.
+        max_norm: renormalise looked-up rows to this norm (in place), as ``nn.EmbeddingBag``.
+        norm_type: the p of the p-norm for ``max_norm``.
+        scale_grad_by_freq: divide each row's gradient by its frequency in the model's mini-batch.
+        mode: ``"sum"``, ``"mean"`` or ``"max"``.
+        sparse: must be ``False`` (refused with an explanation).
+        _weight: an initial ``(batch, num_embeddings, embedding_dim)`` weight.
+        include_last_offset: each model's offsets end with the end of its last bag.
+        padding_idx: row of every table excluded from the bags (and from the mean's count).
         batch: number of models B.
 
     Shape:
