@@ -633,7 +633,9 @@ class Prefetch:
         if self._event is not None:
             stream = torch.cuda.current_stream(self.table.device)
             stream.wait_event(self._event)
-            self._buf.record_stream(stream)
+            for t in (self._buf, self.indices, self.inverse):
+                if t is not None and t.numel():
+                    t.record_stream(stream)
         return self._buf[:-1]
 
     def result(self) -> Tensor:

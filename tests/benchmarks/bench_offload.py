@@ -1,0 +1,335 @@
+"""Offload benchmark (GPU): every number is a ratio to an anchor measured in the same run.
+
+Part A  gather / scatter of 131,072 random rows of a 10M x 128 fp32 pinned host table, each engine, against
+        a pinned contiguous copy of the same bytes (the PCIe limit) and torch's own ways of doing it.
+Part B  effective rows/s of a training step (lookup + backward + Adam step + write-back) with the GPU cache,
+        heavy-tailed indices against uniform ones.
+Part C  end to end: skip-gram with negative sampling trained with Adam; the offloaded model under a GPU
+        memory cap (torch.cuda.set_per_process_memory_fraction) smaller than its tables + Adam state,
+        against the same model fully on the GPU without the cap (dense nn.Embedding + Adam, and
+        nn.Embedding(sparse=True) + SparseAdam, the lazy equivalent).
+Part D  (when time and host memory allow) matrix factorisation whose user table + Adam state exceed the
+        GPU's physical memory.
+
+    PYTHONPATH=. python3 tests/benchmarks/bench_offload.py --out bench.json [--budget SECONDS] [--parts ABCD]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import offload
+
+T0 = time.perf_counter()
+RESULTS: list[dict] = []
+dev = torch.device("cuda")
+
+
+def emit(**kw):
+    kw["t"] = round(time.perf_counter() - T0, 1)
+    RESULTS.append(kw)
+    print(json.dumps(kw), flush=True)
+
+
+def cuda_time(fn, iters=10, warmup=2, repeats=3):
+    """Median over ``repeats`` of the mean time of ``iters`` back-to-back calls (synchronised at the end)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    means = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+        means.append((time.perf_counter() - t0) / iters)
+    return sorted(means)[len(means) // 2]
+
+
+def heavy_tailed(n, rows, gen, perm=None, alpha=2.5):
+    """Pareto-like ranks (as shared/bench part B), spread over the table by a fixed permutation."""
+    r = torch.empty(n, device=dev).exponential_(1.0, generator=gen)
+    ranks = (torch.exp(r * alpha).long() - 1).clamp_(0, rows - 1)
+    return ranks if perm is None else perm[ranks]
+
+
+def zipf_like(n, rows, gen, perm):
+    """Log-uniform ranks (P(rank) ~ 1/rank, word frequencies), spread by a fixed permutation."""
+    u = torch.rand(n, device=dev, generator=gen)
+    ranks = (torch.exp(u * math.log(rows)).long() - 1).clamp_(0, rows - 1)
+    return perm[ranks]
+
+
+# --------------------------------------------------------------------------------------------------------
+def part_a(state):
+    rows, dim, n = 10_000_000, 128, 131_072
+    nbytes = n * dim * 4
+    t0 = time.perf_counter()
+    data = torch.empty(rows, dim)
+    data.normal_()
+    t_fill = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    table = offload.HostTable.from_tensor(data, device=dev, copy=False, pin=True)
+    emit(part="A", note="10M x 128 fp32 table", fill_s=t_fill, pin_s=time.perf_counter() - t0)
+    state["table"] = table
+    gen = torch.Generator(device=dev).manual_seed(0)
+    idx = torch.randint(0, rows, (n,), device=dev, generator=gen)
+    idx_cpu = idx.cpu()
+    uniq = torch.randperm(rows, device=dev, generator=gen)[:n]
+    uniq_sorted = uniq.sort().values
+
+    buf = torch.empty(n, dim, pin_memory=True)
+    dbuf = torch.empty(n, dim, device=dev)
+    h2d = cuda_time(lambda: dbuf.copy_(buf, non_blocking=True), 20)
+    d2h = cuda_time(lambda: buf.copy_(dbuf, non_blocking=True), 20)
+    emit(part="A", op="gather", impl="anchor: pinned contiguous H2D copy", ms=h2d * 1e3, GBps=nbytes / h2d / 1e9)
+    emit(part="A", op="scatter", impl="anchor: pinned contiguous D2H copy", ms=d2h * 1e3, GBps=nbytes / d2h / 1e9)
+
+    def torch_staged():
+        torch.index_select(data, 0, idx_cpu, out=buf)
+        dbuf.copy_(buf, non_blocking=True)
+        torch.cuda.current_stream().synchronize()  # buf is reused: no overlap with the next call
+
+    t = cuda_time(torch_staged, 5)
+    emit(part="A", op="gather", impl="anchor: torch index_select -> pinned buffer -> copy", ms=t * 1e3,
+         GBps=nbytes / t / 1e9, ratio=h2d / t)
+    t = cuda_time(lambda: data[idx_cpu].to(dev), 3, 1, 1)
+    emit(part="A", op="gather", impl="anchor: host[idx].cuda()", ms=t * 1e3, GBps=nbytes / t / 1e9, ratio=h2d / t)
+
+    ref = data[idx_cpu]
+    for engine in ("uva", "cpu"):
+        table.engine = engine
+        try:
+            got = table.gather(idx)
+            torch.cuda.synchronize()
+            ok = torch.equal(got.cpu(), ref)
+            for label, fn in [("gather(idx) [dedup + bounds check]", lambda: table.gather(idx)),
+                              ("gather(unique sorted idx, unique=True)",
+                               lambda: table.gather(uniq_sorted, unique=True, out=dbuf))]:
+                t = cuda_time(fn, 10)
+                emit(part="A", op="gather", impl=f"offload {engine}: {label}", ms=t * 1e3, GBps=nbytes / t / 1e9,
+                     ratio=h2d / t, correct=ok)
+            src = torch.randn(n, dim, device=dev)
+            table.scatter(uniq, src, unique=True)
+            torch.cuda.synchronize()
+            ok = torch.equal(table.data[uniq.cpu()], src.cpu())
+            for label, fn in [("scatter(idx) [distinct check]", lambda src=src: table.scatter(uniq, src)),
+                              ("scatter(idx, unique=True)",
+                               lambda src=src: table.scatter(uniq, src, unique=True))]:
+                t = cuda_time(fn, 10)
+                emit(part="A", op="scatter", impl=f"offload {engine}: {label}", ms=t * 1e3, GBps=nbytes / t / 1e9,
+                     ratio=d2h / t, correct=ok)
+        except Exception as e:  # report and go on
+            emit(part="A", impl=f"offload {engine}", error=repr(e)[:400])
+    table.engine = None
+    emit(part="A", note="auto engine choice", choice=offload.engine_choice(dev))
+
+
+def part_b(state):
+    table = state["table"]
+    rows, dim, n = table.num_rows, table.dim, 131_072
+    gen = torch.Generator(device=dev).manual_seed(1)
+    perm = torch.randperm(rows, device=dev, generator=gen)
+    t0 = time.perf_counter()
+    emb = offload.OffloadedEmbedding(rows, dim, table=table, device=dev, cache_rows=1 << 20)
+    opt = offload.attach(torch.optim.Adam(emb.parameters(), lr=1e-3))
+    emit(part="B", note="attach Adam: 2 state tables of 10M x 128 created and pinned",
+         s=time.perf_counter() - t0)
+    res = {}
+    for dist in ("uniform", "heavy"):
+        pool = [torch.randint(0, rows, (n,), device=dev, generator=gen) if dist == "uniform"
+                else heavy_tailed(n, rows, gen, perm) for _ in range(8)]
+        uniq = sum(int(p.unique().numel()) for p in pool) / len(pool)
+        k = [0]
+
+        def step(pool=pool, k=k):
+            idx = pool[k[0] % len(pool)]
+            k[0] += 1
+            opt.zero_grad(set_to_none=True)
+            out = emb(idx)
+            emb.prefetch(pool[k[0] % len(pool)])
+            out.pow(2).mean().backward()
+            opt.step()
+
+        h0, m0 = emb.cache_stats()["hits"], emb.cache_stats()["misses"]
+        t = cuda_time(step, 8, 3, 3)
+        st = emb.cache_stats()
+        hits, misses = st["hits"] - h0, st["misses"] - m0
+        res[dist] = n / t
+        emit(part="B", dist=dist, indices=n, unique_rows=uniq, ms_per_step=t * 1e3, eff_rows_per_s=n / t,
+             cache_hit_rate=hits / max(1, hits + misses))
+    emit(part="B", heavy_over_uniform=res["heavy"] / res["uniform"])
+    emb.flush()
+    offload.detach(opt)
+    emb.table = None  # the table of part A is dropped with the state
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+class SkipGram(nn.Module):
+    def __init__(self, vocab, dim, make):
+        super().__init__()
+        self.inp = make(vocab, dim)
+        self.out = make(vocab, dim)
+
+    def forward(self, center, ctx):  # center (B,), ctx (B, 1 + negatives): column 0 is the true context
+        c = self.inp(center)
+        o = self.out(ctx)
+        s = torch.einsum("bd,bkd->bk", c, o)
+        sign = torch.ones_like(s)
+        sign[:, 1:] = -1
+        return -F.logsigmoid(s * sign).sum(1).mean()
+
+
+def part_c(state):
+    vocab, dim, batch, neg = 4_000_000, 128, 16_384, 5
+    gen = torch.Generator(device=dev).manual_seed(2)
+    perm = torch.randperm(vocab, device=dev, generator=gen)
+    data = [(zipf_like(batch, vocab, gen, perm), zipf_like(batch * (1 + neg), vocab, gen, perm).view(batch, 1 + neg))
+            for _ in range(16)]
+    table_state_bytes = 2 * vocab * dim * 4 * 3
+    res = {}
+
+    def run(model, opt, label, prefetch=False, steps=20):
+        k = [0]
+
+        def step():
+            c, x = data[k[0] % len(data)]
+            k[0] += 1
+            opt.zero_grad(set_to_none=True)
+            loss = model(c, x)
+            if prefetch:
+                nc, nx = data[k[0] % len(data)]
+                model.inp.prefetch(nc)
+                model.out.prefetch(nx)
+            loss.backward()
+            opt.step()
+
+        torch.cuda.reset_peak_memory_stats()
+        t = cuda_time(step, steps, 3, 3)
+        res[label] = 1 / t
+        emit(part="C", impl=label, steps_per_s=1 / t, ms_per_step=t * 1e3,
+             peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30)
+
+    torch.manual_seed(0)
+    dense = SkipGram(vocab, dim, lambda v, d: nn.Embedding(v, d)).to(dev)
+    run(dense, torch.optim.Adam(dense.parameters(), lr=1e-3), "GPU: dense nn.Embedding + Adam (no cap)")
+    del dense
+    sparse = SkipGram(vocab, dim, lambda v, d: nn.Embedding(v, d, sparse=True)).to(dev)
+    run(sparse, torch.optim.SparseAdam(list(sparse.parameters()), lr=1e-3),
+        "GPU: nn.Embedding(sparse=True) + SparseAdam (no cap)")
+    del sparse
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    total = torch.cuda.get_device_properties(dev).total_memory
+    cap = 3 * 2**30
+    torch.cuda.set_per_process_memory_fraction(cap / total)
+    emit(part="C", note="GPU memory cap", cap_gib=cap / 2**30, tables_plus_adam_gib=table_state_bytes / 2**30)
+    try:
+        t0 = time.perf_counter()
+        model = SkipGram(vocab, dim, lambda v, d: offload.OffloadedEmbedding(v, d)).to(dev)
+        opt = offload.attach(torch.optim.Adam(model.parameters(), lr=1e-3))
+        emit(part="C", note="offloaded tables + Adam state created and pinned", s=time.perf_counter() - t0)
+        for cache_rows, prefetch in ((0, False), (0, True), (1 << 18, True)):
+            for m in (model.inp, model.out):
+                m.flush()
+                m._cache = None
+                m.cache_rows = cache_rows
+            run(model, opt, f"offload: cache_rows={cache_rows}, prefetch={prefetch} (capped)", prefetch)
+        offload.detach(opt)
+        model.inp.table = model.out.table = None
+        gc.collect()
+        torch.cuda.empty_cache()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    best = max(v for k, v in res.items() if k.startswith("offload"))
+    emit(part="C", offload_best_over_sparse_gpu=best / res["GPU: nn.Embedding(sparse=True) + SparseAdam (no cap)"],
+         offload_best_over_dense_gpu=best / res["GPU: dense nn.Embedding + Adam (no cap)"])
+
+
+def part_d(state, budget_left):
+    gpu = torch.cuda.get_device_properties(dev).total_memory
+    dim = 128
+    users = int(gpu * 1.08 / (dim * 4 * 3)) + 1  # table + Adam state just over the GPU's memory
+    need = users * dim * 4 * 3
+    info = offload.host_memory_available()
+    emit(part="D", users=users, table_plus_adam_gib=need / 2**30, gpu_gib=gpu / 2**30,
+         host_available_gib=(info["available"] or 0) / 2**30, budget_left_s=budget_left)
+    if budget_left < 120:
+        emit(part="D", skipped="not enough time left in this run")
+        return
+    t0 = time.perf_counter()
+    users_emb = offload.OffloadedEmbedding(users, dim, device=dev, pin=False)
+    items = nn.Embedding(100_000, dim).to(dev)
+    opt = offload.attach(torch.optim.Adam([*users_emb.parameters(), *items.parameters()], lr=1e-3))
+    emit(part="D", note="tables created (unpinned host memory; the CPU engine stages rows)",
+         s=time.perf_counter() - t0)
+    gen = torch.Generator(device=dev).manual_seed(3)
+    batch = 65_536
+
+    def step():
+        u = torch.randint(0, users, (batch,), device=dev, generator=gen)
+        i = torch.randint(0, 100_000, (batch,), device=dev, generator=gen)
+        r = torch.rand(batch, device=dev, generator=gen) * 5
+        opt.zero_grad(set_to_none=True)
+        pred = (users_emb(u) * items(i)).sum(1)
+        F.mse_loss(pred, r).backward()
+        opt.step()
+
+    t = cuda_time(step, 5, 2, 1)
+    emit(part="D", impl="matrix factorisation, user table + Adam state > GPU memory", steps_per_s=1 / t,
+         ms_per_step=t * 1e3, rows_per_step=batch)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench.json"))
+    ap.add_argument("--budget", type=float, default=280.0)
+    ap.add_argument("--parts", default="ABCD")
+    args = ap.parse_args()
+    emit(note="env", torch=torch.__version__, gpu=torch.cuda.get_device_name(), threads=torch.get_num_threads(),
+         cupy=offload._uva.cupy.__version__ if offload._uva.cupy is not None else None)
+    state: dict = {}
+    for p in args.parts:
+        try:
+            if p == "A":
+                part_a(state)
+            elif p == "B":
+                part_b(state)
+            elif p == "C":
+                state.pop("table", None)
+                gc.collect()
+                part_c(state)
+            elif p == "D":
+                part_d(state, args.budget - (time.perf_counter() - T0))
+        except Exception as e:
+            import traceback
+
+            emit(part=p, error=repr(e)[:400], tb=traceback.format_exc()[-1500:])
+        with open(args.out, "w") as f:
+            json.dump(RESULTS, f, indent=1)
+    print("\n| part | what | ms | GB/s, rows/s or steps/s | ratio to anchor |")
+    for r in RESULTS:
+        if "error" in r:
+            print(f"| {r.get('part')} | ERROR {r.get('impl', '')} | {r['error'][:200]} | | |")
+        elif "impl" in r or "dist" in r:
+            ms = r.get("ms", r.get("ms_per_step"))
+            rate = r.get("GBps", r.get("eff_rows_per_s", r.get("steps_per_s")))
+            ratio = r.get("ratio")
+            print(f"| {r.get('part')} | {r.get('impl', r.get('dist'))} | {ms:.3f} | {rate:.4g} | "
+                  f"{'' if ratio is None else f'{ratio:.2f}'} |")
+        elif any(k.endswith("over_uniform") or "_over_" in k for k in r):
+            print(f"| {r.get('part')} | {json.dumps(r)} | | | |")
+
+if __name__ == "__main__":
+    main()

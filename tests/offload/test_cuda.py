@@ -1,0 +1,126 @@
+"""GPU-only: the UVA kernel against the CPU engine (and plain indexing), with proof that the kernel ran."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import offload
+from offload import _memory
+
+pytestmark = pytest.mark.cuda
+
+
+def _launches(op: str) -> int:
+    return offload.uva_launch_counts().get(op, 0)
+
+
+@pytest.mark.parametrize("dtype,dim", [(torch.float32, 128), (torch.float32, 3), (torch.bfloat16, 5),
+                                       (torch.float16, 64), (torch.float64, 7), (torch.uint8, 13),
+                                       (torch.int64, 1)])
+def test_uva_and_cpu_engines_agree(dtype, dim):
+    pytest.importorskip("cupy")
+    g = torch.Generator().manual_seed(0)
+    rows = 20_011
+    src = (torch.randn(rows, dim, generator=g) * 50).to(dtype)
+    uva = offload.HostTable.from_tensor(src, device="cuda", engine="uva")
+    cpu = offload.HostTable.from_tensor(src, device="cuda", engine="cpu")
+    assert uva.pinned and cpu.pinned
+    idx = torch.randint(0, rows, (3, 4099), generator=g).cuda()
+    before = _launches("gather")
+    a = uva.gather(idx)
+    assert _launches("gather") == before + 1
+    b = cpu.gather(idx)
+    assert _launches("gather") == before + 1  # the CPU engine launched no kernel
+    assert torch.equal(a, b) and torch.equal(a.cpu(), src[idx.cpu()])
+    new = torch.randperm(rows, generator=g)[:5003].cuda()
+    vals = (torch.randn(5003, dim, generator=g) * 50).to(dtype).cuda()
+    before = _launches("scatter")
+    uva.scatter(new, vals)
+    assert _launches("scatter") == before + 1
+    cpu.scatter(new, vals)
+    assert torch.equal(uva.data, cpu.data)
+    expected = src.clone()
+    expected[new.cpu()] = vals.cpu()
+    assert torch.equal(uva.data, expected)
+
+
+def test_uva_prefetch_on_side_stream_is_patched():
+    pytest.importorskip("cupy")
+    src = torch.randn(5000, 32)
+    t = offload.HostTable.from_tensor(src, device="cuda", engine="uva")
+    idx = torch.arange(0, 5000, 3, device="cuda")
+    p = t.prefetch(idx)
+    t.scatter(idx[:10], torch.zeros(10, 32, device="cuda"))
+    got = p.result()
+    expected = src[idx.cpu()]
+    expected[:10] = 0
+    assert torch.equal(got.cpu(), expected)
+
+
+def test_auto_engine_is_measured_once():
+    choice = offload.engine_choice("cuda")
+    assert set(choice) == {"gather", "scatter"} and set(choice.values()) <= {"uva", "cpu"}
+    assert offload.engine_choice("cuda") == choice
+    t = offload.HostTable(100, 4, device="cuda", engine="auto")
+    assert t.resolved_engine("gather") == choice["gather"]
+
+
+def test_pin_failure_reports_size_and_leaves_nothing(monkeypatch):
+    before = dict(_memory._registered)
+    monkeypatch.setattr(_memory, "_cuda_register", lambda ptr, n: 2)  # cudaErrorMemoryAllocation
+    with pytest.raises(offload.HostMemoryError, match=r"could not pin \(cudaHostRegister\) 3\.8 MiB "
+                                                     r"\(4000000 bytes\).*MemAvailable .*CUDA error 2"):
+        offload.HostTable(10_000, 100, device="cuda")
+    assert _memory._registered == before
+
+
+def test_memory_mapped_file_pinned_in_place(tmp_path):
+    pytest.importorskip("cupy")
+    arr = np.random.default_rng(0).standard_normal((4096, 16)).astype(np.float32)
+    np.save(tmp_path / "t.npy", arr)
+    t = offload.HostTable.from_npy(tmp_path / "t.npy", pin=True, device="cuda", engine="uva")
+    assert t.pinned
+    idx = torch.tensor([5, 4095, 17], device="cuda")
+    assert torch.equal(t.gather(idx).cpu(), torch.from_numpy(arr)[idx.cpu()])
+    t.scatter(torch.tensor([1], device="cuda"), torch.full((1, 16), 7.0, device="cuda"))
+    t.close()
+    assert np.load(tmp_path / "t.npy")[1].tolist() == [7.0] * 16
+
+
+@pytest.mark.parametrize("cache_rows", [0, 300])
+def test_embedding_training_identical_on_both_engines(cache_rows):
+    pytest.importorskip("cupy")
+    g = torch.Generator().manual_seed(0)
+    n, d = 5000, 32
+    w0 = torch.randn(n, d, generator=g)
+    data = [((torch.empty(512).exponential_(generator=g) * 400).long().clamp_(max=n - 1).view(64, 8).cuda(),
+             torch.randn(64, 8, d, generator=g).cuda()) for _ in range(12)]
+    tables = {}
+    for engine in ("uva", "cpu"):
+        emb = offload.OffloadedEmbedding(n, d, _weight=w0.clone(), device="cuda", engine=engine,
+                                         cache_rows=cache_rows)
+        opt = offload.attach(torch.optim.Adam(emb.parameters(), lr=0.01))
+        before = _launches("gather") + _launches("scatter")
+        for i, (idx, target) in enumerate(data):
+            opt.zero_grad()
+            out = emb(idx)
+            if i + 1 < len(data):
+                emb.prefetch(data[i + 1][0])
+            (out - target).pow(2).sum().backward()
+            opt.step()
+        emb.flush()
+        ran = _launches("gather") + _launches("scatter") - before
+        assert (ran > 0) == (engine == "uva")
+        tables[engine] = (emb.table.data.clone(), {k: t.data.clone() for k, t in emb.state_tables.items()})
+    ref = torch.nn.Embedding(n, d, sparse=True, _weight=w0.clone()).cuda()
+    ropt = torch.optim.SparseAdam(ref.parameters(), lr=0.01)
+    for idx, target in data:
+        ropt.zero_grad()
+        (ref(idx) - target).pow(2).sum().backward()
+        ropt.step()
+    assert torch.equal(tables["uva"][0], tables["cpu"][0])
+    for k in tables["uva"][1]:
+        assert torch.equal(tables["uva"][1][k], tables["cpu"][1][k])
+    torch.testing.assert_close(tables["uva"][0], ref.weight.detach().cpu(), rtol=1e-4, atol=1e-5)
