@@ -239,10 +239,18 @@ class BatchModule(nn.Module):
         index = self._keep_index(keep)
         with torch.no_grad():
             for key, value in self.module.state_dict(keep_vars=True).items():
-                if self._is_per_model(key, value):
-                    value.data = value.data[index.to(value.device)]
-                    if isinstance(value, nn.Parameter) and value.grad is not None:
-                        value.grad = value.grad[index.to(value.device)]
+                if not self._is_per_model(key, value):
+                    continue
+                kept = value.data[index.to(value.device)]
+                if isinstance(value, nn.Parameter):
+                    # Swap in place rather than assign .data: autograd caches a parameter's gradient
+                    # accumulator, with its old shape, for as long as any earlier graph is alive.
+                    replacement = nn.Parameter(kept, requires_grad=value.requires_grad)
+                    if value.grad is not None:
+                        replacement.grad = value.grad[index.to(value.device)]
+                    torch.utils.swap_tensors(value, replacement)
+                else:
+                    value.data = kept
         self.batch = len(index)
         for module in self.module.modules():
             if isinstance(module, AbstractBatchModule):

@@ -1,13 +1,55 @@
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 
 from torchmb.__main__ import main
+from torchmb._demo import DigitsCNN
 
 
-def test_demo_trains_every_model_past_chance(capsys) -> None:
-    main(["demo", "--models", "4", "--steps", "60", "--samples", "32", "--device", "cpu"])
-    out = capsys.readouterr().out
-    assert "4 models x 60 steps" in out
-    accuracies = [float(a) for a in out.split("validation accuracy per model:")[1].split("\n")[0].split()]
-    assert len(accuracies) == 4
-    assert min(accuracies) > 0.5, "four classes: chance is 0.25; every model must have learned"
-    assert torch.cuda.is_available() or "on cpu" in out
+@pytest.fixture(scope="module")
+def demo_output(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("demo")
+    args = ["demo", "--lr-values", "3", "--wd-values", "2", "--steps", "40", "--samples", "32"]
+    main([*args, "--device", "cpu", "--out", str(out)])
+    return out
+
+
+def test_demo_writes_leaderboard_plot_and_results(demo_output: Path) -> None:
+    out = demo_output
+    with open(out / "leaderboard.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 6
+    assert [int(r["rank"]) for r in rows] == list(range(1, 7))
+    accuracies = [float(r["val_accuracy"]) for r in rows]
+    finite = [a for a in accuracies if a == a]
+    assert finite == sorted(finite, reverse=True), "ranked by validation accuracy"
+    assert max(finite) > 0.5, "ten classes: the best model must be far above chance after 40 steps"
+    assert sorted({float(r["lr"]) for r in rows}) == pytest.approx([1e-3, 10**-1.5, 1.0])
+    assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    results = json.loads((out / "results.json").read_text())
+    assert results["best"] == {k: (int(v) if k in ("rank", "model") else float(v)) for k, v in rows[0].items()}
+
+
+def test_best_checkpoint_loads_into_the_plain_model_and_without_torchmb(demo_output: Path) -> None:
+    out = demo_output
+    plain = DigitsCNN()
+    plain.load_state_dict(torch.load(out / "best_state_dict.pt"))
+    plain.eval()
+    x = torch.rand(5, 1, 8, 8)
+    expected = plain(x)
+    torch.save(x, out / "probe.pt")
+    script = (
+        "import sys; sys.modules['torchmb'] = sys.modules['batch_layers'] = sys.modules['offload'] = None\n"
+        "import torch\n"
+        f"model = torch.export.load({str(out / 'best_model.pt2')!r}).module()\n"
+        f"torch.save(model(torch.load({str(out / 'probe.pt')!r})), {str(out / 'answer.pt')!r})\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=out)
+    torch.testing.assert_close(torch.load(out / "answer.pt"), expected, atol=1e-5, rtol=0)

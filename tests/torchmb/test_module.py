@@ -260,6 +260,19 @@ def test_select_keeps_survivors_bit_identical() -> None:
             assert torch.equal(survivors.state_dict_of(j)[key], value), key
 
 
+def test_select_while_an_earlier_graph_is_alive() -> None:
+    batched = BatchModule(MLP(), 4, init="independent", seed=0)
+    x = torch.randn(4, 3, 12)
+    losses = batched(x).square().mean(dim=(1, 2))
+    losses.sum().backward()  # `losses` keeps its graph, and autograd its accumulators, alive
+    batched.select([2, 0])
+    assert batched.module.layers[0].weight.grad.shape == (2, 16, 12)
+    batched.zero_grad()
+    batched(x[[2, 0]]).square().sum().backward()
+    assert batched.module.layers[0].weight.grad.shape == (2, 16, 12)
+    assert losses.shape == (4,)
+
+
 def test_select_refuses_bad_keep() -> None:
     batched = BatchModule(MLP(), 3)
     with pytest.raises(ValueError, match="at least one model"):
