@@ -8,11 +8,12 @@ gradients, parameter gradients and (after two steps) buffers, model by model.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
 
 import batch_layers
 from torchmb import lookup_batch_module
@@ -34,6 +35,13 @@ class LayerCase:
     # mode has its own tests). Other modes are skipped with this reason.
     modes: tuple[str, ...] = ("train", "eval")
     skip_reason: str = ""
+    # Keyword arguments for both calls (flags such as need_weights); the last len(keywords) inputs of
+    # make_inputs are passed by these names instead of positionally (e.g. key_padding_mask).
+    kwargs: dict = field(default_factory=dict)
+    keywords: tuple[str, ...] = ()
+    # The merged model axis of each output tensor (outputs flattened as a pytree, Nones dropped), e.g.
+    # (0, 1, 1) for an LSTM's (output, (h_n, c_n)); None: dim 0 for every output.
+    out_dims: tuple[int, ...] | None = None
 
     def inputs(self, device: str) -> tuple[Tensor, ...]:
         if self.make_inputs is not None:
@@ -98,12 +106,19 @@ def batched_from(plain_layers: list[nn.Module]) -> batch_layers.AbstractBatchMod
 
 
 def _merged(x: Tensor) -> Tensor:
-    merged = x.reshape(BATCH * SAMPLES, *x.shape[2:])
+    merged = x.reshape(-1, *x.shape[2:])
     return merged.requires_grad_() if merged.is_floating_point() else merged
 
 
-def _per_model(t: Tensor, i: int) -> Tensor:
-    return t.view(BATCH, -1, *t.shape[1:])[i].reshape(-1, *t.shape[1:])
+def _per_model(t: Tensor, i: int, dim: int = 0) -> Tensor:
+    t = t.movedim(dim, 0)
+    return t.reshape(BATCH, -1, *t.shape[1:])[i].reshape(-1, *t.shape[1:]).movedim(0, dim)
+
+
+def _call(layer: nn.Module, case: LayerCase, inputs: list[Tensor]) -> list[Tensor]:
+    split = len(inputs) - len(case.keywords)
+    kwargs = {**case.kwargs, **dict(zip(case.keywords, inputs[split:]))}
+    return [t for t in tree_flatten(layer(*inputs[:split], **kwargs))[0] if isinstance(t, Tensor)]
 
 
 def run_case(case: LayerCase, mode: str, device: str, steps: int = 2) -> None:
@@ -121,15 +136,18 @@ def run_case(case: LayerCase, mode: str, device: str, steps: int = 2) -> None:
     for _ in range(steps):  # twice, so running statistics updated by the first step are used by the second
         inputs = case.inputs(device)
         merged = [_merged(x) for x in inputs]
-        y_batched = batched(*merged)
-        grad = torch.randn_like(y_batched)
-        y_batched.backward(grad)
+        y_batched = _call(batched, case, merged)
+        out_dims = case.out_dims or (0,) * len(y_batched)
+        grads = [torch.randn_like(y) for y in y_batched]
+        torch.autograd.backward(y_batched, grads)
         for i, layer in enumerate(plain):
             layer.zero_grad()
             own = [x[i].clone().requires_grad_() if x.is_floating_point() else x[i] for x in inputs]
-            y_i = layer(*own)
-            y_i.backward(_per_model(grad, i))
-            torch.testing.assert_close(_per_model(y_batched, i), y_i, atol=case.atol, rtol=0)
+            y_own = _call(layer, case, own)
+            assert len(y_own) == len(y_batched), f"{case.name}: {len(y_batched)} outputs, plain has {len(y_own)}"
+            torch.autograd.backward(y_own, [_per_model(g, i, d) for g, d in zip(grads, out_dims)])
+            for y_b, y_i, d in zip(y_batched, y_own, out_dims):
+                torch.testing.assert_close(_per_model(y_b, i, d), y_i, atol=case.atol, rtol=0)
             for x_merged, x_own in zip(merged, own):
                 if x_own.requires_grad:
                     torch.testing.assert_close(_per_model(x_merged.grad, i), x_own.grad, atol=case.atol, rtol=0)
@@ -261,5 +279,119 @@ LAYER_CASES += [
     *(
         LayerCase(f"refuses-{name}", make, refuses=f"{name} is out of scope for torchmb")
         for name, make in _OUT_OF_SCOPE.items()
+    ),
+]
+
+
+# -- attention and recurrent layers ---------------------------------------------------------------------------
+
+
+def attention_inputs(
+    tgt: int = 5, src: int = 4, kdim: int = 8, vdim: int = 8, mask: str | None = None, heads: int = 2
+) -> Callable[[int, int, str], tuple[Tensor, ...]]:
+    """query (L=tgt, 8 features), key and value (S=src) and optionally a mask, each (B, n, ...)."""
+
+    def make(b: int, n: int, device: str) -> tuple[Tensor, ...]:
+        inputs = [torch.randn(b, n, tgt, 8, device=device)]
+        inputs += [torch.randn(b, n, src, kdim, device=device), torch.randn(b, n, src, vdim, device=device)]
+        if mask == "padding":  # one model's sample may hide any keys but the first
+            padding = torch.rand(b, n, src, device=device) < 0.4
+            padding[..., 0] = False
+            inputs.append(padding)
+        elif mask == "per-head":  # (N*heads, L, S) per model: (B, n*heads, L, S) merged into (B*n*heads, L, S)
+            inputs.append(torch.randn(b, n * heads, tgt, src, device=device))
+        return tuple(inputs)
+
+    return make
+
+
+def sequences(steps: int, features: int) -> Callable[[int, int, str], tuple[Tensor, ...]]:
+    return lambda b, n, device: (torch.randn(b, n, steps, features, device=device),)
+
+
+def small_random(make: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    """``make`` with every parameter drawn from N(0, 0.3) (biases off zero, attention logits moderate)."""
+
+    def build() -> nn.Module:
+        layer = make()
+        with torch.no_grad():
+            for param in layer.parameters():
+                param.normal_(0.0, 0.3)
+        return layer
+
+    return build
+
+
+_RECURRENT_DROPOUT = "dropout between layers is random in train mode; test_recurrent.py checks its masks"
+
+LAYER_CASES += [
+    LayerCase(
+        "mha-cross-attention-weights",
+        small_random(lambda: nn.MultiheadAttention(8, 2, batch_first=True)),
+        make_inputs=attention_inputs(),
+    ),
+    LayerCase(
+        "mha-kdim-vdim-per-head-weights",
+        small_random(lambda: nn.MultiheadAttention(8, 2, kdim=3, vdim=6, batch_first=True)),
+        make_inputs=attention_inputs(kdim=3, vdim=6),
+        kwargs={"average_attn_weights": False},
+    ),
+    LayerCase(
+        "mha-padding-mask-bias-kv-zero-attn",
+        small_random(lambda: nn.MultiheadAttention(8, 2, add_bias_kv=True, add_zero_attn=True, batch_first=True)),
+        make_inputs=attention_inputs(mask="padding"),
+        keywords=("key_padding_mask",),
+    ),
+    LayerCase(
+        "mha-per-head-mask-sdpa-nobias",
+        small_random(lambda: nn.MultiheadAttention(8, 2, bias=False, batch_first=True)),
+        make_inputs=attention_inputs(mask="per-head"),
+        kwargs={"need_weights": False},
+        keywords=("attn_mask",),
+    ),
+    LayerCase(
+        "mha-dropout",
+        small_random(lambda: nn.MultiheadAttention(8, 4, dropout=0.2, batch_first=True)),
+        make_inputs=attention_inputs(),
+        kwargs={"need_weights": False},
+        modes=("eval",),
+        skip_reason="attention dropout is random in train mode; test_attention.py checks its masks",
+    ),
+    LayerCase(
+        "rnn-relu-2-layers",
+        lambda: nn.RNN(5, 6, 2, nonlinearity="relu", batch_first=True),
+        make_inputs=sequences(4, 5),
+        out_dims=(0, 1),
+    ),
+    LayerCase(
+        "lstm-bidirectional",
+        lambda: nn.LSTM(5, 6, 2, batch_first=True, bidirectional=True),
+        make_inputs=sequences(4, 5),
+        out_dims=(0, 1, 1),
+    ),
+    LayerCase(
+        "lstm-dropout-between-layers",
+        lambda: nn.LSTM(5, 6, 2, batch_first=True, dropout=0.3),
+        make_inputs=sequences(4, 5),
+        out_dims=(0, 1, 1),
+        modes=("eval",),
+        skip_reason=_RECURRENT_DROPOUT,
+    ),
+    LayerCase(
+        "gru-bidirectional-nobias",
+        lambda: nn.GRU(5, 6, batch_first=True, bidirectional=True, bias=False),
+        make_inputs=sequences(4, 5),
+        out_dims=(0, 1),
+    ),
+    LayerCase(
+        "rnncell-relu-hx",
+        lambda: nn.RNNCell(5, 6, nonlinearity="relu"),
+        make_inputs=lambda b, n, device: (torch.randn(b, n, 5, device=device), torch.randn(b, n, 6, device=device)),
+    ),
+    LayerCase("lstmcell", lambda: nn.LSTMCell(5, 6), (5,)),
+    LayerCase(
+        "grucell-hx",
+        lambda: nn.GRUCell(5, 6),
+        make_inputs=lambda b, n, device: (torch.randn(b, n, 5, device=device), torch.randn(b, n, 6, device=device)),
     ),
 ]
