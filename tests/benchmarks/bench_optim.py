@@ -6,8 +6,10 @@ timed steps:
 - ``torch_foreach``: ``torch.optim`` with ``foreach=True`` on the same stacked parameters, scalar
   hyperparameters (one model set of equal size, no per-model values): the anchor to match or beat.
 - ``torch_fused``: ``torch.optim`` with ``fused=True`` on the stacked parameters (for information).
-- ``batched_per_model``: ``torchmb.optim`` with a different lr (and momentum / beta1) for every model.
-- ``batched_scalar``: ``torchmb.optim`` with scalar hyperparameters.
+- ``batched_per_model``: ``torchmb.optim`` with a different lr (and momentum / beta1) for every model,
+  default path (the fused CuPy kernels where CuPy is installed).
+- ``batched_per_model_reference``: the same with ``fused=False`` (torch ops with per-model broadcasts).
+- ``batched_scalar``: ``torchmb.optim`` with scalar hyperparameters, default path.
 - ``separate``: B independent ``torch.optim`` optimizers (``foreach=True``), one per model's own tensors.
 
 Usage: ``PYTHONPATH=. python3 tests/benchmarks/bench_optim.py [--batch 256] [--out bench.json]``
@@ -86,7 +88,8 @@ def bench(algorithm: str, batch: int, device: torch.device, iters: int) -> dict[
         batched_per_model = dict(lr=lrs, betas=(per_model_momentum, 0.999))
         cls = mo.Adam
     results: dict[str, float] = {}
-    for name in ("torch_foreach", "torch_fused", "batched_per_model", "batched_scalar"):
+    for name in ("torch_foreach", "torch_fused", "batched_per_model", "batched_per_model_reference",
+                 "batched_scalar"):
         params = stacked(batch, device)
         if name == "torch_foreach":
             opt = torch_opt(params, foreach=True)
@@ -94,9 +97,13 @@ def bench(algorithm: str, batch: int, device: torch.device, iters: int) -> dict[
             if device.type != "cuda":
                 continue
             opt = torch_opt(params, fused=True)
+        elif name == "batched_per_model_reference":
+            opt = cls(params, **batched_per_model, fused=False)
         else:
             opt = cls(params, **(batched_per_model if name == "batched_per_model" else batched_scalar))
         results[name] = time_ms(opt.step, iters)
+        if name == "batched_per_model":
+            results["default_path_fused"] = float(opt.fused_steps > 0)
         del opt, params
         torch.cuda.empty_cache()
     models = separate(batch, device)
@@ -146,16 +153,20 @@ def main() -> None:
         r.setdefault("torch_fused", float("nan"))
         r["per_model_vs_foreach"] = r["batched_per_model"] / r["torch_foreach"]
         r["scalar_vs_foreach"] = r["batched_scalar"] / r["torch_foreach"]
+        r["reference_vs_foreach"] = r["batched_per_model_reference"] / r["torch_foreach"]
         r["separate_vs_per_model"] = r["separate"] / r["batched_per_model"]
         report["results"][algorithm] = r
     report["elementwise"] = elementwise_costs(args.batch, device, args.iters)
     print(f"{report['device']}, torch {report['torch']}, B={args.batch}, {numel / 1e6:.1f} M parameters (fp32)")
-    print(f"{'':6} {'foreach':>9} {'fused':>9} {'per-model':>10} {'scalar':>9} {'separate':>10}  "
-          f"{'per-model/foreach':>17} {'separate/per-model':>18}")
+    print("median ms per step; torch_* run on the stacked parameters with scalar hyperparameters")
+    print(f"{'':6} {'torch foreach':>13} {'torch fused':>11} {'per-model':>10} {'per-model ref':>13} "
+          f"{'scalar':>9} {'separate':>10}  {'per-model/foreach':>17} {'separate/per-model':>18}")
     for algorithm, r in report["results"].items():
-        print(f"{algorithm:6} {r['torch_foreach']:8.3f}ms {r['torch_fused']:8.3f}ms {r['batched_per_model']:9.3f}ms "
-              f"{r['batched_scalar']:8.3f}ms {r['separate']:9.2f}ms  {r['per_model_vs_foreach']:17.3f} "
-              f"{r['separate_vs_per_model']:17.1f}x")
+        print(f"{algorithm:6} {r['torch_foreach']:13.3f} {r['torch_fused']:11.3f} {r['batched_per_model']:10.3f} "
+              f"{r['batched_per_model_reference']:13.3f} {r['batched_scalar']:9.3f} {r['separate']:10.2f}  "
+              f"{r['per_model_vs_foreach']:17.3f} {r['separate_vs_per_model']:17.1f}x")
+        print(f"{'':6} default path fused: {bool(r['default_path_fused'])}; reference path / foreach "
+              f"{r['reference_vs_foreach']:.3f}")
     e = report["elementwise"]
     print("one pass over W1 (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in e.items() if k != "bytes_per_pass"))
     if args.out:

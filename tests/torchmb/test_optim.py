@@ -411,18 +411,94 @@ def test_adam_with_lower_precision_parameters_tracks_torch() -> None:
             torch.testing.assert_close(p.detach()[i].float(), q.detach().float(), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("case", ["sgd_momentum", "adam", "adamw_amsgrad", "rmsprop_centered_momentum", "adagrad"])
-def test_matches_torch_on_cuda(case: str) -> None:
+FUSED_CASES = [c for c in CASES if CASES[c][0] in (mo.SGD, mo.Adam, mo.AdamW)]
+
+
+def test_fused_is_refused_where_it_cannot_run() -> None:
+    opt = mo.Adam(make_params(), lr=0.1, fused=True)
+    set_grads(opt.param_groups[0]["params"], make_grads(B, 1)[0])
+    with pytest.raises(RuntimeError, match=r"Adam\(fused=True\) cannot run the fused kernels"):
+        opt.step()
+    with pytest.raises(ValueError, match="fused must be None"):
+        mo.SGD(make_params(), fused="yes")
+
+
+def run_on(case: str, device: str, fused, skip_at: int | None = None, steps: int = 10):
     cls, tcls, per_model, shared = CASES[case]
-    params = make_params(device="cuda")
+    params = make_params(device=device)
     refs = references(params, tcls, per_model, shared)
-    opt = cls(params, **per_model, **shared)
-    for t, grads in enumerate(make_grads(B, 10)):
+    kwargs = {"fused": fused} if cls in (mo.SGD, mo.Adam, mo.AdamW) else {}
+    opt = cls(params, **per_model, **shared, **kwargs)
+    for t, grads in enumerate(make_grads(B, steps)):
         set_grads(params, grads)
-        opt.step(skip=[1] if t == 4 else None)
+        opt.step(skip=[1] if t == skip_at else None)
         for i, (own, ref) in enumerate(refs):
-            if not (t == 4 and i == 1):
+            if not (t == skip_at and i == 1):
                 set_grads(own, [g[i] for g in grads])
                 ref.step()
+    return opt, params, refs
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", list(CASES))
+def test_reference_path_matches_torch_on_cuda(case: str) -> None:
+    opt, params, refs = run_on(case, "cuda", fused=False, skip_at=4)
     assert_matches_references(opt, params, refs)
+    assert opt.fused_steps == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", FUSED_CASES)
+def test_fused_kernels_match_torch_and_the_reference_path(case: str) -> None:
+    pytest.importorskip("cupy")
+    from torchmb.optim import _fused
+
+    before = sum(_fused.LAUNCHES.values())
+    opt, params, refs = run_on(case, "cuda", fused=None, skip_at=4)
+    assert opt.fused_steps == 10, "the default must take the fused kernels on CUDA with CuPy"
+    assert sum(_fused.LAUNCHES.values()) - before == 10 * len(SHAPES)
+    assert_matches_references(opt, params, refs)
+    reference, ref_params, _ = run_on(case, "cuda", fused=False, skip_at=4)
+    for p, q in zip(params, ref_params):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        for key, value in reference.state[q].items():
+            torch.testing.assert_close(opt.state[p][key], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.cuda
+def test_backend_switch_torch_turns_the_fused_kernels_off() -> None:
+    pytest.importorskip("cupy")
+    from batch_layers._backend import use_backend
+
+    with use_backend("torch"):
+        opt, _, _ = run_on("adam", "cuda", fused=None, steps=2)
+    assert opt.fused_steps == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", FUSED_CASES)
+def test_fused_select_and_nan_isolation(case: str) -> None:
+    pytest.importorskip("cupy")
+    cls, _, per_model, shared = CASES[case]
+    grads = make_grads(B, 8)
+    full = make_params(device="cuda")
+    opt_full = cls(full, **per_model, **shared, fused=True)
+    part = make_params(device="cuda")
+    opt = cls(part, **per_model, **shared, fused=True)
+    keep = [3, 0, 2]
+    for t, g in enumerate(grads):
+        dirty = [x.clone() for x in g]
+        if t == 2:
+            dirty[0][1] = float("nan")  # model 1 diverges, then is dropped
+        set_grads(full, g)
+        opt_full.step()
+        if t == 4:
+            for p in part:
+                p.data = p.data[keep]
+            opt.select(keep)
+        set_grads(part, [x[keep] for x in dirty] if t >= 4 else dirty)
+        opt.step()
+    for p, q in zip(part, full):
+        assert torch.equal(p, q[keep])
+        for key, value in opt_full.state[q].items():
+            assert torch.equal(opt.state[p][key], value[keep])

@@ -129,9 +129,33 @@ class BatchOptimizer(torch.optim.Optimizer):
     per_model: ClassVar[tuple[str, ...]] = ("lr",)
     cpu_state: ClassVar[tuple[str, ...]] = ("step",)
 
-    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], defaults: dict[str, Any]) -> None:
+    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], defaults: dict[str, Any],
+                 fused: bool | None = False) -> None:
+        if fused not in (None, True, False):
+            raise ValueError(f"fused must be None (automatic), True or False, got {fused!r}")
         self._batch: int | None = None
+        self.fused = fused
+        self.fused_steps = 0
+        """How many parameter-group steps the fused CUDA kernels took (the rest took the reference path)."""
         super().__init__(params, defaults)
+
+    def _use_fused(self, params: list[Tensor], tensors: list[Tensor]) -> bool:
+        """Whether this step runs the fused kernels: ``fused=None`` takes them where they apply (and the
+        ``batch_layers`` backend allows), ``True`` insists (or raises), ``False`` never takes them."""
+        if self.fused is False:
+            return False
+        from . import _fused
+
+        reason = _fused.fused_reason(params, tensors)
+        if reason is None:
+            return True
+        if self.fused is True:
+            raise RuntimeError(f"{type(self).__name__}(fused=True) cannot run the fused kernels: {reason}")
+        if _fused.cupy is None and params[0].is_cuda and _fused.get_backend() == "cupy":
+            raise ImportError("the batch_layers backend 'cupy' was requested but CuPy could not be imported; "
+                              "install cupy-cuda12x / cupy-cuda13x or use set_backend('auto'|'torch')"
+                              ) from _fused._CUPY_ERROR
+        return False
 
     # ---- population size and hyperparameters -------------------------------------------------
     @property

@@ -59,10 +59,11 @@ class SGD(BatchOptimizer):
     cpu_state = ("step", "momentum_started")
 
     def __init__(self, params: Params, lr: Any = 1e-3, momentum: Any = 0.0, dampening: Any = 0.0,
-                 weight_decay: Any = 0.0, nesterov: bool = False, *, maximize: bool = False) -> None:
+                 weight_decay: Any = 0.0, nesterov: bool = False, *, maximize: bool = False,
+                 fused: bool | None = None) -> None:
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, fused=fused)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -94,16 +95,27 @@ class SGD(BatchOptimizer):
                 values["damp"].append(torch.where(started, 1 - dampening, 1.0))
             values["momentum"] = [momentum] * n
         coefs = self._coefficients(params, values)
-        grads = prepare_grads(params, grads, group["maximize"], wd, coefs)
+        bufs = [state["momentum_buffer"] for state in states] if has_buffers else None
+        if self._use_fused(params, [*params, *grads, *(bufs or [])]):
+            from ._fused import sgd_step
+
+            sgd_step(params, grads, bufs, coefs, group["maximize"], bool((wd != 0).any()), group["nesterov"])
+            self.fused_steps += 1
+        else:
+            self._reference_step(group, params, grads, bufs, coefs)
         if has_buffers:
-            bufs = [state["momentum_buffer"] for state in states]
-            torch._foreach_mul_(bufs, coefs["mom"])
-            axpy_(bufs, grads, coefs["damp"])
-            grads = axpy(grads, bufs, coefs["momentum"]) if group["nesterov"] else bufs
             for state in states:
                 old = state["momentum_started"] != 0
                 started = old | active if skip_mask is None else torch.where(skip_mask, old, old | active)
                 state["momentum_started"] = started.to(torch.float64)
+
+    @staticmethod
+    def _reference_step(group, params, grads, bufs, coefs) -> None:
+        grads = prepare_grads(params, grads, group["maximize"], group["weight_decay"], coefs)
+        if bufs is not None:
+            torch._foreach_mul_(bufs, coefs["mom"])
+            axpy_(bufs, grads, coefs["damp"])
+            grads = axpy(grads, bufs, coefs["momentum"]) if group["nesterov"] else bufs
         axpy_(params, grads, coefs["neg_lr"])
 
 
@@ -127,9 +139,10 @@ class Adam(BatchOptimizer):
     decoupled_weight_decay = False
 
     def __init__(self, params: Params, lr: Any = 1e-3, betas: tuple[Any, Any] = (0.9, 0.999), eps: Any = 1e-8,
-                 weight_decay: Any = 0.0, amsgrad: bool = False, *, maximize: bool = False) -> None:
+                 weight_decay: Any = 0.0, amsgrad: bool = False, *, maximize: bool = False,
+                 fused: bool | None = None) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, fused=fused)
 
     def _validate(self, name: str, values: Any) -> None:
         if name == "betas":
@@ -146,6 +159,13 @@ class Adam(BatchOptimizer):
             state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def _step_group(self, group, params, grads, states, counts, skip_mask) -> None:
+        exp_avgs = [s["exp_avg"] for s in states]
+        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        max_sqs = [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else None
+        if self._use_fused(params, [*params, *grads, *exp_avgs, *exp_avg_sqs, *(max_sqs or [])]):
+            self._fused_step(group, params, grads, exp_avgs, exp_avg_sqs, max_sqs, counts)
+            self.fused_steps += 1
+            return
         n = len(params)
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         beta1, beta2 = group["betas"]
@@ -175,13 +195,10 @@ class Adam(BatchOptimizer):
         if self.decoupled_weight_decay and bool((wd != 0).any()):
             torch._foreach_mul_(params, coefs["decay"])
         grads = prepare_grads(params, grads, group["maximize"], l2, coefs)
-        exp_avgs = [s["exp_avg"] for s in states]
-        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
         lerp_(exp_avgs, grads, coefs["one_minus_beta1"])
         # v = beta2 * v + (1 - beta2) * g^2, as a lerp towards g^2: the same two passes as torch's mul_ + addcmul_
         lerp_(exp_avg_sqs, torch._foreach_mul(grads, grads), coefs["one_minus_beta2"])
-        if group["amsgrad"]:
-            max_sqs = [s["max_exp_avg_sq"] for s in states]
+        if max_sqs is not None:
             torch._foreach_maximum_(max_sqs, exp_avg_sqs)
             denom = torch._foreach_sqrt(max_sqs)
         else:
@@ -190,6 +207,28 @@ class Adam(BatchOptimizer):
         torch._foreach_add_(denom, coefs["eps_scaled"])
         with frozen_rows(params, zero_rows(step_size)):
             torch._foreach_addcdiv_(params, exp_avgs, denom)
+
+
+    def _fused_step(self, group, params, grads, exp_avgs, exp_avg_sqs, max_sqs, counts) -> None:
+        """torch's plain single-tensor Adam per element, one kernel per parameter tensor."""
+        from ._fused import adam_step
+
+        n = len(params)
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        beta1, beta2 = group["betas"]
+        per = per_count(counts, lambda c: (-(lr / (1 - beta1**c)), (1 - beta2**c) ** 0.5))
+        values: dict[str, list[Tensor]] = {
+            "one_minus_beta1": [1 - beta1] * n, "beta2": [beta2] * n, "one_minus_beta2": [1 - beta2] * n,
+            "neg_step_size": [c[0] for c in per], "bc2_sqrt": [c[1] for c in per], "eps": [eps] * n,
+        }
+        decoupled = self.decoupled_weight_decay and bool((wd != 0).any())
+        l2 = not self.decoupled_weight_decay and bool((wd != 0).any())
+        if decoupled:
+            values["decay"] = [1 - lr * wd] * n
+        if l2:
+            values["weight_decay"] = [wd] * n
+        coefs = self._coefficients(params, values)
+        adam_step(params, grads, exp_avgs, exp_avg_sqs, max_sqs, coefs, group["maximize"], l2, decoupled)
 
 
 class AdamW(Adam):
@@ -206,9 +245,10 @@ class AdamW(Adam):
     decoupled_weight_decay = True
 
     def __init__(self, params: Params, lr: Any = 1e-3, betas: tuple[Any, Any] = (0.9, 0.999), eps: Any = 1e-8,
-                 weight_decay: Any = 1e-2, amsgrad: bool = False, *, maximize: bool = False) -> None:
+                 weight_decay: Any = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 fused: bool | None = None) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                         maximize=maximize)
+                         maximize=maximize, fused=fused)
 
 
 class RMSprop(BatchOptimizer):
