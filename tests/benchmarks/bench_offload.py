@@ -265,6 +265,10 @@ def part_d(state, budget_left):
     info = offload.host_memory_available()
     emit(part="D", users=users, table_plus_adam_gib=need / 2**30, gpu_gib=gpu / 2**30,
          host_available_gib=(info["available"] or 0) / 2**30, budget_left_s=budget_left)
+    host_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > 0.85 * host_total:
+        emit(part="D", skipped=f"host memory ({host_total / 2**30:.0f} GiB) is too small for {need / 2**30:.0f} GiB")
+        return
     if budget_left < 120:
         emit(part="D", skipped="not enough time left in this run")
         return
