@@ -1,21 +1,25 @@
-"""The torchmb command line: ``python -m torchmb demo``."""
+"""The torchmb command line: ``python -m torchmb demo`` and ``python -m torchmb bench``."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
 
-from . import _demo
+from . import _bench, _demo
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m torchmb", description="Train many PyTorch models at once.")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="train a batch of small CNNs and report each one's accuracy")
+    demo = commands.add_parser("demo", help="a learning-rate x weight-decay sweep of 64 small CNNs")
     _demo.add_arguments(demo)
+    bench = commands.add_parser("bench", help="measure torchmb against torch.func.vmap, a loop and one plain model")
+    _bench.add_arguments(bench)
     args = parser.parse_args(argv)
     if args.command == "demo":
         _demo.main(args)
+    else:
+        _bench.main(args)
 
 
 if __name__ == "__main__":

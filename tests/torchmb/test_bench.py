@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from torchmb import _bench
+from torchmb.__main__ import main
+
+
+def test_quick_cpu_bench_measures_every_implementation(tmp_path, capsys) -> None:
+    out = tmp_path / "bench.json"
+    main(["bench", "--device", "cpu", "--quick", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["environment"]["device"] == "cpu"
+    rows = report["rows"]
+    seen = {(r["workload"], r["B"], r["impl"]) for r in rows}
+    for workload in ("mlp", "lenet"):
+        for batch in (1, 4):
+            for impl in ("torchmb", "torchmb-shared", "vmap", "vmap-shared", "loop", "limit"):
+                assert (workload, batch, impl) in seen
+    for row in rows:
+        assert "error" not in row, row
+        assert row["model_steps_per_s"] > 0
+        assert row["vs_vmap"] == pytest.approx(
+            row["model_steps_per_s"]
+            / next(r for r in rows if (r["workload"], r["B"], r["impl"]) == (row["workload"], row["B"], "vmap"))[
+                "model_steps_per_s"
+            ]
+        )
+    assert "| mlp | 4 | torchmb |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", sorted(_bench.WORKLOADS))
+def test_every_workload_converts_and_trains_like_plain_models(name: str) -> None:
+    workload = _bench.WORKLOADS[name]
+    torch.manual_seed(0)
+    plain = [workload.make() for _ in range(2)]
+    batched = _bench.BatchModule(workload.make(), 2)
+    batched.load_state_dicts([m.state_dict() for m in plain])
+    x = workload.make_input((2, 2), torch.device("cpu"))
+    out = batched(x)
+    for i, model in enumerate(plain):
+        torch.testing.assert_close(out[i], model(x[i]), atol=2e-5, rtol=1e-4)
+
+
+def test_unknown_names_are_refused() -> None:
+    with pytest.raises(SystemExit, match="unknown workload or implementation: vgg"):
+        main(["bench", "--device", "cpu", "--quick", "--workloads", "vgg"])

@@ -1,0 +1,272 @@
+"""``python -m torchmb bench``: training B models at once, torchmb against the ways people do it today.
+
+For each workload and number of models B, in one process and on one device:
+
+- ``torchmb``: ``BatchModule`` (and, where asked, its shared-input path);
+- ``vmap``: a ``torch.func`` ensemble (``stack_module_state`` + ``functional_call`` + ``vmap``), eager,
+  and ``vmap+compile`` under ``torch.compile`` (compile time reported separately);
+- ``loop``: a Python loop over B separate models, each with its own optimizer (up to B=64);
+- ``limit``: one plain model trained on the same B*n samples, the practical upper limit.
+
+Every implementation takes a full SGD training step (forward, the same summed cross-entropy, backward,
+optimizer step) on n samples per model. Reported: model-steps per second, ratios to eager vmap and to
+the limit, peak device memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, stack_module_state, vmap
+
+from . import _bench_models as models
+from ._module import BatchModule
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    make: Callable[[], nn.Module]
+    make_input: Callable[[tuple[int, ...], torch.device], torch.Tensor]
+    classes: int = 10
+
+
+def _images(channels: int, size: int) -> Callable[[tuple[int, ...], torch.device], torch.Tensor]:
+    return lambda lead, device: torch.randn(*lead, channels, size, size, device=device)
+
+
+def _tokens(lead: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.randint(0, 1000, (*lead, 64), device=device)
+
+
+WORKLOADS = {
+    "mlp": Workload("mlp", models.MLP, _images(1, 28)),
+    "lenet": Workload("lenet", models.LeNet5, _images(1, 28)),
+    "resnet18": Workload("resnet18", models.ResNet18, _images(3, 32)),
+    "transformer": Workload("transformer", models.TransformerClassifier, _tokens),
+    "mobilenetv2": Workload("mobilenetv2", models.MobileNetV2, _images(3, 32)),
+    "wide-mlp": Workload("wide-mlp", lambda: models.MLP((784, 1024, 1024, 1024, 1024, 10)), _images(1, 28)),
+}
+
+IMPLEMENTATIONS = ("torchmb", "torchmb-shared", "vmap", "vmap-shared", "vmap+compile", "loop", "limit")
+
+
+class Timer:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def seconds_per_call(self, fn: Callable[[], object], warmup: int, iters: int) -> float:
+        for _ in range(warmup):
+            fn()
+        self.sync()
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        self.sync()
+        return (time.perf_counter() - start) / iters
+
+
+def _summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, samples: int) -> torch.Tensor:
+    """Sum over models of each model's mean cross-entropy (one reduction, the same for every method)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum") / samples
+
+
+def _step_functions(
+    workload: Workload, batch: int, samples: int, device: torch.device, implementations: tuple[str, ...]
+):
+    """name -> (step callable, holder of the parameters) for every implementation that applies."""
+    x_models = workload.make_input((batch, samples), device)
+    x_shared = workload.make_input((samples,), device)
+    y = torch.randint(0, workload.classes, (batch, samples), device=device)
+    plain = [workload.make().to(device) for _ in range(batch)]
+    steps: dict[str, Callable[[], object]] = {}
+
+    batched = BatchModule(workload.make().to(device), batch)
+    batched.load_state_dicts([m.state_dict() for m in plain])
+    batched_opt = torch.optim.SGD(batched.parameters(), lr=0.01)
+
+    def torchmb_step(shared_input: bool = False) -> None:
+        batched_opt.zero_grad(set_to_none=True)
+        out = batched(x_shared if shared_input else x_models, shared_input=shared_input)
+        _summed_cross_entropy(out, y, samples).backward()
+        batched_opt.step()
+
+    steps["torchmb"] = torchmb_step
+    shared = any("shared" in impl for impl in implementations)
+    if shared:
+        steps["torchmb-shared"] = lambda: torchmb_step(True)
+
+    params, buffers = stack_module_state(plain)
+    base = copy.deepcopy(plain[0]).to("meta")
+    vmap_opt = torch.optim.SGD(list(params.values()), lr=0.01)
+
+    def one_model(p, b, x):
+        return functional_call(base, (p, b), (x,))
+
+    def vmap_loss(p, b, x, shared_input):
+        out = vmap(one_model, in_dims=(0, 0, None if shared_input else 0), randomness="different")(p, b, x)
+        return _summed_cross_entropy(out, y, samples)
+
+    def vmap_step(shared_input: bool = False, loss_fn=vmap_loss) -> None:
+        vmap_opt.zero_grad(set_to_none=True)
+        loss_fn(params, buffers, x_shared if shared_input else x_models, shared_input).backward()
+        vmap_opt.step()
+
+    steps["vmap"] = vmap_step
+    if shared:
+        steps["vmap-shared"] = lambda: vmap_step(True)
+    if "vmap+compile" in implementations:
+        compiled = torch.compile(vmap_loss)
+        steps["vmap+compile"] = lambda: vmap_step(False, compiled)
+
+    if batch <= 64:
+        loop_opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in plain]
+
+        def loop_step() -> None:
+            for i, (model, opt) in enumerate(zip(plain, loop_opts)):
+                opt.zero_grad(set_to_none=True)
+                F.cross_entropy(model(x_models[i]), y[i]).backward()
+                opt.step()
+
+        steps["loop"] = loop_step
+
+    one = workload.make().to(device)
+    one_opt = torch.optim.SGD(one.parameters(), lr=0.01)
+    x_flat, y_flat = x_models.reshape(-1, *x_models.shape[2:]), y.reshape(-1)
+
+    def limit_step() -> None:
+        one_opt.zero_grad(set_to_none=True)
+        F.cross_entropy(one(x_flat), y_flat).backward()
+        one_opt.step()
+
+    steps["limit"] = limit_step
+    return steps
+
+
+def run(
+    workloads: list[str],
+    batches: list[int],
+    samples: int,
+    device: torch.device,
+    implementations: tuple[str, ...] = IMPLEMENTATIONS,
+    iters: int = 20,
+    warmup: int = 3,
+    log: Callable[[str], None] = print,
+) -> list[dict]:
+    timer = Timer(device)
+    rows: list[dict] = []
+    for name in workloads:
+        workload = WORKLOADS[name]
+        for batch in batches:
+            torch.manual_seed(0)
+            steps = _step_functions(workload, batch, samples, device, implementations)
+            for impl in implementations:
+                if impl not in steps:
+                    continue
+                row = {"workload": name, "B": batch, "n": samples, "impl": impl}
+                try:
+                    if impl == "vmap+compile":
+                        start = time.perf_counter()
+                        steps[impl]()
+                        timer.sync()
+                        row["compile_s"] = time.perf_counter() - start
+                    if device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats(device)
+                    seconds = timer.seconds_per_call(steps[impl], warmup, iters)
+                    row.update(ms_per_step=seconds * 1e3, model_steps_per_s=batch / seconds)
+                    if device.type == "cuda":
+                        row["peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+                except (RuntimeError, torch.cuda.OutOfMemoryError) as error:  # report, go on with the rest
+                    row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                rows.append(row)
+                log(json.dumps(row))
+            del steps
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    _add_ratios(rows)
+    return rows
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    by_key = {(r["workload"], r["B"], r["impl"]): r for r in rows if "model_steps_per_s" in r}
+    for row in rows:
+        if "model_steps_per_s" not in row:
+            continue
+        for anchor, key in (("vmap", "vs_vmap"), ("limit", "vs_limit")):
+            reference = by_key.get((row["workload"], row["B"], anchor))
+            if reference is not None:
+                row[key] = row["model_steps_per_s"] / reference["model_steps_per_s"]
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| workload | B | impl | model-steps/s | vs eager vmap | vs limit | peak MiB | compile s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['workload']} | {r['B']} | {r['impl']} | {r['error']} | | | | |")
+            continue
+        cells = [
+            f"{r['model_steps_per_s']:,.0f}",
+            f"{r['vs_vmap']:.2f}" if "vs_vmap" in r else "",
+            f"{r['vs_limit']:.2f}" if "vs_limit" in r else "",
+            f"{r['peak_mib']:,.0f}" if "peak_mib" in r else "",
+            f"{r['compile_s']:.1f}" if "compile_s" in r else "",
+        ]
+        lines.append(f"| {r['workload']} | {r['B']} | {r['impl']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="MLP and LeNet, B in {1, 4}, n=16: a smoke run")
+    parser.add_argument(
+        "--workloads", default=",".join(WORKLOADS), help="comma-separated, from " + ", ".join(WORKLOADS)
+    )
+    parser.add_argument("--batches", default="1,16,64,256", help="numbers of models B (default 1,16,64,256)")
+    parser.add_argument("--samples", type=int, default=128, help="samples per model n (default 128)")
+    parser.add_argument("--impls", default=",".join(IMPLEMENTATIONS), help="comma-separated subset of implementations")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--json", help="write the rows and the environment to this file")
+
+
+def main(args: argparse.Namespace) -> list[dict]:
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    workloads = [w for w in args.workloads.split(",") if w]
+    unknown = sorted(set(workloads) - set(WORKLOADS))
+    impls = tuple(i for i in args.impls.split(",") if i)
+    unknown += sorted(set(impls) - set(IMPLEMENTATIONS))
+    if unknown:
+        raise SystemExit(f"unknown workload or implementation: {', '.join(unknown)}")
+    batches = [int(b) for b in args.batches.split(",")]
+    samples, iters = args.samples, args.iters
+    if args.quick:
+        workloads = [w for w in workloads if w in ("mlp", "lenet")] or ["mlp"]
+        batches, samples, iters = [1, 4], 16, 3
+        impls = tuple(i for i in impls if i != "vmap+compile")
+    rows = run(workloads, batches, samples, device, impls, iters=iters, warmup=1 if args.quick else 3)
+    print(table(rows))
+    if args.json:
+        environment = {"torch": torch.__version__, "device": _device_name(device)}
+        with open(args.json, "w") as f:
+            json.dump({"environment": environment, "rows": rows}, f, indent=1)
+    return rows
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
