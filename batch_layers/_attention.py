@@ -211,12 +211,6 @@ class MultiheadAttention(AbstractBatchModule):
 
     def _by_model(self, x: Tensor, batched: bool, what: str) -> Tensor:
         """``(B, N, T, F)`` (a view where possible) from a merged query/key/value in this layer's layout."""
-        if x.is_nested:
-            raise ValueError(
-                f"{type(self).__name__}: got a nested tensor as {what}. nn.TransformerEncoder converts its input "
-                "to a nested tensor in eval mode without gradients when given src_key_padding_mask; set "
-                "`encoder.use_nested_tensor = False` on the model before batching it"
-            )
         if not batched:
             if x.dim() != 2:
                 raise ValueError(f"{type(self).__name__}: expected a 2-D unbatched {what}, got shape {tuple(x.shape)}")
@@ -295,6 +289,13 @@ class MultiheadAttention(AbstractBatchModule):
         average_attn_weights: bool = True,
         is_causal: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
+        for what, tensor in (("query", query), ("key", key), ("value", value)):
+            if tensor.is_nested:
+                raise ValueError(
+                    f"{type(self).__name__}: got a nested tensor as {what}. nn.TransformerEncoder converts its input "
+                    "to a nested tensor in eval mode without gradients when given src_key_padding_mask; set "
+                    "`encoder.use_nested_tensor = False` on the model before batching it"
+                )
         batched = query.dim() == 3
         if key.dim() != query.dim() or value.dim() != query.dim():
             raise ValueError(
