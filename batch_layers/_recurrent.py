@@ -119,8 +119,6 @@ class _RNNBase(AbstractBatchModule):
             )
         if proj_size >= hidden_size:
             raise ValueError(f"proj_size ({proj_size}) has to be smaller than hidden_size ({hidden_size})")
-        if proj_size and self.mode != "LSTM":
-            raise ValueError("proj_size argument is only supported for LSTM, not RNN or GRU")
         factory_kwargs = {"device": device, "dtype": dtype}
         self.input_size = input_size
         self.hidden_size = hidden_size
