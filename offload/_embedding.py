@@ -63,16 +63,18 @@ def _commit(ids: Tensor, writes: list[tuple[HostTable, Tensor]]) -> None:
     """
     if ids.numel() == 0:
         return
-    if ids.device.type == "cuda" and all(t.resolved_engine("scatter") == "uva" for t, _ in writes):
+    engines = [t.resolved_engine("scatter") for t, _ in writes] if ids.device.type == "cuda" else []
+    if engines and all(e in ("uva", "hybrid") for e in engines):
         # Stream-ordered kernels writing host memory: validate and compile everything first, so that
         # nothing can fail between the first launch and the last.
         ids = ids.contiguous()
         rows_list = [rows.detach().to(t.dtype).contiguous() for t, rows in writes]
         for (t, _), rows in zip(writes, rows_list, strict=True):
             _uva.check_and_compile(t._data, ids, rows)
+        ids_cpu = ids.cpu() if "hybrid" in engines else None
         with _signals_deferred():
-            for (t, _), rows in zip(writes, rows_list, strict=True):
-                t._scatter_unique(ids, None, rows, "uva")
+            for (t, _), rows, engine in zip(writes, rows_list, engines, strict=True):
+                t._scatter_unique(ids, ids_cpu, rows, engine)
         return
     ids_cpu = ids.cpu()
     staged = [_stage_rows(rows) for _, rows in writes]
@@ -395,7 +397,7 @@ class OffloadedEmbedding(nn.Module):
             state_pf = {}
         for k in self._spec:
             if k not in state_pf:
-                state_pf[k] = self._state_tables[k].prefetch(miss_ids, unique=True)
+                state_pf[k] = self._state_tables[k].prefetch(miss_ids, _checked=True)
         chunk.states = state_pf
         if cache is None:
             return chunk, miss_rows
@@ -466,9 +468,9 @@ class OffloadedEmbedding(nn.Module):
         if self._pending is not None:
             for p in self._pending[1].values():
                 p.release()
-        handles = {"weight": self.table.prefetch(ids, unique=True)}
+        handles = {"weight": self.table.prefetch(ids, _checked=True)}
         for k in self._spec:
-            handles[k] = self._state_tables[k].prefetch(ids, unique=True)
+            handles[k] = self._state_tables[k].prefetch(ids, _checked=True)
         self._pending = (ids, handles)
 
     # -- the working set -------------------------------------------------------------------------------------

@@ -35,8 +35,8 @@ __all__ = [
     "use_engine",
 ]
 
-Engine = Literal["auto", "uva", "cpu"]
-_ENGINES = ("auto", "uva", "cpu")
+Engine = Literal["auto", "uva", "cpu", "hybrid"]
+_ENGINES = ("auto", "uva", "cpu", "hybrid")
 ENV_ENGINE = "TORCHMB_OFFLOAD_ENGINE"
 
 # ----------------------------------------------------------------------------------------------------------
@@ -78,14 +78,16 @@ def use_engine(name: Engine) -> Iterator[None]:
 
 
 _choice: dict[int, dict[str, str]] = {}
-_choice_lock = threading.Lock()
+_fractions: dict[tuple[int, str], float] = {}
+_choice_lock = threading.RLock()
 
 
 def engine_choice(device: torch.device | str | int | None = None) -> dict[str, str]:
-    """What ``"auto"`` picks on ``device`` for ``"gather"`` and ``"scatter"``.
+    """What ``"auto"`` picks on ``device`` for ``"gather"`` and ``"scatter"``: ``"uva"``, ``"cpu"`` or
+    ``"hybrid"`` (both at once on disjoint rows, split in proportion to their measured speeds).
 
-    Measured once per device and process: a 32 MiB pinned table, 16,384 random rows gathered and
-    scattered by both engines, the faster kept. Without CuPy or a suitable GPU the answer is ``"cpu"``.
+    Measured once per device and process: a 128 MiB pinned table, 65,536 random rows gathered and
+    scattered by each engine, the fastest kept. Without CuPy or a suitable GPU the answer is ``"cpu"``.
     """
     if not torch.cuda.is_available():
         return {"gather": "cpu", "scatter": "cpu"}
@@ -102,31 +104,44 @@ def engine_choice(device: torch.device | str | int | None = None) -> dict[str, s
     return dict(got)
 
 
+def _hybrid_fraction(device: torch.device, op: str) -> float:
+    """Share of the rows that the hybrid engine gives the UVA kernel (measured with :func:`engine_choice`)."""
+    key = (device.index, op)
+    if key not in _fractions:
+        engine_choice(device)
+    return _fractions.get(key, 0.5)
+
+
 def _measure(device: torch.device) -> dict[str, str]:
-    table = HostTable(65536, 128, torch.float32, device=device, pin=True, engine="cpu")
+    rows, dim, n = 262_144, 128, 65_536
+    table = HostTable(rows, dim, torch.float32, device=device, pin=True, engine="cpu")
     g = torch.Generator().manual_seed(0)
-    idx = torch.randperm(65536, generator=g)[:16384].sort().values
+    idx = torch.randperm(rows, generator=g)[:n].sort().values
     idx_dev = idx.to(device)
-    rows = torch.empty(idx.numel(), 128, device=device)
+    buf = torch.empty(n, dim, device=device)
     best: dict[str, str] = {}
     with torch.cuda.device(device):
         for op in ("gather", "scatter"):
-            times = {}
-            for eng in ("uva", "cpu"):
-                def run(eng=eng, op=op):
-                    if op == "gather":
-                        table._gather_unique(idx_dev, idx, rows, eng)
-                    else:
-                        table._scatter_unique(idx_dev, idx, rows, eng)
-                run()
+            def run(eng, op=op):
+                if op == "gather":
+                    table._gather_unique(idx_dev, idx, buf, eng)
+                else:
+                    table._scatter_unique(idx_dev, idx, buf, eng)
+
+            def timed(eng):
+                run(eng)
                 torch.cuda.synchronize(device)
                 samples = []
                 for _ in range(5):
                     t0 = time.perf_counter()
-                    run()
+                    run(eng)
                     torch.cuda.synchronize(device)
                     samples.append(time.perf_counter() - t0)
-                times[eng] = sorted(samples)[len(samples) // 2]
+                return sorted(samples)[len(samples) // 2]
+
+            times = {eng: timed(eng) for eng in ("uva", "cpu")}
+            _fractions[(device.index, op)] = times["cpu"] / (times["uva"] + times["cpu"])
+            times["hybrid"] = timed("hybrid")
             best[op] = min(times, key=times.__getitem__)
     table.close()
     return best
@@ -257,7 +272,8 @@ class HostTable:
         self.num_rows, self.dim = data.shape
         self.dtype = data.dtype
         self._keepalive = keepalive
-        self._events: dict[int, torch.cuda.Event] = {}
+        self._read_events: dict[int, torch.cuda.Event] = {}
+        self._write_events: dict[int, torch.cuda.Event] = {}
         self._prefetches: weakref.WeakSet[Prefetch] = weakref.WeakSet()
         self._side: torch.cuda.Stream | None = None
         self._pinned_here = False
@@ -373,35 +389,68 @@ class HostTable:
         return (f"HostTable({self.num_rows}, {self.dim}, dtype={self.dtype}, device={self.device}, "
                 f"pinned={self.pinned}, engine={self.engine or get_engine()!r})")
 
-    def synchronize(self) -> None:
-        """Wait until every GPU-side read or write of this table that was launched so far has finished."""
-        for ev in list(self._events.values()):
+    def synchronize(self, *, reads: bool = True) -> None:
+        """Wait until the GPU-side writes (and, with ``reads``, reads) of this table launched so far finished."""
+        for ev in list(self._write_events.values()):
             ev.synchronize()
-        self._events.clear()
+        self._write_events.clear()
+        if reads:
+            for ev in list(self._read_events.values()):
+                ev.synchronize()
+            self._read_events.clear()
 
     # -- engines -----------------------------------------------------------------------------------------
     def resolved_engine(self, op: Literal["gather", "scatter"]) -> str:
-        """The engine that ``op`` uses now: ``"uva"`` or ``"cpu"``."""
+        """The engine that ``op`` uses now: ``"uva"``, ``"cpu"`` or ``"hybrid"``."""
         want = self.engine or get_engine()
         if self.device.type != "cuda":
-            if want == "uva":
-                raise RuntimeError("the 'uva' offload engine needs a CUDA compute device; this table's is the CPU")
+            if want in ("uva", "hybrid"):
+                raise RuntimeError(f"the {want!r} offload engine needs a CUDA compute device; this table's is the CPU")
             return "cpu"
-        if want == "uva":
+        if want in ("uva", "hybrid"):
             _uva.require()
             if not self.pinned:
-                raise RuntimeError("the 'uva' offload engine needs a pinned table (create it with pin=True)")
-            return "uva"
+                raise RuntimeError(f"the {want!r} offload engine needs a pinned table (create it with pin=True)")
+            return want
         if want == "cpu" or not self.pinned:
             return "cpu"
         return engine_choice(self.device)[op]
 
-    def _note_gpu_access(self) -> None:
+    def _note_gpu_access(self, kind: str) -> None:
+        events = self._write_events if kind == "write" else self._read_events
         stream = torch.cuda.current_stream(self.device)
-        ev = self._events.get(stream.cuda_stream)
+        ev = events.get(stream.cuda_stream)
         if ev is None:
-            ev = self._events[stream.cuda_stream] = torch.cuda.Event()
+            ev = events[stream.cuda_stream] = torch.cuda.Event()
         ev.record(stream)
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        return self._side
+
+    def _hybrid(self, op: str, uniq: Tensor, uniq_cpu: Tensor | None, rows: Tensor) -> None:
+        """Both engines at once on disjoint parts: the UVA kernel on the current stream, the CPU engine's
+        copies on a side stream, so GPU-initiated and DMA transfers share the PCIe link."""
+        n = uniq.numel()
+        k = round(n * _hybrid_fraction(self.device, op))
+        self.synchronize(reads=op == "scatter")  # the CPU part must not overtake earlier GPU accesses
+        main = torch.cuda.current_stream(self.device)
+        side = self._side_stream()
+        side.wait_stream(main)
+        cpu_idx = (uniq[k:] if uniq_cpu is None else uniq_cpu[k:])
+        if op == "gather":
+            _uva.gather_rows(self._data, uniq[:k], rows[:k])
+            self._note_gpu_access("read")
+            with torch.cuda.stream(side):
+                self._gather_cpu(cpu_idx.cpu(), rows[k:])
+        else:
+            _uva.scatter_rows(self._data, uniq[:k], rows[:k])
+            self._note_gpu_access("write")
+            with torch.cuda.stream(side):
+                self._scatter_cpu(cpu_idx.cpu(), rows[k:])
+        main.wait_stream(side)
+        rows.record_stream(side)
 
     def _gather_unique(self, uniq: Tensor, uniq_cpu: Tensor | None, out: Tensor, engine: str) -> None:
         """``out[:] = rows[uniq]``; ``uniq`` checked, on ``self.device``; ``uniq_cpu`` its CPU copy or None."""
@@ -413,11 +462,16 @@ class HostTable:
             return
         if engine == "uva":
             _uva.gather_rows(self._data, uniq, out)
-            self._note_gpu_access()
+            self._note_gpu_access("read")
             return
-        self.synchronize()
-        if uniq_cpu is None:
-            uniq_cpu = uniq.cpu()
+        if engine == "hybrid":
+            self._hybrid("gather", uniq, uniq_cpu, out)
+            return
+        self.synchronize(reads=False)
+        self._gather_cpu(uniq.cpu() if uniq_cpu is None else uniq_cpu, out)
+
+    def _gather_cpu(self, uniq_cpu: Tensor, out: Tensor) -> None:
+        n = uniq_cpu.numel()
         stage = _staging_for(self.device)
         stream = torch.cuda.current_stream(self.device)
         row_bytes = self.dim * self._data.element_size()
@@ -448,19 +502,22 @@ class HostTable:
         rows = rows.to(self.dtype).contiguous()
         if engine == "uva":
             _uva.scatter_rows(self._data, uniq, rows)
-            self._note_gpu_access()
-            self._patch_prefetches(uniq, rows)
-            return
-        self.synchronize()
-        if uniq_cpu is None:
-            uniq_cpu = uniq.cpu()
+            self._note_gpu_access("write")
+        elif engine == "hybrid":
+            self._hybrid("scatter", uniq, uniq_cpu, rows)
+        else:
+            self.synchronize()
+            self._scatter_cpu(uniq.cpu() if uniq_cpu is None else uniq_cpu, rows)
+        self._patch_prefetches(uniq, rows)
+
+    def _scatter_cpu(self, uniq_cpu: Tensor, rows: Tensor) -> None:
+        n = uniq_cpu.numel()
         stage = _staging_for(self.device)
         stream = torch.cuda.current_stream(self.device)
         row_bytes = self.dim * self._data.element_size()
         per = max(1, _Staging.SLOT_BYTES // row_bytes)
         if per * row_bytes > _Staging.SLOT_BYTES:
             self._data.index_copy_(0, uniq_cpu, rows.cpu())
-            self._patch_prefetches(uniq, rows)
             return
         chunks = [(s, min(n, s + per)) for s in range(0, n, per)]
         views: list[Tensor] = []
@@ -481,7 +538,6 @@ class HostTable:
             views.append(view)
         for j in range(max(0, len(chunks) - _Staging.SLOTS), len(chunks)):
             consume(j)
-        self._patch_prefetches(uniq, rows)
 
     # -- public gather / scatter -------------------------------------------------------------------------
     def prepare(self, idx, *, unique: bool = False) -> tuple[Tensor, Tensor | None]:
@@ -497,8 +553,8 @@ class HostTable:
         if flat.numel() == 0:
             return flat, (None if unique else flat)
         if unique:
-            lo, hi = torch.aminmax(flat)
-            _check_bounds(int(lo), int(hi), self.num_rows)
+            lo, hi = torch.stack(torch.aminmax(flat)).tolist()
+            _check_bounds(lo, hi, self.num_rows)
             return flat, None
         uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
         lo, hi = torch.stack([uniq[0], uniq[-1]]).tolist()
@@ -551,37 +607,36 @@ class HostTable:
         flat = _as_index(idx, self.device)
         if flat.numel() == 0:
             return
-        lo, hi = torch.aminmax(flat)
-        _check_bounds(int(lo), int(hi), self.num_rows)
+        lo, hi = torch.stack(torch.aminmax(flat)).tolist()
+        _check_bounds(lo, hi, self.num_rows)
         if not unique:
             _distinct_or_raise(flat, torch.unique(flat))
         self._scatter_unique(flat, None, flat_rows.to(self.device), self.resolved_engine("scatter"))
 
     # -- prefetch ----------------------------------------------------------------------------------------
-    def prefetch(self, idx, *, unique: bool = False) -> Prefetch:
+    def prefetch(self, idx, *, unique: bool = False, _checked: bool = False) -> Prefetch:
         """Start gathering rows ``idx`` on a side stream; :meth:`Prefetch.rows` waits and returns them.
 
         Rows scattered to the table after this call (and before :meth:`Prefetch.release`) are patched
         into the prefetched copy, so it never goes stale.
         """
         if self.device.type != "cuda":
-            uniq, inverse = self.prepare(idx, unique=unique)
+            uniq, inverse = (idx, None) if _checked else self.prepare(idx, unique=unique)
             buf = torch.empty(uniq.numel() + 1, self.dim, dtype=self.dtype)
             self._gather_unique(uniq, None, buf[:-1], "cpu")
-            p = Prefetch(self, uniq, inverse, buf, None)
+            p = Prefetch(self, uniq, inverse, buf, None, sorted_=inverse is not None or _checked)
             self._prefetches.add(p)
             return p
-        if self._side is None:
-            self._side = torch.cuda.Stream(self.device)
-        main = torch.cuda.current_stream(self.device)
-        self._side.wait_stream(main)
-        with torch.cuda.stream(self._side):
-            uniq, inverse = self.prepare(idx, unique=unique)
+        side = self._side_stream()
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            # ``_checked``: distinct, in-range int64 indices on the device (checked by the caller)
+            uniq, inverse = (idx, None) if _checked else self.prepare(idx, unique=unique)
             buf = torch.empty(uniq.numel() + 1, self.dim, dtype=self.dtype, device=self.device)
             self._gather_unique(uniq, None, buf[:-1], self.resolved_engine("gather"))
             ev = torch.cuda.Event()
-            ev.record(self._side)
-        p = Prefetch(self, uniq, inverse, buf, ev)
+            ev.record(side)
+        p = Prefetch(self, uniq, inverse, buf, ev, sorted_=inverse is not None or _checked)
         self._prefetches.add(p)
         return p
 
@@ -599,13 +654,14 @@ class Prefetch:
             ``unique=True``).
     """
 
-    def __init__(self, table: HostTable, indices: Tensor, inverse: Tensor | None, buf: Tensor, event):
+    def __init__(self, table: HostTable, indices: Tensor, inverse: Tensor | None, buf: Tensor, event,
+                 sorted_: bool = False):
         self.table = table
         self.indices = indices
         self.inverse = inverse
         self._buf = buf
         self._event = event
-        self._sorted = inverse is not None
+        self._sorted = sorted_
 
     def _patch(self, idx: Tensor, rows: Tensor) -> None:
         n = self.indices.numel()
@@ -720,7 +776,7 @@ class HostArray:
         shape = tuple(idx.shape) if isinstance(idx, Tensor) else tuple(np.shape(idx))
         return self.table.gather(idx, unique=unique).view(*shape, *self.row_shape)
 
-    def prefetch(self, idx, *, unique: bool = False) -> Prefetch:
+    def prefetch(self, idx, *, unique: bool = False, _checked: bool = False) -> Prefetch:
         """Start gathering ``idx`` on a side stream (see :meth:`HostTable.prefetch`)."""
         return self.table.prefetch(idx, unique=unique)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import warnings
 
 import torch
 
@@ -127,6 +128,21 @@ def _kernel_pair(device: int, width: int):
         return got
 
 
+_streams: dict[tuple[int, int], object] = {}
+
+
+def _cupy_stream(device: int, handle: int):
+    """CuPy's view of a torch stream, cached. (CuPy 14 deprecates ``ExternalStream`` in favour of
+    ``Stream.from_external``, which CuPy 13 lacks; the warning is silenced here.)"""
+    key = (device, handle)
+    got = _streams.get(key)
+    if got is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            got = _streams[key] = cupy.cuda.ExternalStream(handle)
+    return got
+
+
 def _width(row_bytes: int, *ptrs: int) -> int:
     for w in (16, 8, 4, 2):
         if row_bytes % w == 0 and all(p % w == 0 for p in ptrs):
@@ -175,7 +191,7 @@ def _launch(op: str, host: torch.Tensor, idx: torch.Tensor, dev_rows: torch.Tens
     args = (cupy.uint64(host.data_ptr()), cupy.uint64(idx.data_ptr()), cupy.uint64(dev_rows.data_ptr()),
             cupy.int64(n_vec), cupy.int64(vpr))
     with cupy.cuda.Device(device):
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(dev_rows.device).cuda_stream)
+        stream = _cupy_stream(device, torch.cuda.current_stream(dev_rows.device).cuda_stream)
         with stream:
             (gather if op == "gather" else scatter)((blocks,), (THREADS,), args)
     _launches[op] += 1

@@ -26,7 +26,8 @@ def test_uva_and_cpu_engines_agree(dtype, dim):
     src = (torch.randn(rows, dim, generator=g) * 50).to(dtype)
     uva = offload.HostTable.from_tensor(src, device="cuda", engine="uva")
     cpu = offload.HostTable.from_tensor(src, device="cuda", engine="cpu")
-    assert uva.pinned and cpu.pinned
+    hyb = offload.HostTable.from_tensor(src, device="cuda", engine="hybrid")
+    assert uva.pinned and cpu.pinned and hyb.pinned
     idx = torch.randint(0, rows, (3, 4099), generator=g).cuda()
     before = _launches("gather")
     a = uva.gather(idx)
@@ -34,13 +35,17 @@ def test_uva_and_cpu_engines_agree(dtype, dim):
     b = cpu.gather(idx)
     assert _launches("gather") == before + 1  # the CPU engine launched no kernel
     assert torch.equal(a, b) and torch.equal(a.cpu(), src[idx.cpu()])
+    c = hyb.gather(idx)
+    assert _launches("gather") == before + 2 and torch.equal(c, a)  # hybrid: the kernel ran for its share
     new = torch.randperm(rows, generator=g)[:5003].cuda()
     vals = (torch.randn(5003, dim, generator=g) * 50).to(dtype).cuda()
     before = _launches("scatter")
     uva.scatter(new, vals)
     assert _launches("scatter") == before + 1
     cpu.scatter(new, vals)
-    assert torch.equal(uva.data, cpu.data)
+    hyb.scatter(new, vals)
+    assert _launches("scatter") == before + 2
+    assert torch.equal(uva.data, cpu.data) and torch.equal(hyb.data, cpu.data)
     expected = src.clone()
     expected[new.cpu()] = vals.cpu()
     assert torch.equal(uva.data, expected)
@@ -61,7 +66,7 @@ def test_uva_prefetch_on_side_stream_is_patched():
 
 def test_auto_engine_is_measured_once():
     choice = offload.engine_choice("cuda")
-    assert set(choice) == {"gather", "scatter"} and set(choice.values()) <= {"uva", "cpu"}
+    assert set(choice) == {"gather", "scatter"} and set(choice.values()) <= {"uva", "cpu", "hybrid"}
     assert offload.engine_choice("cuda") == choice
     t = offload.HostTable(100, 4, device="cuda", engine="auto")
     assert t.resolved_engine("gather") == choice["gather"]
@@ -76,17 +81,19 @@ def test_pin_failure_reports_size_and_leaves_nothing(monkeypatch):
     assert _memory._registered == before
 
 
-def test_memory_mapped_file_pinned_in_place(tmp_path):
-    pytest.importorskip("cupy")
+def test_memory_mapped_table_on_the_gpu(tmp_path):
+    """A memory-mapped (unpinned) table: the CPU engine stages its rows; writes reach the file."""
     arr = np.random.default_rng(0).standard_normal((4096, 16)).astype(np.float32)
     np.save(tmp_path / "t.npy", arr)
-    t = offload.HostTable.from_npy(tmp_path / "t.npy", pin=True, device="cuda", engine="uva")
-    assert t.pinned
+    t = offload.HostTable.from_npy(tmp_path / "t.npy", device="cuda")
+    assert not t.pinned and t.resolved_engine("gather") == "cpu"
     idx = torch.tensor([5, 4095, 17], device="cuda")
     assert torch.equal(t.gather(idx).cpu(), torch.from_numpy(arr)[idx.cpu()])
     t.scatter(torch.tensor([1], device="cuda"), torch.full((1, 16), 7.0, device="cuda"))
-    t.close()
+    del t
     assert np.load(tmp_path / "t.npy")[1].tolist() == [7.0] * 16
+    with pytest.raises(RuntimeError, match="'uva' offload engine needs a pinned table"):
+        offload.HostTable.from_npy(tmp_path / "t.npy", device="cuda", engine="uva").gather(idx)
 
 
 @pytest.mark.parametrize("cache_rows", [0, 300])
@@ -98,7 +105,7 @@ def test_embedding_training_identical_on_both_engines(cache_rows):
     data = [((torch.empty(512).exponential_(generator=g) * 400).long().clamp_(max=n - 1).view(64, 8).cuda(),
              torch.randn(64, 8, d, generator=g).cuda()) for _ in range(12)]
     tables = {}
-    for engine in ("uva", "cpu"):
+    for engine in ("uva", "cpu", "hybrid"):
         emb = offload.OffloadedEmbedding(n, d, _weight=w0.clone(), device="cuda", engine=engine,
                                          cache_rows=cache_rows)
         opt = offload.attach(torch.optim.Adam(emb.parameters(), lr=0.01))
@@ -112,7 +119,7 @@ def test_embedding_training_identical_on_both_engines(cache_rows):
             opt.step()
         emb.flush()
         ran = _launches("gather") + _launches("scatter") - before
-        assert (ran > 0) == (engine == "uva")
+        assert (ran > 0) == (engine != "cpu")
         tables[engine] = (emb.table.data.clone(), {k: t.data.clone() for k, t in emb.state_tables.items()})
     ref = torch.nn.Embedding(n, d, sparse=True, _weight=w0.clone()).cuda()
     ropt = torch.optim.SparseAdam(ref.parameters(), lr=0.01)
@@ -120,7 +127,8 @@ def test_embedding_training_identical_on_both_engines(cache_rows):
         ropt.zero_grad()
         (ref(idx) - target).pow(2).sum().backward()
         ropt.step()
-    assert torch.equal(tables["uva"][0], tables["cpu"][0])
-    for k in tables["uva"][1]:
-        assert torch.equal(tables["uva"][1][k], tables["cpu"][1][k])
+    for other in ("cpu", "hybrid"):
+        assert torch.equal(tables["uva"][0], tables[other][0])
+        for k in tables["uva"][1]:
+            assert torch.equal(tables["uva"][1][k], tables[other][1][k])
     torch.testing.assert_close(tables["uva"][0], ref.weight.detach().cpu(), rtol=1e-4, atol=1e-5)
