@@ -18,6 +18,11 @@ _prelu_kernel = getattr(torch, "_prelu_kernel", None)
 
 
 def _prelu(x: Tensor, weight: Tensor) -> Tensor:
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and x.is_floating_point():
+        # torch.prelu is on autocast's lower-precision list; the kernel it calls is not, so cast as it would.
+        dtype = torch.get_autocast_dtype(device)
+        x, weight = x.to(dtype), weight.to(dtype)
     if _prelu_kernel is not None:
         return _prelu_kernel(x, weight)
     return torch.where(x > 0, x, weight * x)

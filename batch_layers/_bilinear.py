@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import math
 from typing import ClassVar
 
@@ -107,11 +108,22 @@ class Bilinear(AbstractBatchModule):
 
     def forward(self, input1: Tensor, input2: Tensor) -> Tensor:
         self._check_inputs(input1, input2)
+        device = input1.device.type
+        if torch.is_autocast_enabled(device):
+            # torch.bilinear is on autocast's "promote" list (computed in the widest input dtype), while the
+            # bmm/matmul used here would run in the low-precision dtype: do what autocast does for bilinear.
+            tensors = [t for t in (input1, input2, self.weight, self.bias) if t is not None]
+            dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+            with torch.autocast(device, enabled=False):
+                return self._forward(input1.to(dtype), input2.to(dtype))
+        return self._forward(input1, input2)
+
+    def _forward(self, input1: Tensor, input2: Tensor) -> Tensor:
         shared1, shared2 = self.is_shared(input1), self.is_shared(input2)
         if not (shared1 or shared2):
             dim = self.merged_dim(input1)
             if dim:  # sequence-first layout: bring the model axis to the front
-                return self.forward(input1.movedim(dim, 0), input2.movedim(dim, 0)).movedim(0, dim)
+                return self._forward(input1.movedim(dim, 0), input2.movedim(dim, 0)).movedim(0, dim)
         batch = self.batch
         shape1 = (batch * input1.shape[0], *input1.shape[1:]) if shared1 else tuple(input1.shape)
         shape2 = (batch * input2.shape[0], *input2.shape[1:]) if shared2 else tuple(input2.shape)
@@ -134,7 +146,7 @@ class Bilinear(AbstractBatchModule):
             outer = (x1.unsqueeze(3) * x2.unsqueeze(2)).reshape(batch, rows, in1 * in2)
             y = torch.bmm(outer, self.weight.reshape(batch, out, in1 * in2).transpose(1, 2))
         if self.bias is not None:
-            y = y + self.bias.unsqueeze(1)
+            y = y + self.bias.unsqueeze(1).to(y.dtype)
         return y.reshape(*shape1[:-1], out)
 
     def _contract(self, given: Tensor, rows: Tensor, shared: bool, weight: Tensor, width: int) -> Tensor:

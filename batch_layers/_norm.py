@@ -383,7 +383,8 @@ class _InstanceNorm(_AffineNorm):
             momentum = 0.0 if self.momentum is None else self.momentum
             if self.training and self.track_running_stats and momentum != 0.0:
                 self._update_running_stats(x, momentum)
-            return self._affine(y, self.weight, self.bias, trailing)
+            # torch's instance norm (a batch norm inside) returns the input's dtype, also under autocast.
+            return self._affine(y, self.weight, self.bias, trailing).to(y.dtype)
         # Evaluation with running statistics: y = x * scale + shift per model and channel.
         scale = torch.rsqrt(self.running_var + self.eps)
         if self.weight is not None:
@@ -394,7 +395,7 @@ class _InstanceNorm(_AffineNorm):
         models = self.split(x)
         dims = models.dim()
         out = torch.addcmul(_per_model(shift, dims, trailing), models, _per_model(scale, dims, trailing))
-        return out.reshape(-1, *out.shape[2:])
+        return out.reshape(-1, *out.shape[2:]).to(x.dtype)
 
     @torch.no_grad()
     def _update_running_stats(self, x: Tensor, momentum: float) -> None:
