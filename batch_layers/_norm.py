@@ -54,7 +54,9 @@ class _AffineNorm(AbstractBatchModule):
             out = torch.addcmul(
                 _per_model(bias, models.dim(), trailing), models, _per_model(weight, models.dim(), trailing)
             )
-        return out.reshape(-1, *out.shape[2:])
+        # torch's norms return the dtype of their normalised result (float32 under autocast for the ones on
+        # its float32 list, the input's dtype otherwise), never one promoted by the float32 weights.
+        return out.reshape(-1, *out.shape[2:]).to(y.dtype)
 
 
 class LayerNorm(_AffineNorm):
@@ -383,8 +385,7 @@ class _InstanceNorm(_AffineNorm):
             momentum = 0.0 if self.momentum is None else self.momentum
             if self.training and self.track_running_stats and momentum != 0.0:
                 self._update_running_stats(x, momentum)
-            # torch's instance norm (a batch norm inside) returns the input's dtype, also under autocast.
-            return self._affine(y, self.weight, self.bias, trailing).to(y.dtype)
+            return self._affine(y, self.weight, self.bias, trailing)
         # Evaluation with running statistics: y = x * scale + shift per model and channel.
         scale = torch.rsqrt(self.running_var + self.eps)
         if self.weight is not None:

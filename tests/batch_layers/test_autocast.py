@@ -4,6 +4,8 @@ Runs on CPU (CPU autocast) and, marked ``cuda``, on the GPU with TF32 off."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from support.layer_cases import BATCH, LAYER_CASES, LayerCase, _merged, _per_model, batched_from
@@ -20,14 +22,17 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     )
 
 
-def run_autocast(case: LayerCase, device: str) -> None:
+def run_autocast(case: LayerCase, device: str, input_dtype: torch.dtype) -> None:
+    if device == "cpu" and input_dtype == torch.bfloat16 and case.name.startswith("bilinear"):
+        pytest.skip("CPU autocast does not promote bilinear, so plain torch refuses bf16 inputs with fp32 weights")
     torch.manual_seed(0)
     plain = [case.make().to(device) for _ in range(BATCH)]
     batched = batched_from(plain).to(device)
     mode = case.modes[0]
     for layer in (*plain, batched):
         layer.train(mode == "train")
-    inputs = case.inputs(device)
+    # bf16 inputs stand for the output of a preceding bf16 layer (a conv or linear under autocast).
+    inputs = tuple(x.to(input_dtype) for x in case.inputs(device))
     merged = [_merged(x) for x in inputs]
     with torch.autocast(device, dtype=torch.bfloat16):
         y = batched(*merged)
@@ -35,7 +40,9 @@ def run_autocast(case: LayerCase, device: str) -> None:
     y.backward(grad)
     for i, layer in enumerate(plain):
         own = [x[i].clone().requires_grad_() for x in inputs]
-        with torch.autocast(device, dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16), warnings.catch_warnings():
+            # torch's RMSNorm notes that bf16 input with fp32 weight misses its fused kernel; not our concern.
+            warnings.filterwarnings("ignore", "Mismatch dtype between input and weight", UserWarning)
             y_i = layer(*own)
         y_i.backward(_per_model(grad, i).to(y_i.dtype))
         assert y.dtype == y_i.dtype, f"model {i}: batched output is {y.dtype}, torch's is {y_i.dtype}"
@@ -46,12 +53,17 @@ def run_autocast(case: LayerCase, device: str) -> None:
             _close(batched.get_parameter(name).grad[i], param.grad, f"model {i} grad {name}")
 
 
+DTYPES = pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16], ids=["fp32-in", "bf16-in"])
+
+
+@DTYPES
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_bf16_autocast_cpu(case: LayerCase) -> None:
-    run_autocast(case, "cpu")
+def test_bf16_autocast_cpu(case: LayerCase, input_dtype: torch.dtype) -> None:
+    run_autocast(case, "cpu", input_dtype)
 
 
 @pytest.mark.cuda
+@DTYPES
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_bf16_autocast_cuda(case: LayerCase) -> None:
-    run_autocast(case, "cuda")
+def test_bf16_autocast_cuda(case: LayerCase, input_dtype: torch.dtype) -> None:
+    run_autocast(case, "cuda", input_dtype)
