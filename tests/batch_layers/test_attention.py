@@ -307,3 +307,30 @@ def test_encoder_layer_fused_inference_path_is_bypassed(monkeypatch: pytest.Monk
         for i, model in enumerate(plain):
             torch.testing.assert_close(out[i], model(src[i], tgt[i], padding[i]))
     assert calls == [2] * B, "the plain layers did not take the fused path, so the check proved nothing"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_cuda_bf16_autocast(need_weights: bool) -> None:
+    torch.manual_seed(0)
+    plain = [layer.cuda() for layer in plain_layers(batch_first=True)]
+    batched = batched_from(plain).cuda()
+    x = torch.randn(B, N, L, E, device="cuda")
+    padding = torch.rand(B, N, L, device="cuda") < 0.3
+    padding[..., 0] = False
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        x_m = merge(x, True)
+        out, _ = batched(x_m, x_m, x_m, key_padding_mask=padding.flatten(0, 1), need_weights=need_weights)
+        for i, layer in enumerate(plain):
+            want, _ = layer(x[i], x[i], x[i], key_padding_mask=padding[i], need_weights=need_weights)
+            # bf16 keeps 8 mantissa bits: both sides round differently (one fused kernel vs batched products)
+            torch.testing.assert_close(out.view(B, N, L, E)[i].float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "seq_first"])
+def test_cuda_transformer_layers(batch_first: bool) -> None:
+    torch.manual_seed(0)
+    inputs = tuple(t.cuda() for t in transformer_inputs())
+    for kind in ("encoder", "decoder", "transformer"):
+        assert assert_equivalent(lambda k=kind: Wrapped(k, batch_first).cuda(), B, inputs, steps=2, atol=2e-5)
