@@ -108,7 +108,7 @@ def measure(name: str, batch: int, device: torch.device) -> dict:
     try:
         vmapped = vmap(one_model, randomness="different")
         row["vmap"] = cuda_ms(step_fn(lambda x: vmapped(params, buffers, x), list(params.values()), x))
-    except Exception as error:  # noqa: BLE001 - a layer vmap cannot run is a result, reported as such
+    except Exception as error:  # a layer that vmap cannot run is a result, reported as such
         row["vmap"] = None
         row["vmap_error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
 
