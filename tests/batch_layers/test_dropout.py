@@ -41,17 +41,21 @@ def _dropped(y: torch.Tensor, x: torch.Tensor, covered: int, alpha: bool) -> tor
     return dropped
 
 
+DEVICES = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+
+
+@DEVICES
 @pytest.mark.parametrize("shared", [True, False], ids=["shared-input", "same-data-per-model"])
 @pytest.mark.parametrize("name", FAMILY)
-def test_masks_independent_across_models_and_calls(name: str, shared: bool) -> None:
+def test_masks_independent_across_models_and_calls(name: str, shared: bool, device: str) -> None:
     cls, shape, covered = FAMILY[name]
     alpha = "Alpha" in name
     torch.manual_seed(0)
-    model = BatchModule(nn.Sequential(cls(P)), B)  # identical (no) weights, one input for all models
+    model = BatchModule(nn.Sequential(cls(P)), B).to(device)  # identical (no) weights, one input for all
     assert isinstance(model.module[0], lookup_batch_module(cls))
     model.train()
     n = 8
-    x = torch.randn(n, *shape).abs() + 0.5  # nonzero, so a zero output means dropped
+    x = torch.randn(n, *shape, device=device).abs() + 0.5  # nonzero, so a zero output means dropped
     feed = x if shared else x.expand(B, *x.shape).clone()
     first = model(feed, shared_input=shared)
     second = model(feed, shared_input=shared)
@@ -73,13 +77,14 @@ def test_masks_independent_across_models_and_calls(name: str, shared: bool) -> N
         assert abs(both - P * P) < 5 * (P * P * (1 - P * P) / call[0].numel()) ** 0.5
 
 
+@DEVICES
 @pytest.mark.parametrize("shared", [True, False], ids=["shared-input", "merged-input"])
 @pytest.mark.parametrize("name", FAMILY)
-def test_each_model_gets_torch_dropout_of_its_rows(name: str, shared: bool) -> None:
+def test_each_model_gets_torch_dropout_of_its_rows(name: str, shared: bool, device: str) -> None:
     """Reference: plain torch's dropout on the (B*n, ...) rows under the same seed, model b = rows of model b."""
     cls, shape, _ = FAMILY[name]
     n = 3
-    x = torch.randn(n, *shape) if shared else torch.randn(B, n, *shape)
+    x = torch.randn(n, *shape, device=device) if shared else torch.randn(B, n, *shape, device=device)
     merged = x.expand(B, *x.shape).reshape(B * n, *shape) if shared else x.reshape(B * n, *shape)
     model = BatchModule(nn.Sequential(cls(P)), B).train()
     torch.manual_seed(7)

@@ -54,3 +54,23 @@ def test_unet_isolated(norm: str) -> None:
     batched.train()  # dropout on: isolation must hold with per-model masks too (the check seeds every run)
     assert_isolated(batched, torch.randn(B, N, 3, 10, 10))
     assert_isolated(batched, torch.randn(N, 3, 10, 10), shared_input=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_resnet18_equivalent_cuda(train: bool) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(B, N, 3, 32, 32, device="cuda")
+    assert_equivalent(lambda: small_resnet().cuda(), B, x, steps=2, train=train)
+    batched = BatchModule(small_resnet().cuda(), B, init="independent", seed=0)
+    assert_isolated(batched, x)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("norm", ["batch", "group", "instance"])
+def test_unet_equivalent_cuda(norm: str) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(B, N, 3, 10, 10, device="cuda")
+    assert_equivalent(lambda: UNet(width=4, norm=norm).cuda(), B, x, steps=2)
+    batched = BatchModule(UNet(width=4, norm=norm, dropout=0.3).cuda(), B, init="independent", seed=1).train()
+    assert_isolated(batched, x)
