@@ -676,33 +676,27 @@ class OffloadedEmbedding(nn.Module):
         self._finish_work()
 
     def _store(self, work: _Work, weight_rows: Tensor, state_rows: dict[str, Tensor]) -> None:
+        """A stepped working set back: cached rows into the cache (dirty), the others to the host tables."""
         ids = torch.cat([c.ids for c in work.chunks]) if len(work.chunks) > 1 else work.chunks[0].ids
-        keep = None
         if work.pad is not None:
             pos, w_pad, s_pad = work.pad
             weight_rows[pos] = w_pad
             for k in self._spec:
                 state_rows[k][pos] = s_pad[k]
         cache = self._cache
-        if cache is not None and work.chunks[0].slots is not None:
-            slots = torch.cat([c.slots for c in work.chunks]) if len(work.chunks) > 1 else work.chunks[0].slots
-            cached = slots >= 0
-            if keep is not None:
-                cached = cached & keep
-            cs = slots[cached]
-            cache.weight[cs] = weight_rows[cached]
-            for k in self._spec:
-                cache.states[k][cs] = state_rows[k][cached]
-            cache.dirty[cs] = True
-            host_mask = (slots < 0) if keep is None else ((slots < 0) & keep)
-        else:
-            host_mask = keep
-        if host_mask is None:
+        if cache is None or work.chunks[0].slots is None:
             _commit(ids, [(self.table, weight_rows)] + [(self._state_tables[k], state_rows[k]) for k in self._spec])
-        else:
-            sel = torch.nonzero(host_mask).squeeze(1)
-            _commit(ids[sel], [(self.table, weight_rows[sel])] +
-                    [(self._state_tables[k], state_rows[k][sel]) for k in self._spec])
+            return
+        slots = torch.cat([c.slots for c in work.chunks]) if len(work.chunks) > 1 else work.chunks[0].slots
+        cached = slots >= 0
+        cs = slots[cached]
+        cache.weight[cs] = weight_rows[cached]
+        for k in self._spec:
+            cache.states[k][cs] = state_rows[k][cached]
+        cache.dirty[cs] = True
+        sel = torch.nonzero(~cached).squeeze(1)
+        _commit(ids[sel], [(self.table, weight_rows[sel])] + [(self._state_tables[k], state_rows[k][sel])
+                                                              for k in self._spec])
 
     def _end_work(self, check: bool) -> None:
         """Drop a working set that no optimizer stepped (writing back renormalised rows)."""
