@@ -5,13 +5,24 @@ Every parameter has shape ``(B, *torch_shape)``; inputs carry the model axis mer
 """
 
 from ._activation import PReLU
+from ._attention import MultiheadAttention
+from ._backend import get_backend, set_backend, use_backend, use_cupy, use_torch
 from ._base import AbstractBatchModule, ForwardContext, current_forward, forward_context
 from ._batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d
 from ._bilinear import Bilinear
 from ._conv import Conv1d, Conv2d, Conv3d
 from ._conv_transpose import ConvTranspose1d, ConvTranspose2d, ConvTranspose3d
 from ._dropout import AlphaDropout, Dropout, Dropout1d, Dropout2d, Dropout3d, FeatureAlphaDropout
+from ._embedding import (
+    Embedding,
+    EmbeddingBag,
+    FastEmbedding,
+    MultiEmbedding,
+    batched_embedding,
+    check_indices,
+)
 from ._linear import Linear
+from ._recurrent import GRU, LSTM, RNN, GRUCell, LSTMCell, RNNCell
 from ._norm import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm, RMSNorm
 from ._out_of_scope import OUT_OF_SCOPE, LazyLinear, SyncBatchNorm
 
@@ -34,6 +45,9 @@ __all__ = [
     "Dropout1d",
     "Dropout2d",
     "Dropout3d",
+    "Embedding",
+    "EmbeddingBag",
+    "FastEmbedding",
     "FeatureAlphaDropout",
     "ForwardContext",
     "GroupNorm",
@@ -42,12 +56,27 @@ __all__ = [
     "InstanceNorm3d",
     "LayerNorm",
     "LazyLinear",
+    "GRU",
+    "GRUCell",
+    "LSTM",
+    "LSTMCell",
     "Linear",
+    "MultiEmbedding",
+    "MultiheadAttention",
+    "RNN",
+    "RNNCell",
     "PReLU",
     "RMSNorm",
     "SyncBatchNorm",
+    "batched_embedding",
+    "check_indices",
     "current_forward",
     "forward_context",
+    "get_backend",
+    "set_backend",
+    "use_backend",
+    "use_cupy",
+    "use_torch",
 ]
 
 # The batched layers torchmb registers for their ``base_class``.
@@ -77,4 +106,13 @@ LAYERS: tuple[type[AbstractBatchModule], ...] = (
     AlphaDropout,
     FeatureAlphaDropout,
     *OUT_OF_SCOPE,
+    Embedding,
+    EmbeddingBag,
+    MultiheadAttention,
+    RNN,
+    LSTM,
+    GRU,
+    RNNCell,
+    LSTMCell,
+    GRUCell,
 )
