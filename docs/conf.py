@@ -9,3 +9,10 @@ autodoc_typehints = "description"
 html_theme = "alabaster"
 suppress_warnings = ["myst.xref_missing"]
 nitpicky = False
+
+
+def setup(app):
+    # Tutorial blocks fenced as python-gpu are shown as Python but not executed by tests/test_docs.py.
+    from pygments.lexers import PythonLexer
+
+    app.add_lexer("python-gpu", PythonLexer)

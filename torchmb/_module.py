@@ -71,9 +71,9 @@ class BatchModule(nn.Module):
         self.batch = batch
         # A pristine copy to build plain models from (unbatch); kept out of the module tree on purpose.
         object.__setattr__(self, "_template", copy.deepcopy(model))
-        self._plain_shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
         self.generic_modules: list[str] = []
-        self.module = self._convert(copy.deepcopy(model), "")
+        self.module = self._convert(copy.deepcopy(model), "")  # first: refuses what cannot be batched
+        self._plain_shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
         if self.generic_modules:
             logger.info(
                 "torchmb: batched through torch.func (no registered layer): %s", ", ".join(self.generic_modules)

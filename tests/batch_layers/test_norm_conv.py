@@ -207,12 +207,6 @@ def test_sync_batchnorm_refused_by_batch_module() -> None:
         BatchModule(model, 2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="BatchModule reads every state shape before converting, so torch's 'uninitialized parameter' "
-    "RuntimeError comes first; needs torchmb/_module.py to convert before recording _plain_shapes",
-)
 def test_lazy_linear_refused_by_batch_module() -> None:
     with pytest.raises(TypeError, match=r"LazyLinear is out of scope for torchmb.*run one forward"):
         BatchModule(nn.Sequential(nn.LazyLinear(3)), 2)
