@@ -12,6 +12,42 @@ from ._base import AbstractBatchModule, stack_copies
 __all__ = ["Linear"]
 
 
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+class _BatchedLinear(torch.autograd.Function):
+    """``y[b] = x[b] @ W[b].T + bias[b]`` with a backward that writes each gradient in its own layout.
+
+    Autograd through ``baddbmm(bias, x, W.transpose(1, 2))`` yields the weight gradient transposed, which
+    the accumulation then copies into ``W``'s layout: a quarter of an MLP step's GPU time at B=64.
+    Here ``grad_W = grad_y^T @ x`` is computed directly as ``(B, out, in)``. The backward is built
+    from differentiable ops, so double backward works.
+    """
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        dtype = _autocast_dtype(rows.device.type)
+        if dtype is not None:  # autocast does not reach a custom backward: cast here, once
+            rows, weight = rows.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        with torch.autocast(rows.device.type, enabled=False):
+            weight_t = weight.transpose(1, 2)
+            y = torch.bmm(rows, weight_t) if bias is None else torch.baddbmm(bias.unsqueeze(1), rows, weight_t)
+        ctx.save_for_backward(rows, weight)
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        rows, weight = ctx.saved_tensors
+        grad = grad.to(rows.dtype)
+        grad_rows = torch.bmm(grad, weight) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.bmm(grad.transpose(1, 2), rows) if ctx.needs_input_grad[1] else None
+        grad_bias = grad.sum(1) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_rows, grad_weight, grad_bias
+
+
 class Linear(AbstractBatchModule):
     r"""``batch`` independent :class:`torch.nn.Linear` layers as one batched matrix product.
 
@@ -93,11 +129,7 @@ class Linear(AbstractBatchModule):
         if dim:  # sequence-first layout: bring the model axis to the front for the batched product
             return self.forward(x.movedim(dim, 0)).movedim(0, dim)
         rows = x.reshape(self.batch, -1, self.in_features)
-        weight_t = self.weight.transpose(1, 2)
-        if self.bias is None:
-            y = torch.bmm(rows, weight_t)
-        else:
-            y = torch.baddbmm(self.bias.unsqueeze(1), rows, weight_t)
+        y = _BatchedLinear.apply(rows, self.weight, self.bias)
         return y.view(*x.shape[:-1], self.out_features)
 
     def _shared_forward(self, x: Tensor) -> Tensor:
