@@ -29,6 +29,7 @@ from torch.func import functional_call, stack_module_state, vmap
 
 from . import _bench_models as models
 from ._module import BatchModule
+from .graphs import CapturedStep
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,18 @@ WORKLOADS = {
     "wide-mlp": Workload("wide-mlp", lambda: models.MLP((784, 1024, 1024, 1024, 1024, 10)), _images(1, 28)),
 }
 
-IMPLEMENTATIONS = ("torchmb", "torchmb-shared", "vmap", "vmap-shared", "vmap+compile", "loop", "limit")
+IMPLEMENTATIONS = (
+    "torchmb",
+    "torchmb-shared",
+    "torchmb+graph",
+    "vmap",
+    "vmap-shared",
+    "vmap+compile",
+    "loop",
+    "limit",
+    "limit+graph",
+)
+GRAPHED = ("torchmb+graph", "limit+graph")  # CUDA only
 
 
 class Timer:
@@ -104,6 +116,15 @@ def _step_functions(
         batched_opt.step()
 
     steps["torchmb"] = torchmb_step
+
+    def torchmb_body(x, targets):
+        loss = _summed_cross_entropy(batched(x), targets, samples)
+        loss.backward()
+        batched_opt.step()
+        return loss
+
+    if "torchmb+graph" in implementations and device.type == "cuda":
+        steps["torchmb+graph"] = _graphed(torchmb_body, (x_models, y), batched_opt)
     shared = any("shared" in impl for impl in implementations)
     if shared:
         steps["torchmb-shared"] = lambda: torchmb_step(True)
@@ -152,7 +173,30 @@ def _step_functions(
         one_opt.step()
 
     steps["limit"] = limit_step
+
+    def limit_body(x, targets):
+        loss = F.cross_entropy(one(x), targets)
+        loss.backward()
+        one_opt.step()
+        return loss
+
+    if "limit+graph" in implementations and device.type == "cuda":
+        steps["limit+graph"] = _graphed(limit_body, (x_flat, y_flat), one_opt)
     return steps
+
+
+def _graphed(
+    body: Callable, inputs: tuple[torch.Tensor, ...], optimizer: torch.optim.Optimizer
+) -> Callable[[], object]:
+    """A step that captures ``body`` in a CUDA graph on first use (inside the timed warm-up), then replays it."""
+    captured: list[CapturedStep] = []
+
+    def step() -> object:
+        if not captured:
+            captured.append(CapturedStep(body, *inputs, optimizers=[optimizer]))
+        return captured[0](*inputs)
+
+    return step
 
 
 def run(
