@@ -32,15 +32,20 @@ __all__ = ["GRU", "LSTM", "RNN", "GRUCell", "LSTMCell", "RNNCell"]
 
 _GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
 
+# torch's fused CUDA cell kernels (what nn.LSTMCell / nn.GRUCell run on CUDA), with autograd formulas:
+# one kernel for all gate nonlinearities of a step forward, one backward. Reached through torch.ops.
+_FUSED_LSTM = getattr(torch.ops.aten, "_thnn_fused_lstm_cell", None)
+_FUSED_GRU = getattr(torch.ops.aten, "_thnn_fused_gru_cell", None)
+
 
 def _fused_cells(t: Tensor) -> bool:
-    return t.is_cuda and hasattr(torch, "_thnn_fused_lstm_cell") and hasattr(torch, "_thnn_fused_gru_cell")
+    return t.is_cuda and _FUSED_LSTM is not None and _FUSED_GRU is not None
 
 
 def _lstm_cell(gates_x: Tensor, gates_h: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
     """One LSTM step on merged rows: gates ``(R, 4H)`` (input part with both biases, hidden part), ``c`` ``(R, H)``."""
     if _fused_cells(gates_x):
-        h, c, _ = torch._thnn_fused_lstm_cell(gates_x.contiguous(), gates_h.contiguous(), c.contiguous())
+        h, c, _ = _FUSED_LSTM(gates_x.contiguous(), gates_h.contiguous(), c.contiguous())
         return h, c
     i, f, g, o = (gates_x + gates_h).chunk(4, dim=-1)
     c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
@@ -50,7 +55,7 @@ def _lstm_cell(gates_x: Tensor, gates_h: Tensor, c: Tensor) -> tuple[Tensor, Ten
 def _gru_cell(gates_x: Tensor, gates_h: Tensor, h: Tensor) -> Tensor:
     """One GRU step on merged rows; ``gates_h`` must include the hidden bias (it is gated by ``r``)."""
     if _fused_cells(gates_x):
-        return torch._thnn_fused_gru_cell(gates_x.contiguous(), gates_h.contiguous(), h.contiguous())[0]
+        return _FUSED_GRU(gates_x.contiguous(), gates_h.contiguous(), h.contiguous())[0]
     x_r, x_z, x_n = gates_x.chunk(3, dim=-1)
     h_r, h_z, h_n = gates_h.chunk(3, dim=-1)
     r = torch.sigmoid(x_r + h_r)
@@ -338,24 +343,31 @@ class _RNNBase(AbstractBatchModule):
         if c is not None:
             c = c.to(gates_x.dtype)
         outputs: list[Tensor | None] = [None] * steps
+        step_gates = gates_x.unbind(0)  # one backward (a stack), not T zero-filled full-size gradients
+        masks = valid.unbind(0) if valid is not None else None
         for t in reversed(range(steps)) if reverse else range(steps):
+            if self.mode.startswith("RNN"):  # one product with the input gates added in, then the nonlinearity
+                pre = torch.baddbmm(step_gates[t], h, w_hh.transpose(1, 2))
+                h_new, c_new = (torch.tanh(pre) if self.mode == "RNN_TANH" else torch.relu(pre)), None
+                if masks is not None:
+                    h_new = torch.where(masks[t], h_new, h)
+                h = outputs[t] = h_new
+                continue
             gates_h = _bmm_t(h, w_hh, b_hh)
             if self.mode == "LSTM":
-                h_new, c_new = _lstm_cell(gates_x[t].view(rows, -1), gates_h.view(rows, -1), c.reshape(rows, -1))
+                h_new, c_new = _lstm_cell(step_gates[t].view(rows, -1), gates_h.view(rows, -1), c.reshape(rows, -1))
                 h_new = h_new.view(batch, per_model, -1)
                 c_new = c_new.view(batch, per_model, -1)
                 if w_hr is not None:
                     h_new = _bmm_t(h_new, w_hr)
-            elif self.mode == "GRU":
-                h_new = _gru_cell(gates_x[t].view(rows, -1), gates_h.view(rows, -1), h.reshape(rows, -1))
+            else:
+                h_new = _gru_cell(step_gates[t].view(rows, -1), gates_h.view(rows, -1), h.reshape(rows, -1))
                 h_new = h_new.view(batch, per_model, -1)
                 c_new = None
-            else:
-                h_new, c_new = _rnn_cell(gates_x[t], gates_h, self.mode), None
-            if valid is not None:  # finished sequences keep their state; reverse ones wait for their start
-                h_new = torch.where(valid[t], h_new, h)
+            if masks is not None:  # finished sequences keep their state; reverse ones wait for their start
+                h_new = torch.where(masks[t], h_new, h)
                 if c_new is not None:
-                    c_new = torch.where(valid[t], c_new, c)
+                    c_new = torch.where(masks[t], c_new, c)
             h, c = h_new, c_new
             outputs[t] = h
         return torch.stack(outputs), h, c

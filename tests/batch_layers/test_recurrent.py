@@ -258,9 +258,10 @@ def test_cuda_fused_cells_run_and_match_the_reference_maths(mode: str, monkeypat
     gates = 4 if mode == "LSTM" else 3
     gx, gh = (torch.randn(rows, gates * hidden, device="cuda", requires_grad=True) for _ in range(2))
     state = torch.randn(rows, hidden, device="cuda", requires_grad=True)
-    name = "_thnn_fused_lstm_cell" if mode == "LSTM" else "_thnn_fused_gru_cell"
-    original, calls = getattr(torch, name), []
-    monkeypatch.setattr(torch, name, lambda *a: calls.append(1) or original(*a))
+    name = "_FUSED_LSTM" if mode == "LSTM" else "_FUSED_GRU"
+    original, calls = getattr(_recurrent, name), []
+    assert original is not None, f"torch has no fused {mode} cell kernel"
+    monkeypatch.setattr(_recurrent, name, lambda *a: calls.append(1) or original(*a))
     step = _recurrent._lstm_cell if mode == "LSTM" else _recurrent._gru_cell
     fused = step(gx, gh, state)
     assert calls, "the fused CUDA kernel did not run"
