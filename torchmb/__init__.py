@@ -6,7 +6,7 @@ hyperparameter sweeps, seed studies and ensembles in the time one model used to 
 
 from batch_layers import AbstractBatchModule
 
-from . import testing
+from . import amp, clip, graphs, lr_scheduler, optim, sweep, testing
 from ._module import BatchModule
 from ._registry import lookup_batch_module, register_batch_module, registered_batch_modules
 from .functional import batch_accuracy, batch_loss, batch_topk, merge_batch, split_batch
@@ -16,13 +16,19 @@ __version__ = "0.3.0"
 __all__ = [
     "AbstractBatchModule",
     "BatchModule",
+    "amp",
     "batch_accuracy",
     "batch_loss",
     "batch_topk",
+    "clip",
+    "graphs",
     "lookup_batch_module",
+    "lr_scheduler",
     "merge_batch",
+    "optim",
     "register_batch_module",
     "registered_batch_modules",
     "split_batch",
+    "sweep",
     "testing",
 ]
