@@ -299,44 +299,63 @@ class _RNNBase(AbstractBatchModule):
         return state.reshape(state.shape[0], -1, state.shape[-1])
 
     def _layers(self, x: Tensor, h0: Tensor, c0: Tensor | None, valid: Tensor | None):
+        """All layers over ``x`` ``(T, B, N, F)``: returns ``(T, B, N, D*H_out)``, ``h_n``, ``c_n`` ``(L*D, B, N, *)``.
+
+        A bidirectional layer runs both directions in one time loop: the reverse direction's inputs are
+        flipped in time and its models are appended to the model axis (2B weight sets), so every step is
+        one batched product for both directions instead of two.
+        """
         steps, batch, per_model, _ = x.shape
         directions = self._directions
+        both_valid = None if valid is None or directions == 1 else torch.cat([valid, valid.flip(0)], dim=1)
         h_n, c_n = [], []
         for layer in range(self.num_layers):
             flat = x.permute(1, 0, 2, 3).reshape(batch, steps * per_model, x.shape[-1])
-            outputs = []
+            gates, w_hh, b_hh, w_hr = [], [], [], []
             for direction in range(directions):
                 suffix = "_reverse" if direction else ""
-                index = layer * directions + direction
                 w_ih = getattr(self, f"weight_ih_l{layer}{suffix}")
-                w_hh = getattr(self, f"weight_hh_l{layer}{suffix}")
                 b_ih = getattr(self, f"bias_ih_l{layer}{suffix}") if self.bias else None
-                b_hh = getattr(self, f"bias_hh_l{layer}{suffix}") if self.bias else None
-                w_hr = getattr(self, f"weight_hr_l{layer}{suffix}") if self.proj_size > 0 else None
+                bias_hh = getattr(self, f"bias_hh_l{layer}{suffix}") if self.bias else None
                 if b_ih is not None and self.mode != "GRU":  # both biases enter the gates linearly: add once
-                    b_ih, b_hh = b_ih + b_hh, None
-                gates_x = _bmm_t(flat, w_ih, b_ih).view(batch, steps, per_model, -1).transpose(0, 1)
+                    b_ih, bias_hh = b_ih + bias_hh, None
+                step_gates = _bmm_t(flat, w_ih, b_ih).view(batch, steps, per_model, -1).transpose(0, 1)
+                gates.append(step_gates.flip(0) if direction else step_gates)
+                w_hh.append(getattr(self, f"weight_hh_l{layer}{suffix}"))
+                b_hh.append(bias_hh)
+                w_hr.append(getattr(self, f"weight_hr_l{layer}{suffix}") if self.proj_size > 0 else None)
+            first = layer * directions
+            if directions == 1:
                 out, h, c = self._direction(
-                    gates_x.contiguous(),
-                    h0[index],
-                    None if c0 is None else c0[index],
-                    w_hh,
-                    b_hh,
-                    w_hr,
+                    gates[0].contiguous(),
+                    h0[first],
+                    None if c0 is None else c0[first],
+                    w_hh[0],
+                    b_hh[0],
+                    w_hr[0],
                     valid,
-                    bool(direction),
                 )
-                outputs.append(out)
-                h_n.append(h)
-                if c is not None:
-                    c_n.append(c)
-            x = outputs[0] if directions == 1 else torch.cat(outputs, dim=-1)
+                x = out
+            else:
+                out, h, c = self._direction(
+                    torch.cat(gates, dim=1),
+                    h0[first : first + 2].flatten(0, 1),
+                    None if c0 is None else c0[first : first + 2].flatten(0, 1),
+                    torch.cat(w_hh),
+                    None if b_hh[0] is None else torch.cat(b_hh),
+                    None if w_hr[0] is None else torch.cat(w_hr),
+                    both_valid,
+                )
+                x = torch.cat([out[:, :batch], out[:, batch:].flip(0)], dim=-1)
+            h_n.extend(h.split(batch))
+            if c is not None:
+                c_n.extend(c.split(batch))
             if self.dropout and self.training and layer < self.num_layers - 1:
                 x = F.dropout(x, self.dropout, training=True)
         return x, torch.stack(h_n), (torch.stack(c_n) if c_n else None)
 
-    def _direction(self, gates_x, h, c, w_hh, b_hh, w_hr, valid, reverse):
-        """Run one direction of one layer over ``gates_x`` ``(T, B, N, G)``; returns ``(T, B, N, H)``, h, c."""
+    def _direction(self, gates_x, h, c, w_hh, b_hh, w_hr, valid):
+        """Run the recurrence over ``gates_x`` ``(T, B', N, G)`` in time order; returns ``(T, B', N, H)``, h, c."""
         steps, batch, per_model, _ = gates_x.shape
         rows = batch * per_model
         h = h.to(gates_x.dtype)
@@ -345,7 +364,7 @@ class _RNNBase(AbstractBatchModule):
         outputs: list[Tensor | None] = [None] * steps
         step_gates = gates_x.unbind(0)  # one backward (a stack), not T zero-filled full-size gradients
         masks = valid.unbind(0) if valid is not None else None
-        for t in reversed(range(steps)) if reverse else range(steps):
+        for t in range(steps):
             if self.mode.startswith("RNN"):  # one product with the input gates added in, then the nonlinearity
                 pre = torch.baddbmm(step_gates[t], h, w_hh.transpose(1, 2))
                 h_new, c_new = (torch.tanh(pre) if self.mode == "RNN_TANH" else torch.relu(pre)), None
