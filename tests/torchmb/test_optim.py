@@ -80,7 +80,7 @@ def assert_matches_references(opt, params, refs, exact: bool = False) -> None:
         lambda a, b: torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6))
     for i, (own, ref) in enumerate(refs):
         for p, q in zip(params, own):
-            check(p.detach()[i].cpu(), q.detach())
+            check(p.detach()[i].cpu(), q.detach().cpu())
             for key, value in ref.state[q].items():
                 if not isinstance(value, torch.Tensor):
                     continue
@@ -250,6 +250,23 @@ def test_load_model_state_from_another_optimizer_without_hyperparameters() -> No
         dst.load_model_state([0, 1], src, [0])
     with pytest.raises(TypeError, match="source must be a Adam"):
         dst.load_model_state(0, mo.SGD(make_params(B), lr=0.1), 0)
+
+
+def test_load_model_state_keeps_per_parameter_step_counts() -> None:
+    params = make_params(B)
+    opt = mo.Adam(params, lr=0.1)
+    for t, g in enumerate(make_grads(B, 3)):
+        set_grads(params, g)
+        if t == 1:
+            params[1].grad = None  # this parameter skips a step: its counts fall behind the others'
+        opt.step()
+    opt.load_model_state([0, 3], src=[2, 2])
+    assert opt.state[params[0]]["step"].tolist() == [3.0] * B
+    assert opt.state[params[1]]["step"].tolist() == [2.0] * B
+    fresh = mo.Adam(make_params(B), lr=0.1)
+    fresh.load_model_state(1, opt, 2)
+    steps = [fresh.state[p]["step"].tolist() for p in fresh.param_groups[0]["params"]]
+    assert steps == [[0.0, 3.0, 0.0, 0.0], [0.0, 2.0, 0.0, 0.0], [0.0, 3.0, 0.0, 0.0]]
 
 
 @pytest.mark.parametrize("case", ["sgd_momentum", "adam", "rmsprop_centered_momentum", "adagrad"])

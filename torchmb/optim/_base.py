@@ -333,6 +333,8 @@ class BatchOptimizer(torch.optim.Optimizer):
                     holder[key] = tuple(v.index_copy(0, dst_index, r) for v, r in zip(value, rows))
                 else:
                     holder[key] = value.index_copy(0, dst_index, rows)
+            elif key in self.cpu_state:  # bookkeeping vectors may be shared between parameters: never in place
+                holder[key] = holder[key].index_copy(0, dst_index, rows.to(torch.float64))
             else:
                 target = holder[key]
                 target.index_copy_(0, dst_index.to(target.device), rows.to(target.device, target.dtype))
@@ -385,26 +387,37 @@ class BatchOptimizer(torch.optim.Optimizer):
         Coefficients are float32 for 16-bit parameters (their arithmetic runs in float32, as with the
         Python numbers ``torch.optim`` passes) and the parameter's dtype otherwise.
         """
-        out: dict[str, list[Tensor]] = {name: [None] * len(params) for name in values}  # type: ignore[misc]
-        pending: dict[tuple[torch.device, torch.dtype], list[tuple[str, int, Tensor]]] = {}
-        for name, per_param in values.items():
-            for i, (p, v) in enumerate(zip(params, per_param)):
-                dtype = p.dtype if p.dtype in (torch.float32, torch.float64) else torch.float32
-                pending.setdefault((p.device, dtype), []).append((name, i, v))
-        for (device, dtype), items in pending.items():
-            rows: dict[int, int] = {}
-            stacked: list[Tensor] = []
-            for _, _, v in items:
-                if id(v) not in rows:
-                    rows[id(v)] = len(stacked)
-                    stacked.append(v)
-            host = torch.stack(stacked).to(dtype)
+        keys = []  # per parameter: (device, coefficient dtype, dims)
+        for p in params:
+            dtype = p.dtype if p.dtype in (torch.float32, torch.float64) else torch.float32
+            keys.append((p.device, dtype, p.dim()))
+        rows: dict[tuple[torch.device, torch.dtype], dict[int, int]] = {}
+        stacked: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        for per_param in values.values():
+            for key, v in zip(keys, per_param):
+                where = rows.setdefault(key[:2], {})
+                if id(v) not in where:
+                    where[id(v)] = len(where)
+                    stacked.setdefault(key[:2], []).append(v)
+        moved: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+        for (device, dtype), vectors in stacked.items():
+            host = torch.stack(vectors).to(dtype)
             if device.type == "cuda":
-                moved = host.pin_memory().to(device, non_blocking=True)
+                moved[(device, dtype)] = host.pin_memory().to(device, non_blocking=True)
             else:
-                moved = host.to(device)
-            for name, i, v in items:
-                out[name][i] = moved[rows[id(v)]].view(-1, *([1] * (params[i].dim() - 1)))
+                moved[(device, dtype)] = host.to(device)
+        views: dict[tuple, Tensor] = {}
+        out: dict[str, list[Tensor]] = {}
+        for name, per_param in values.items():
+            column = []
+            for key, v in zip(keys, per_param):
+                view_key = (*key, id(v))
+                view = views.get(view_key)
+                if view is None:
+                    row = moved[key[:2]][rows[key[:2]][id(v)]]
+                    view = views[view_key] = row.view(-1, *([1] * (key[2] - 1)))
+                column.append(view)
+            out[name] = column
         return out
 
     def _skip_index(self, skip: Any) -> Tensor | None:

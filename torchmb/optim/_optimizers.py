@@ -88,11 +88,16 @@ class SGD(BatchOptimizer):
         values: dict[str, list[Tensor]] = {"neg_lr": [-lr] * n, "weight_decay": [wd] * n}
         if has_buffers:
             active = momentum != 0
-            values["mom"], values["damp"] = [], []
-            for state in states:
-                started = (state["momentum_started"] != 0) & active
-                values["mom"].append(torch.where(started, momentum, 0.0))
-                values["damp"].append(torch.where(started, 1 - dampening, 1.0))
+            flags = [state["momentum_started"] for state in states]
+            if all(torch.equal(f, flags[0]) for f in flags[1:]):  # the usual case: compute once
+                flags = [flags[0]] * n
+
+            def mom_damp(flag: Tensor) -> tuple[Tensor, Tensor]:
+                started = (flag != 0) & active
+                return torch.where(started, momentum, 0.0), torch.where(started, 1 - dampening, 1.0)
+
+            per = per_count(flags, mom_damp)
+            values["mom"], values["damp"] = [c[0] for c in per], [c[1] for c in per]
             values["momentum"] = [momentum] * n
         coefs = self._coefficients(params, values)
         bufs = [state["momentum_buffer"] for state in states] if has_buffers else None
@@ -104,10 +109,14 @@ class SGD(BatchOptimizer):
         else:
             self._reference_step(group, params, grads, bufs, coefs)
         if has_buffers:
-            for state in states:
-                old = state["momentum_started"] != 0
+
+            def advance(flag: Tensor) -> Tensor:
+                old = flag != 0
                 started = old | active if skip_mask is None else torch.where(skip_mask, old, old | active)
-                state["momentum_started"] = started.to(torch.float64)
+                return started.to(torch.float64)
+
+            for state, started in zip(states, per_count(flags, advance)):
+                state["momentum_started"] = started
 
     @staticmethod
     def _reference_step(group, params, grads, bufs, coefs) -> None:
