@@ -183,6 +183,9 @@ class _RNNBase(AbstractBatchModule):
                 getattr(layer, name).copy_(stack_copies(getattr(module, name), batch))
         return layer
 
+    def flatten_parameters(self) -> None:
+        """A no-op kept for models that call it (``nn.LSTM`` packs weights for cuDNN; nothing here uses cuDNN)."""
+
     # -- shapes -----------------------------------------------------------------------------------
     @property
     def _directions(self) -> int:

@@ -147,6 +147,20 @@ def test_lstm_lm_batches_without_fallback() -> None:
     assert isinstance(model.module.lstm, batch_layers.LSTM)
 
 
+def test_models_that_flatten_parameters_still_run() -> None:
+    class Flattening(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = nn.GRU(F, H, batch_first=True)
+
+        def forward(self, x: Tensor) -> Tensor:
+            self.rnn.flatten_parameters()  # common in models written for DataParallel
+            return self.rnn(x)[0]
+
+    torch.manual_seed(0)
+    assert assert_equivalent(Flattening, B, torch.randn(B, N, T, F), steps=1)
+
+
 @pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU, nn.RNN])
 def test_dropout_between_layers_is_independent_across_models(cls: type[nn.Module]) -> None:
     torch.manual_seed(0)
