@@ -150,11 +150,12 @@ MASKS = [
 ]
 
 
+@pytest.mark.parametrize("extra_keys", [False, True], ids=["", "bias_kv-zero_attn"])
 @pytest.mark.parametrize("need_weights", [True, False])
 @pytest.mark.parametrize("mask", MASKS)
-def test_masks(mask: str, need_weights: bool) -> None:
+def test_masks(mask: str, need_weights: bool, extra_keys: bool) -> None:
     torch.manual_seed(0)
-    plain = plain_layers(batch_first=True)
+    plain = plain_layers(batch_first=True, add_bias_kv=extra_keys, add_zero_attn=extra_keys)
     batched = batched_from(plain)
     batched_kwargs, own_kwargs = mask_kwargs(mask)
     x = torch.randn(B, N, L, E)
@@ -164,7 +165,7 @@ def test_masks(mask: str, need_weights: bool) -> None:
         out_i, weights_i = layer(x[i], x[i], x[i], need_weights=need_weights, **own_kwargs(i))
         torch.testing.assert_close(out.view(B, N, L, E)[i], out_i)
         if need_weights:
-            torch.testing.assert_close(weights.view(B, N, L, L)[i], weights_i)
+            torch.testing.assert_close(weights.view(B, N, *weights_i.shape[1:])[i], weights_i)
         else:
             assert weights is None and weights_i is None
 
