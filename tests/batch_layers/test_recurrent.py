@@ -147,6 +147,22 @@ def test_lstm_lm_batches_without_fallback() -> None:
     assert isinstance(model.module.lstm, batch_layers.LSTM)
 
 
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "seq_first"])
+def test_shared_input_through_batch_module(batch_first: bool) -> None:
+    class Reader(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lstm = nn.LSTM(F, H, 2, batch_first=batch_first, bidirectional=True)
+            self.head = nn.Linear(2 * H, 3)
+
+        def forward(self, x: Tensor) -> Tensor:  # x: (n, T, F), the same for every model
+            out, _ = self.lstm(x if batch_first else x.transpose(0, 1))
+            return self.head(out if batch_first else out.transpose(0, 1))
+
+    torch.manual_seed(0)
+    assert assert_equivalent(Reader, B, torch.randn(N, T, F), steps=2, shared_input=True)
+
+
 def test_models_that_flatten_parameters_still_run() -> None:
     class Flattening(nn.Module):
         def __init__(self) -> None:
