@@ -367,21 +367,24 @@ class _RNNBase(AbstractBatchModule):
         outputs: list[Tensor | None] = [None] * steps
         step_gates = gates_x.unbind(0)  # one backward (a stack), not T zero-filled full-size gradients
         masks = valid.unbind(0) if valid is not None else None
+        w_hh_t = w_hh.transpose(1, 2)  # once, not one transpose (and autograd node) per step
+        w_hr_t = None if w_hr is None else w_hr.transpose(1, 2)
+        b_hh = None if b_hh is None else b_hh.unsqueeze(1)
         for t in range(steps):
             if self.mode.startswith("RNN"):  # one product with the input gates added in, then the nonlinearity
-                pre = torch.baddbmm(step_gates[t], h, w_hh.transpose(1, 2))
+                pre = torch.baddbmm(step_gates[t], h, w_hh_t)
                 h_new, c_new = (torch.tanh(pre) if self.mode == "RNN_TANH" else torch.relu(pre)), None
                 if masks is not None:
                     h_new = torch.where(masks[t], h_new, h)
                 h = outputs[t] = h_new
                 continue
-            gates_h = _bmm_t(h, w_hh, b_hh)
+            gates_h = torch.bmm(h, w_hh_t) if b_hh is None else torch.baddbmm(b_hh, h, w_hh_t)
             if self.mode == "LSTM":
                 h_new, c_new = _lstm_cell(step_gates[t].view(rows, -1), gates_h.view(rows, -1), c.reshape(rows, -1))
                 h_new = h_new.view(batch, per_model, -1)
                 c_new = c_new.view(batch, per_model, -1)
                 if w_hr is not None:
-                    h_new = _bmm_t(h_new, w_hr)
+                    h_new = torch.bmm(h_new, w_hr_t)
             else:
                 h_new = _gru_cell(step_gates[t].view(rows, -1), gates_h.view(rows, -1), h.reshape(rows, -1))
                 h_new = h_new.view(batch, per_model, -1)
