@@ -2,14 +2,15 @@ from __future__ import annotations
 
 import math
 
-import optuna
 import pytest
 import torch
-from optuna.distributions import CategoricalDistribution, FloatDistribution
-from support.models import MLP
 
-import torchmb
-from torchmb import BatchModule, sweep
+optuna = pytest.importorskip("optuna", reason="the [sweep] extra (Optuna) is not installed")
+from optuna.distributions import CategoricalDistribution, FloatDistribution  # noqa: E402
+from support.models import MLP  # noqa: E402
+
+import torchmb  # noqa: E402
+from torchmb import BatchModule, sweep  # noqa: E402
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
