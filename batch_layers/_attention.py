@@ -228,11 +228,15 @@ class MultiheadAttention(AbstractBatchModule):
             x = x.transpose(0, 1)
         if self._shared_rows(x.shape[0]):
             return x.expand(self.batch, *x.shape)
-        if x.shape[0] % self.batch:
+        context = current_forward()
+        step = self.batch * (context.samples if context is not None else 1)
+        if x.shape[0] % step:
             dim = 0 if self.batch_first else 1
+            where = f"B * n = {self.batch} * {context.samples}" if context is not None else f"B = {self.batch}"
             raise ValueError(
                 f"{type(self).__name__}: expected {what} dim {dim} (batch_first={self.batch_first}) to be a multiple "
-                f"of B = {self.batch} (the merged model axis), got shape {tuple(x.shape)}"
+                f"of {where} (the merged model axis), got shape {tuple(x.shape)}; a sequence-first model must "
+                "take batch-first inputs at the BatchModule boundary and transpose them itself"
             )
         return x.reshape(self.batch, -1, *x.shape[1:])
 

@@ -223,6 +223,16 @@ def test_refuses_bad_inputs() -> None:
         layer(x, x, x, attn_mask=torch.zeros(4, 5))
     with pytest.raises(RuntimeError, match="Need attn_mask if specifying the is_causal hint"):
         layer(x, x, x, is_causal=True)
+    class SequenceFirstAtTheBoundary(nn.Module):  # (L, N, E) per model: BatchModule merges models into L
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.MultiheadAttention(E, H)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.attn(x, x, x)[0]
+
+    with pytest.raises(ValueError, match=r"multiple of B \* n = 3 \* 5 .* transpose them itself"):
+        BatchModule(SequenceFirstAtTheBoundary(), B)(torch.randn(B, L, B * N, E))
     with pytest.raises(ValueError, match="must all be batched"):
         layer(x, x[0], x[0])
     with pytest.raises(ValueError, match="divisible by num_heads"):
