@@ -223,10 +223,14 @@ class _RNNBase(AbstractBatchModule):
         rows = seq.shape[1]
         if _shared_rows(self.batch, rows):
             return seq.unsqueeze(1).expand(-1, self.batch, -1, -1), layout
-        if rows % self.batch:
+        context = current_forward()
+        step = self.batch * (context.samples if context is not None else 1)
+        if rows % step:
+            where = f"B * n = {self.batch} * {context.samples}" if context is not None else f"B = {self.batch}"
             raise ValueError(
                 f"{type(self).__name__}: expected the input's batch dim ({0 if self.batch_first else 1}) to be a "
-                f"multiple of B = {self.batch} (the merged model axis), got shape {tuple(x.shape)}"
+                f"multiple of {where} (the merged model axis), got shape {tuple(x.shape)}; a sequence-first model "
+                "must take batch-first inputs at the BatchModule boundary and transpose them itself"
             )
         return seq.reshape(seq.shape[0], self.batch, -1, seq.shape[-1]), layout
 

@@ -259,6 +259,16 @@ def test_refuses_bad_inputs() -> None:
         layer(torch.randn(6, T, F), torch.zeros(1, 6, H))
     with pytest.raises(TypeError, match="floating-point input"):
         layer(torch.zeros(6, T, F, dtype=torch.long))
+    class SequenceFirstAtTheBoundary(nn.Module):  # (T, N, F) per model: BatchModule merges models into T
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = nn.GRU(F, H)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.rnn(x)[0]
+
+    with pytest.raises(ValueError, match=r"multiple of B \* n = 3 \* 6 .* transpose them itself"):
+        BatchModule(SequenceFirstAtTheBoundary(), B)(torch.randn(B, T, B * 2, F))
     packed = pack_padded_sequence(torch.randn(4, T, F), torch.tensor([6, 5, 4, 3]), batch_first=True)
     with pytest.raises(ValueError, match="PackedSequence of a multiple of B = 3 sequences"):
         layer(packed)
