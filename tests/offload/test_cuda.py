@@ -29,6 +29,7 @@ def test_uva_and_cpu_engines_agree(dtype, dim):
     hyb = offload.HostTable.from_tensor(src, device="cuda", engine="hybrid")
     assert uva.pinned and cpu.pinned and hyb.pinned
     idx = torch.randint(0, rows, (3, 4099), generator=g).cuda()
+    offload.engine_choice("cuda")  # the hybrid split is measured once (launching kernels) before counting
     before = _launches("gather")
     a = uva.gather(idx)
     assert _launches("gather") == before + 1
@@ -131,4 +132,6 @@ def test_embedding_training_identical_on_both_engines(cache_rows):
         assert torch.equal(tables["uva"][0], tables[other][0])
         for k in tables["uva"][1]:
             assert torch.equal(tables["uva"][1][k], tables[other][1][k])
-    torch.testing.assert_close(tables["uva"][0], ref.weight.detach().cpu(), rtol=1e-4, atol=1e-5)
+    # SparseAdam divides eps by sqrt(bias_correction2), Adam does not: the hottest rows (touched every step,
+    # large gradients) drift apart by a few 1e-5 over 12 steps at lr 0.01 (seen on an H200).
+    torch.testing.assert_close(tables["uva"][0], ref.weight.detach().cpu(), rtol=1e-4, atol=1e-4)
