@@ -153,15 +153,16 @@ class OffloadedEmbedding(nn.Module):
     elementwise) and SparseAdam (use Adam) are refused.
 
     Args:
-        num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse,
-            _weight, _freeze, device, dtype: as for ``nn.Embedding``. ``device`` is the compute device (the
-            working rows' device; ``.to()`` moves it). ``sparse`` is accepted and has no effect: gradients
-            already cover only the step's rows.
+        num_embeddings: number of rows; this and ``embedding_dim``, ``padding_idx``, ``max_norm``,
+            ``norm_type``, ``scale_grad_by_freq``, ``sparse``, ``_weight``, ``_freeze``, ``device`` and
+            ``dtype`` are as for ``nn.Embedding``. ``device`` is the compute device (the working rows'
+            device; ``.to()`` moves it). ``sparse`` is accepted and has no effect: gradients already cover
+            only the step's rows.
         table: an existing :class:`~offload.HostTable` to use as the weight.
         cache_rows: keep up to this many hot rows (weight and optimizer state) on the GPU, written back to
             the host when evicted (least recently used first). ``0`` disables the cache.
         cache_bytes: alternatively, the cache's size in bytes (weight plus per-row state).
-        pin, engine: passed to the :class:`~offload.HostTable`\ s.
+        pin: passed to the :class:`~offload.HostTable` (and so is ``engine``).
 
     Each step, all lookups should use the rows known at the first ``forward``; later lookups of new rows
     work (they become separate leaves folded in before ``step``), but gradient clipping over
