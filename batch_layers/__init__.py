@@ -22,13 +22,16 @@ from ._embedding import (
     check_indices,
 )
 from ._linear import Linear
-from ._recurrent import GRU, LSTM, RNN, GRUCell, LSTMCell, RNNCell
 from ._norm import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm, RMSNorm
 from ._out_of_scope import OUT_OF_SCOPE, LazyLinear, SyncBatchNorm
+from ._recurrent import GRU, LSTM, RNN, GRUCell, LSTMCell, RNNCell
 
 __all__ = [
+    "GRU",
     "LAYERS",
+    "LSTM",
     "OUT_OF_SCOPE",
+    "RNN",
     "AbstractBatchModule",
     "AlphaDropout",
     "BatchNorm1d",
@@ -50,23 +53,20 @@ __all__ = [
     "FastEmbedding",
     "FeatureAlphaDropout",
     "ForwardContext",
+    "GRUCell",
     "GroupNorm",
     "InstanceNorm1d",
     "InstanceNorm2d",
     "InstanceNorm3d",
+    "LSTMCell",
     "LayerNorm",
     "LazyLinear",
-    "GRU",
-    "GRUCell",
-    "LSTM",
-    "LSTMCell",
     "Linear",
     "MultiEmbedding",
     "MultiheadAttention",
-    "RNN",
-    "RNNCell",
     "PReLU",
     "RMSNorm",
+    "RNNCell",
     "SyncBatchNorm",
     "batched_embedding",
     "check_indices",

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+import torch
 from torch import Tensor, nn
 
 __all__ = ["AbstractBatchModule", "ForwardContext", "current_forward", "forward_context"]
@@ -155,6 +156,11 @@ class AbstractBatchModule(nn.Module):
     def extra_repr(self) -> str:
         inner = self.base_class.extra_repr(self) if self.base_class is not nn.Module else ""
         return ", ".join(part for part in (inner, f"batch={self.batch}") if part)
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast would compute in on ``device_type`` now, or None when autocast is off there."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
 def stack_copies(tensor: Tensor, batch: int) -> Tensor:

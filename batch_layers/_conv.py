@@ -8,11 +8,67 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.utils import _ntuple, _reverse_repeat_tuple
 
-from ._base import AbstractBatchModule, stack_copies
+from ._base import AbstractBatchModule, autocast_dtype, stack_copies
 
 __all__ = ["Conv1d", "Conv2d", "Conv3d"]
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+def _to_grouped(x: Tensor, batch: int) -> Tensor:
+    """``(B*n, C, *S)`` models-major to ``(n, B*C, *S)``: the models become channel groups."""
+    n = x.shape[0] // batch
+    return x.reshape(batch, n, *x.shape[1:]).transpose(0, 1).reshape(n, batch * x.shape[1], *x.shape[2:])
+
+
+def _to_models(y: Tensor, batch: int) -> Tensor:
+    """``(n, B*C, *S)`` back to the models-major ``(B*n, C, *S)``."""
+    n = y.shape[0]
+    y = y.view(n, batch, -1, *y.shape[2:]).transpose(0, 1)
+    return y.reshape(batch * n, *y.shape[2:])
+
+
+class _GroupedConv(torch.autograd.Function):
+    """The models-as-groups convolution, saving the models-major input instead of its grouped copy.
+
+    Autograd through the plain formulation keeps the ``(n, B*C, *S)`` copy of every conv input alive
+    until backward, beside the models-major tensor the previous layer (usually a ReLU) saves anyway:
+    one extra activation per convolution. This function saves the models-major input and redoes the
+    layout copy in backward. The backward is ``aten.convolution_backward``, itself differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, batch, stride, padding, dilation, groups):
+        dtype = autocast_dtype(x.device.type)
+        if dtype is not None:  # autocast does not reach a custom backward: cast here, once
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            y = _CONV[len(stride)](_to_grouped(x, batch), weight, bias, stride, padding, dilation, groups)
+        ctx.save_for_backward(x, weight)
+        ctx.config = (batch, stride, padding, dilation, groups, bias is not None)
+        return _to_models(y, batch)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        batch, stride, padding, dilation, groups, has_bias = ctx.config
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2]]
+        grad_x, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
+            _to_grouped(grad.to(x.dtype), batch),
+            _to_grouped(x, batch),
+            weight,
+            [weight.shape[0]] if has_bias else None,
+            stride,
+            padding,
+            dilation,
+            False,
+            [0] * len(stride),
+            groups,
+            mask,
+        )
+        grad_x = _to_models(grad_x, batch) if mask[0] else None
+        return grad_x, grad_weight if mask[1] else None, grad_bias if mask[2] else None, None, None, None, None, None
 
 
 class _ConvNd(AbstractBatchModule):
@@ -68,6 +124,7 @@ class _ConvNd(AbstractBatchModule):
         self.output_padding = ntuple(0)
         self.transposed = False
         self._explicit_padding = self._padding_for_mode()
+        self._numeric_padding = self._symmetric_padding()
         factory_kwargs = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(
             torch.empty(batch, out_channels, in_channels // groups, *self.kernel_size, **factory_kwargs)
@@ -89,6 +146,17 @@ class _ConvNd(AbstractBatchModule):
                 amounts += [total // 2, total - total // 2]
             return tuple(amounts)
         return _reverse_repeat_tuple(self.padding, 2)
+
+    def _symmetric_padding(self) -> tuple[int, ...] | None:
+        """The padding as numbers per side, or None where torch pads unevenly ('same', even kernel)."""
+        if self.padding_mode != "zeros":
+            return (0,) * self.dims  # padded beforehand with F.pad
+        if self.padding == "valid":
+            return (0,) * self.dims
+        if self.padding == "same":
+            totals = [d * (k - 1) for d, k in zip(self.dilation, self.kernel_size)]
+            return None if any(t % 2 for t in totals) else tuple(t // 2 for t in totals)
+        return self.padding
 
     def reset_parameters(self) -> None:
         """Initialise every model's slice as torch's ``_ConvNd.reset_parameters`` does."""
@@ -133,17 +201,22 @@ class _ConvNd(AbstractBatchModule):
         batch = self.batch
         weight = self.weight.reshape(batch * self.out_channels, *self.weight.shape[2:])
         bias = None if self.bias is None else self.bias.reshape(-1)
-        if self.is_shared(x) and self.groups == 1:
-            # Every model reads the same input: one dense conv against all models' filters.
-            y = self._conv(x, weight, bias, 1)
+        if self.is_shared(x):
             n = x.shape[0]
-        else:
-            x = self.split(x)
-            n = x.shape[1]
-            grouped = x.transpose(0, 1).reshape(n, batch * self.in_channels, *x.shape[3:])
-            y = self._conv(grouped, weight, bias, batch * self.groups)
-        y = y.view(n, batch, self.out_channels, *y.shape[2:]).transpose(0, 1)
-        return y.reshape(batch * n, self.out_channels, *y.shape[3:])
+            if self.groups == 1:  # every model reads the same input: one dense conv against all filters
+                y = self._conv(x, weight, bias, 1)
+                y = y.view(n, batch, self.out_channels, *y.shape[2:]).transpose(0, 1)
+                return y.reshape(batch * n, self.out_channels, *y.shape[3:])
+            x = x.expand(batch, *x.shape).reshape(batch * n, *x.shape[1:])
+        self.check_merged(x)
+        if self._numeric_padding is None:  # uneven 'same' padding: torch's own conv pads it
+            grouped = _to_grouped(x, batch)
+            return _to_models(self._conv(grouped, weight, bias, batch * self.groups), batch)
+        if self.padding_mode != "zeros":
+            x = F.pad(x, self._explicit_padding, mode=self.padding_mode)
+        return _GroupedConv.apply(
+            x, weight, bias, batch, self.stride, self._numeric_padding, self.dilation, batch * self.groups
+        )
 
     def extra_repr(self) -> str:
         return nn.modules.conv._ConvNd.extra_repr(self) + f", batch={self.batch}"

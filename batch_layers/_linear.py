@@ -7,13 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._base import AbstractBatchModule, stack_copies
+from ._base import AbstractBatchModule, autocast_dtype, stack_copies
 
 __all__ = ["Linear"]
-
-
-def _autocast_dtype(device_type: str) -> torch.dtype | None:
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
 class _BatchedLinear(torch.autograd.Function):
@@ -27,7 +23,7 @@ class _BatchedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        dtype = _autocast_dtype(rows.device.type)
+        dtype = autocast_dtype(rows.device.type)
         if dtype is not None:  # autocast does not reach a custom backward: cast here, once
             rows, weight = rows.to(dtype), weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)

@@ -1,0 +1,68 @@
+"""The batched convolution's own autograd function: what it keeps for backward, double backward, autocast."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.layer_cases import LayerCase, run_case
+from torch import nn
+
+import batch_layers
+from batch_layers._conv import _GroupedConv
+
+
+def test_backward_keeps_the_models_major_input_not_a_grouped_copy() -> None:
+    conv = batch_layers.Conv2d(3, 4, 3, padding=1, batch=2)
+    x = torch.randn(2 * 5, 3, 6, 6, requires_grad=True)
+    y = conv(x)
+    saved_input, saved_weight = y.grad_fn.saved_tensors
+    assert saved_input.data_ptr() == x.data_ptr(), "the layer's own input is kept, no layout copy of it"
+    assert saved_weight.data_ptr() == conv.weight.data_ptr()
+
+
+def test_double_backward_matches_finite_differences() -> None:
+    conv = batch_layers.Conv1d(2, 3, 3, stride=2, padding=1, batch=2, dtype=torch.float64)
+    x = torch.randn(2 * 2, 2, 7, dtype=torch.float64, requires_grad=True)
+
+    def fn(x, weight, bias):
+        return _GroupedConv.apply(x, weight.reshape(6, 2, 3), bias.reshape(6), 2, (2,), (1,), (1,), 2)
+
+    assert torch.autograd.gradcheck(fn, (x, conv.weight, conv.bias))
+    assert torch.autograd.gradgradcheck(fn, (x, conv.weight, conv.bias))
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel lengths:UserWarning")  # torch's own
+def test_uneven_same_padding_takes_torchs_own_padding() -> None:
+    run_case(
+        LayerCase("conv2d-same-even-kernel", lambda: nn.Conv2d(3, 4, 4, padding="same"), (3, 7, 7)), "train", "cpu"
+    )
+
+
+def _autocast_case(device: str, dtype: torch.dtype, atol: float) -> None:
+    torch.manual_seed(0)
+    plain = [nn.Conv2d(3, 4, 3, device=device) for _ in range(2)]
+    batched = batch_layers.Conv2d.from_module(plain[0], 2).to(device)
+    with torch.no_grad():
+        batched.weight.copy_(torch.stack([p.weight for p in plain]))
+        batched.bias.copy_(torch.stack([p.bias for p in plain]))
+    x = torch.randn(2, 3, 3, 8, 8, device=device)
+    with torch.autocast(device, dtype=dtype):
+        y = batched(x.reshape(6, 3, 8, 8))
+        expected = [p(x[i]) for i, p in enumerate(plain)]
+    assert y.dtype == expected[0].dtype == dtype
+    y.float().sum().backward()
+    for i, (p, e) in enumerate(zip(plain, expected)):
+        e.float().sum().backward()
+        torch.testing.assert_close(y.view(2, 3, 4, 6, 6)[i], e, atol=atol, rtol=0)
+        torch.testing.assert_close(batched.weight.grad[i], p.weight.grad, atol=atol * 20, rtol=2e-2)
+    assert batched.weight.grad.dtype == torch.float32
+
+
+def test_cpu_bf16_autocast_matches_torch_conv() -> None:
+    _autocast_case("cpu", torch.bfloat16, atol=5e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cuda_autocast_matches_torch_conv(dtype: torch.dtype) -> None:
+    _autocast_case("cuda", dtype, atol=5e-2 if dtype == torch.bfloat16 else 1e-2)
