@@ -122,7 +122,6 @@ class _Work:
     version: int = 0
     renormed: bool = False
     folded: bool = False
-    stepped: bool = False
     state_rows: dict[str, Tensor] = field(default_factory=dict)
     pad: tuple | None = None
 
@@ -673,7 +672,6 @@ class OffloadedEmbedding(nn.Module):
         self._store(work, self.weight.data, rows)
         for k in self._spec:
             del state[k]
-        work.stepped = True
         self._finish_work()
 
     def _store(self, work: _Work, weight_rows: Tensor, state_rows: dict[str, Tensor]) -> None:
@@ -711,7 +709,7 @@ class OffloadedEmbedding(nn.Module):
         if not work.folded:
             for c in work.chunks:
                 self._resolve_states(c)  # admitted rows' state into the cache
-        if work.renormed and not work.stepped:
+        if work.renormed:
             w = self.weight.data if len(work.chunks) == 1 or work.folded else \
                 torch.cat([self.weight.data] + [c.leaf.data for c in work.chunks[1:]])
             ids = torch.cat([c.ids for c in work.chunks])
