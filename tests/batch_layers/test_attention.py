@@ -223,6 +223,7 @@ def test_refuses_bad_inputs() -> None:
         layer(x, x, x, attn_mask=torch.zeros(4, 5))
     with pytest.raises(RuntimeError, match="Need attn_mask if specifying the is_causal hint"):
         layer(x, x, x, is_causal=True)
+
     class SequenceFirstAtTheBoundary(nn.Module):  # (L, N, E) per model: BatchModule merges models into L
         def __init__(self) -> None:
             super().__init__()

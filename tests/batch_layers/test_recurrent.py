@@ -259,6 +259,7 @@ def test_refuses_bad_inputs() -> None:
         layer(torch.randn(6, T, F), torch.zeros(1, 6, H))
     with pytest.raises(TypeError, match="floating-point input"):
         layer(torch.zeros(6, T, F, dtype=torch.long))
+
     class SequenceFirstAtTheBoundary(nn.Module):  # (T, N, F) per model: BatchModule merges models into T
         def __init__(self) -> None:
             super().__init__()
