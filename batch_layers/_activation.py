@@ -7,7 +7,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from ._base import AbstractBatchModule, stack_copies
+from ._base import AbstractBatchModule, autocast_dtype, stack_copies
 
 __all__ = ["PReLU"]
 
@@ -18,10 +18,9 @@ _prelu_kernel = getattr(torch, "_prelu_kernel", None)
 
 
 def _prelu(x: Tensor, weight: Tensor) -> Tensor:
-    device = x.device.type
-    if torch.is_autocast_enabled(device) and x.is_floating_point():
+    dtype = autocast_dtype(x.device.type)
+    if dtype is not None and x.is_floating_point():
         # torch.prelu is on autocast's lower-precision list; the kernel it calls is not, so cast as it would.
-        dtype = torch.get_autocast_dtype(device)
         x, weight = x.to(dtype), weight.to(dtype)
     if _prelu_kernel is not None:
         return _prelu_kernel(x, weight)

@@ -8,11 +8,57 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.utils import _ntuple
 
-from ._base import AbstractBatchModule, stack_copies
+from ._base import AbstractBatchModule, autocast_dtype, stack_copies
+from ._conv import _to_grouped, _to_models
 
 __all__ = ["ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d"]
 
 _CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+class _GroupedConvTranspose(torch.autograd.Function):
+    """The models-as-groups transposed convolution, saving the models-major input, not its grouped copy.
+
+    As :class:`batch_layers._conv._GroupedConv` does for convolutions: autograd through the plain
+    formulation would keep the ``(n, B*C_in, *S)`` layout copy of the input alive until backward, beside
+    the models-major tensor the previous layer saves anyway. This saves the input as it came and redoes the
+    copy in backward, which is ``aten.convolution_backward`` (itself differentiable).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, batch, stride, padding, output_padding, groups, dilation):
+        dtype = autocast_dtype(x.device.type)
+        if dtype is not None:  # autocast does not reach a custom backward: cast here, once
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            conv = _CONV_TRANSPOSE[len(stride)]
+            y = conv(_to_grouped(x, batch), weight, bias, stride, padding, output_padding, groups, dilation)
+        ctx.save_for_backward(x, weight)
+        ctx.config = (batch, stride, padding, output_padding, groups, dilation, bias is not None)
+        return _to_models(y, batch)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        batch, stride, padding, output_padding, groups, dilation, has_bias = ctx.config
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2]]
+        grad_x, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
+            _to_grouped(grad.to(x.dtype), batch),
+            _to_grouped(x, batch),
+            weight,
+            [weight.shape[1] * groups] if has_bias else None,
+            stride,
+            padding,
+            dilation,
+            True,
+            output_padding,
+            groups,
+            mask,
+        )
+        grad_x = _to_models(grad_x, batch) if mask[0] else None
+        grads = (grad_x, grad_weight if mask[1] else None, grad_bias if mask[2] else None)
+        return (*grads, None, None, None, None, None, None)
 
 
 class _ConvTransposeNd(AbstractBatchModule):
@@ -135,20 +181,21 @@ class _ConvTransposeNd(AbstractBatchModule):
         conv = _CONV_TRANSPOSE[self.dims]
         batch, out_channels = self.batch, self.out_channels
         bias = None if self.bias is None else self.bias.reshape(-1)
-        if self.is_shared(x) and self.groups == 1:
-            # (B, C_in, C_out, *k) -> (C_in, B*C_out, *k): every model's filters side by side, one dense conv.
-            weight = self.weight.transpose(0, 1).reshape(self.in_channels, batch * out_channels, *self.kernel_size)
-            y = conv(x, weight, bias, self.stride, self.padding, output_padding, 1, self.dilation)
+        if self.is_shared(x):
             n = x.shape[0]
-        else:
-            models = self.split(x)
-            n = models.shape[1]
-            grouped = models.transpose(0, 1).reshape(n, batch * self.in_channels, *x.shape[2:])
-            weight = self.weight.reshape(batch * self.in_channels, *self.weight.shape[2:])
-            groups = batch * self.groups
-            y = conv(grouped, weight, bias, self.stride, self.padding, output_padding, groups, self.dilation)
-        y = y.view(n, batch, out_channels, *y.shape[2:]).transpose(0, 1)
-        return y.reshape(batch * n, out_channels, *y.shape[3:])
+            if self.groups == 1:
+                # (B, C_in, C_out, *k) -> (C_in, B*C_out, *k): every model's filters side by side, one dense conv.
+                weight = self.weight.transpose(0, 1).reshape(self.in_channels, batch * out_channels, *self.kernel_size)
+                y = conv(x, weight, bias, self.stride, self.padding, output_padding, 1, self.dilation)
+                y = y.view(n, batch, out_channels, *y.shape[2:]).transpose(0, 1)
+                return y.reshape(batch * n, out_channels, *y.shape[3:])
+            x = x.expand(batch, *x.shape).reshape(batch * n, *x.shape[1:])
+        self.check_merged(x)
+        weight = self.weight.reshape(batch * self.in_channels, *self.weight.shape[2:])
+        return _GroupedConvTranspose.apply(
+            x, weight, bias, batch, self.stride, self.padding, tuple(output_padding), batch * self.groups,
+            self.dilation
+        )
 
     def extra_repr(self) -> str:
         return nn.modules.conv._ConvNd.extra_repr(self) + f", batch={self.batch}"

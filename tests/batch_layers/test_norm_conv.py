@@ -254,3 +254,27 @@ def test_bad_arguments_and_inputs_are_refused() -> None:
         batch_layers.Dropout(1.5, batch=2)
     with pytest.raises(ValueError, match=r"multiple of B = 3 \(the merged model axis\)"):
         batch_layers.LayerNorm(4, batch=3)(torch.randn(4, 4))
+
+
+def test_conv_transpose_backward_keeps_the_models_major_input() -> None:
+    conv = batch_layers.ConvTranspose2d(3, 4, 2, stride=2, batch=2)
+    x = torch.randn(2 * 5, 3, 4, 4, requires_grad=True)
+    y = conv(x)
+    saved_input, saved_weight = y.grad_fn.saved_tensors
+    assert saved_input.data_ptr() == x.data_ptr(), "the layer's own input is kept, no layout copy of it"
+    assert saved_weight.data_ptr() == conv.weight.data_ptr()
+
+
+def test_conv_transpose_double_backward_matches_finite_differences() -> None:
+    from batch_layers._conv_transpose import _GroupedConvTranspose
+
+    conv = batch_layers.ConvTranspose1d(2, 4, 3, stride=2, padding=1, output_padding=1, groups=2, batch=2,
+                                        dtype=torch.float64)
+    x = torch.randn(2 * 2, 2, 5, dtype=torch.float64, requires_grad=True)
+
+    def fn(x, weight, bias):
+        # B=2 models x 2 groups: weight (B*C_in, C_out/groups, k), 4 groups.
+        return _GroupedConvTranspose.apply(x, weight.reshape(4, 2, 3), bias.reshape(8), 2, (2,), (1,), (1,), 4, (1,))
+
+    assert torch.autograd.gradcheck(fn, (x, conv.weight, conv.bias))
+    assert torch.autograd.gradgradcheck(fn, (x, conv.weight, conv.bias))
