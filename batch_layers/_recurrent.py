@@ -24,7 +24,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from ._base import AbstractBatchModule, current_forward, stack_copies
 
@@ -257,13 +257,24 @@ class _RNNBase(AbstractBatchModule):
     def forward(self, input: Tensor | PackedSequence, hx: Tensor | tuple[Tensor, Tensor] | None = None):
         packed = isinstance(input, PackedSequence)
         valid = None
+        shared_packed = False
         if packed:
             padded, lengths = pad_packed_sequence(input)  # (T, M, F), unsorted (original) order
             self._check_features(padded)
-            if padded.shape[1] % self.batch:
+            sequences = padded.shape[1]
+            context = current_forward()
+            step = self.batch * (context.samples if context is not None else 1)
+            if _shared_rows(self.batch, sequences):  # one packed batch seen by every model
+                shared_packed = True
+                padded = (
+                    padded.unsqueeze(1).expand(-1, self.batch, -1, -1).reshape(padded.shape[0], -1, padded.shape[-1])
+                )
+                lengths = lengths.repeat(self.batch)
+            elif sequences % step:
+                where = f"B * n = {self.batch} * {context.samples}" if context is not None else f"B = {self.batch}"
                 raise ValueError(
-                    f"{type(self).__name__}: expected a PackedSequence of a multiple of B = {self.batch} sequences "
-                    f"(the merged model axis), got {padded.shape[1]}"
+                    f"{type(self).__name__}: expected a PackedSequence of a multiple of {where} sequences "
+                    f"(the merged model axis), got {sequences}"
                 )
             x = padded.view(padded.shape[0], self.batch, -1, padded.shape[-1])
             layout = "seq_first"
@@ -285,6 +296,9 @@ class _RNNBase(AbstractBatchModule):
         out, h_n, c_n = self._layers(x, h0, c0, valid)  # (T, B, N, D*H), (L*D, B, N, H)
         h_n = self._state_to_layout(h_n, layout)
         hidden = h_n if c_n is None else (h_n, self._state_to_layout(c_n, layout))
+        if shared_packed:  # every model's copy of the shared sequences, merged: B*M sequences
+            merged = out.reshape(out.shape[0], -1, out.shape[-1])
+            return pack_padded_sequence(merged, lengths, enforce_sorted=False), hidden
         if packed:
             merged = out.reshape(out.shape[0], -1, out.shape[-1])
             if input.sorted_indices is not None:

@@ -163,6 +163,23 @@ def test_shared_input_through_batch_module(batch_first: bool) -> None:
     assert assert_equivalent(Reader, B, torch.randn(N, T, F), steps=2, shared_input=True)
 
 
+def test_shared_packed_input_through_batch_module() -> None:
+    class PackedReader(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gru = nn.GRU(F, H, batch_first=True, bidirectional=True)
+
+        def forward(self, x: Tensor, lengths: Tensor) -> Tensor:  # the same (n, T, F) batch for every model
+            packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+            out, h = self.gru(packed)
+            out, _ = pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])
+            return out + torch.cat(list(h), dim=-1).unsqueeze(1)  # final states of both directions too
+
+    torch.manual_seed(0)
+    inputs = (torch.randn(B * N, T, F), torch.randint(1, T + 1, (B * N,)))  # n = B*N: a multiple of B on purpose
+    assert assert_equivalent(PackedReader, B, inputs, steps=2, shared_input=True)
+
+
 def test_models_that_flatten_parameters_still_run() -> None:
     class Flattening(nn.Module):
         def __init__(self) -> None:
@@ -271,7 +288,9 @@ def test_refuses_bad_inputs() -> None:
     with pytest.raises(ValueError, match=r"multiple of B \* n = 3 \* 6 .* transpose them itself"):
         BatchModule(SequenceFirstAtTheBoundary(), B)(torch.randn(B, T, B * 2, F))
     packed = pack_padded_sequence(torch.randn(4, T, F), torch.tensor([6, 5, 4, 3]), batch_first=True)
-    with pytest.raises(ValueError, match="PackedSequence of a multiple of B = 3 sequences"):
+    with pytest.raises(
+        ValueError, match=r"PackedSequence of a multiple of B = 3 sequences \(the merged model axis\), got 4"
+    ):
         layer(packed)
     with pytest.raises(ValueError, match="has to be smaller than hidden_size"):
         batch_layers.LSTM(F, H, proj_size=H, batch=B)
