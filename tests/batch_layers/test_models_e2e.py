@@ -32,8 +32,9 @@ def test_resnet18_is_fully_registered_and_isolated() -> None:
     batched = BatchModule(small_resnet(), B, init="independent", seed=0)
     assert not batched.generic_modules
     assert sum(isinstance(m, batch_layers.BatchNorm2d) for m in batched.modules()) == 20
-    assert_isolated(batched, torch.randn(B, N, 3, 32, 32))
-    assert_isolated(batched, torch.randn(N, 3, 32, 32), shared_input=True)
+    # 16x16 keeps CI fast; the adaptive pooling makes every size a valid input.
+    assert_isolated(batched, torch.randn(B, N, 3, 16, 16))
+    assert_isolated(batched, torch.randn(N, 3, 16, 16), shared_input=True)
 
 
 @pytest.mark.parametrize("norm", ["batch", "group", "instance"])
