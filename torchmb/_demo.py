@@ -5,6 +5,10 @@ same mini-batches (the shared-input path), with its own learning rate and weight
 schedule, and is checked for divergence. At the end: a leaderboard, a PNG plot of validation accuracy
 against the hyperparameters, and the best model exported as a plain checkpoint that loads without
 torchmb (``torch.export``), next to its plain state dict.
+
+Under ``torchrun --nproc-per-node N`` the same command shards the grid: each rank trains its contiguous
+slice of the models (same seeds, same mini-batches), the validation accuracies are gathered in grid
+order, and rank 0 writes the outputs; every rank returns the same results.
 """
 
 from __future__ import annotations
@@ -21,8 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import lr_scheduler, optim
-from ._module import BatchModule
+from . import distributed, lr_scheduler, optim
 from .clip import diverged
 from .functional import batch_accuracy, batch_loss
 
@@ -73,19 +76,37 @@ def run(
     out: Path = Path("demo-output"),
     seed: int = 0,
 ) -> dict:
-    """Train the sweep; write the leaderboard, plot and best checkpoint to ``out``; return the results."""
-    out.mkdir(parents=True, exist_ok=True)
+    """Train the sweep; write the leaderboard, plot and best checkpoint to ``out``; return the results.
+
+    Under ``torchrun`` (or in an initialised process group) each rank trains its slice of the grid and
+    rank 0 writes the outputs; every rank returns the same results.
+    """
+    joined = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    device = distributed.init_from_env(device)
+    joined = joined and torch.distributed.is_available() and torch.distributed.is_initialized()
+    try:
+        return _run(lr_values, wd_values, steps, samples, device, out, seed)
+    finally:
+        if joined:  # the group this call started
+            torch.distributed.destroy_process_group()
+
+
+def _run(lr_values, wd_values, steps, samples, device, out, seed) -> dict:
+    rank, world = distributed.rank_and_world_size()
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
     train_x, train_y, val_x, val_y = load_digits(seed)
     train_x, train_y, val_x, val_y = (t.to(device) for t in (train_x, train_y, val_x, val_y))
     lrs, wds = sweep_grid(lr_values, wd_values)
     batch = len(lrs)
-    models = BatchModule(DigitsCNN(), batch, init="independent", seed=seed).to(device)
-    optimizer = optim.SGD(models.parameters(), lr=lrs, momentum=0.9, weight_decay=wds)
+    owned = distributed.shard_slice(batch)  # everything when alone
+    models = distributed.local_batch_module(DigitsCNN(), batch, init="independent", seed=seed).to(device)
+    optimizer = optim.SGD(models.parameters(), lr=lrs[owned], momentum=0.9, weight_decay=wds[owned])
     schedule = lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
-    generator = torch.Generator().manual_seed(seed)
-    alive = torch.ones(batch, dtype=torch.bool)
+    generator = torch.Generator().manual_seed(seed)  # one seed: the same mini-batches on every rank
+    alive = torch.ones(models.batch, dtype=torch.bool)
     started = time.perf_counter()
-    progress = tqdm(range(steps), desc=f"sweep of {batch} CNNs", unit="step", mininterval=0.5)
+    progress = tqdm(range(steps), desc=f"sweep of {batch} CNNs", unit="step", mininterval=0.5, disable=rank != 0)
     for _ in progress:
         index = torch.randint(0, len(train_y), (samples,), generator=generator).to(device)
         losses = batch_loss(models(train_x[index], shared_input=True), train_y[index])
@@ -94,25 +115,37 @@ def run(
         optimizer.step()
         schedule.step()
         alive &= ~diverged(losses).cpu()
-        progress.set_postfix(best_loss=f"{losses[alive.to(device)].min().item():.3f}", diverged=int((~alive).sum()))
+        if rank == 0 and bool(alive.any()):
+            progress.set_postfix(best_loss=f"{losses[alive.to(device)].min().item():.3f}",
+                                 diverged=int((~alive).sum()))
     elapsed = time.perf_counter() - started
     models.eval()
     with torch.no_grad():
         accuracy = batch_accuracy(models(val_x, shared_input=True), val_y).cpu()
     accuracy[~alive] = float("nan")
-    results = _write_outputs(models, lrs, wds, accuracy, val_x[:4], out, lr_values, wd_values)
-    results.update(seconds=elapsed, model_steps_per_second=batch * steps / elapsed, device=str(device))
+    accuracy = distributed.gather_models(accuracy)  # grid order, on every rank
+    elapsed = float(distributed.gather_models(torch.tensor([elapsed], dtype=torch.float64)).max())
+    leaderboard = _leaderboard(lrs, wds, accuracy)
+    best = _best_model(models, leaderboard[0]["model"], batch, rank, world)
+    if rank == 0:
+        _write_outputs(best, leaderboard, lrs, wds, accuracy, val_x[:4], out, lr_values, wd_values)
     rate = batch * steps / elapsed
-    print(f"{batch} models x {steps} steps in {elapsed:.1f} s on {device} ({rate:.0f} model-steps/s)")
-    _print_leaderboard(results["leaderboard"], int((~alive).sum()))
-    names = ("sweep.png", "leaderboard.csv", "results.json", "best_model.pt2", "best_state_dict.pt")
-    print("wrote", ", ".join(str(out / name) for name in names))
+    where = str(device) if world == 1 else f"{world} ranks ({device.type})"
+    results = {"best": leaderboard[0], "leaderboard": leaderboard}
+    results.update(seconds=elapsed, model_steps_per_second=rate, device=where)
+    if rank == 0:
+        print(f"{batch} models x {steps} steps in {elapsed:.1f} s on {where} ({rate:.0f} model-steps/s)")
+        _print_leaderboard(leaderboard, int(accuracy.isnan().sum()))
+        names = ("sweep.png", "leaderboard.csv", "results.json", "best_model.pt2", "best_state_dict.pt")
+        print("wrote", ", ".join(str(out / name) for name in names))
+    if world > 1:
+        torch.distributed.barrier()  # every rank returns once rank 0 has written the outputs
     return results
 
 
-def _write_outputs(models, lrs, wds, accuracy, example, out, lr_values, wd_values) -> dict:
+def _leaderboard(lrs, wds, accuracy) -> list[dict]:
     ranking = sorted(range(len(accuracy)), key=lambda i: math.inf if math.isnan(accuracy[i]) else -float(accuracy[i]))
-    leaderboard = [
+    return [
         {
             "rank": rank + 1,
             "model": i,
@@ -122,19 +155,36 @@ def _write_outputs(models, lrs, wds, accuracy, example, out, lr_values, wd_value
         }
         for rank, i in enumerate(ranking)
     ]
+
+
+def _best_model(models, best: int, batch: int, rank: int, world: int) -> nn.Module | None:
+    """The best model as a plain CPU module on rank 0 (sent there by the rank that trained it); None elsewhere."""
+    slices = distributed.shard_slices(batch, world)
+    owner = next(r for r, s in enumerate(slices) if s.start <= best < s.stop)
+    plain = models.unbatch(best - slices[owner].start).eval().cpu() if rank == owner else None
+    if world == 1:
+        return plain
+    payload = [plain.state_dict() if plain is not None else None]
+    torch.distributed.broadcast_object_list(payload, src=owner)
+    if rank != 0:
+        return None
+    if plain is not None:
+        return plain
+    plain = models.unbatch(0).eval().cpu()
+    plain.load_state_dict(payload[0])
+    return plain
+
+
+def _write_outputs(plain, leaderboard, lrs, wds, accuracy, example, out, lr_values, wd_values) -> None:
     with open(out / "leaderboard.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(leaderboard[0]))
         writer.writeheader()
         writer.writerows(leaderboard)
-    best = ranking[0]
-    plain = models.unbatch(best).eval().cpu()
     torch.save(plain.state_dict(), out / "best_state_dict.pt")
     exported = torch.export.export(plain, (example.cpu(),), dynamic_shapes={"x": {0: torch.export.Dim("batch")}})
     torch.export.save(exported, out / "best_model.pt2")
     _plot(lrs, wds, accuracy, out / "sweep.png", lr_values, wd_values)
-    results = {"best": leaderboard[0], "leaderboard": leaderboard}
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    return results
+    (out / "results.json").write_text(json.dumps({"best": leaderboard[0], "leaderboard": leaderboard}, indent=1))
 
 
 def _plot(lrs, wds, accuracy, path: Path, lr_values: int, wd_values: int) -> None:

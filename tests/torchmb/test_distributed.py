@@ -326,6 +326,7 @@ def test_demo_under_torchrun_on_two_processes(tmp_path: Path) -> None:
     best = torch.load(tmp_path / "sharded" / "best_state_dict.pt")
     reference = torch.load(tmp_path / "single" / "best_state_dict.pt")
     assert best.keys() == reference.keys() and all(torch.equal(best[k], reference[k]) for k in best)
+    assert "6 models x 40 steps" in result.stdout and "on 2 ranks (cpu)" in result.stdout
     assert result.stdout.count("wrote") == 1, "only rank 0 writes and reports"
 
 
