@@ -119,7 +119,9 @@ class AbstractBatchModule(nn.Module):
         Dim 0 normally. Inside a ``BatchModule`` forward (which knows ``n``), a tensor laid out
         sequence-first, ``(seq, B*n, ...)`` as ``nn.TransformerEncoderLayer`` does by default, has it in
         another leading dim: the first leading dim of exactly ``B*n`` wins, then dim 0 if it is a multiple
-        of ``B*n``, then any other multiple. ``feature_dims`` trailing dims are never candidates.
+        of ``B*n``, then any other multiple. ``feature_dims`` trailing dims are never candidates. Where
+        shapes cannot tell (``seq == B*n``), dim 0 wins; ``BatchModule`` moves the axis to the front
+        itself for the layers inside a ``batch_first=False`` Transformer layer.
         """
         context = current_forward()
         leading = range(max(x.dim() - feature_dims, 0))

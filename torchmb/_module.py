@@ -98,6 +98,17 @@ class BatchModule(nn.Module):
             converted = self._convert(child, f"{name}.{child_name}" if name else child_name)
             if converted is not child:
                 setattr(module, child_name, converted)
+        if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+            if not module.self_attn.batch_first:
+                # Its feed-forward and norms see (seq, B*n, d): hand them batch-first tensors, so that
+                # the model axis is found even where seq == B*n and the shapes alone cannot tell.
+                for child in module.children():
+                    if isinstance(child, AbstractBatchModule) and not hasattr(child, "batch_first"):
+                        _sequence_first_around(child)
+        if isinstance(module, nn.TransformerEncoder):
+            # torch's nested-tensor inference path drops padded positions into a nested tensor, which
+            # has no merged model axis; the padded computation gives the same results.
+            module.use_nested_tensor = False
         return module
 
     def _initialise_independently(self, seed: int | None) -> None:
@@ -280,6 +291,20 @@ class BatchModule(nn.Module):
     def extra_repr(self) -> str:
         generic = f", torch.func path: {', '.join(self.generic_modules)}" if self.generic_modules else ""
         return f"batch={self.batch}{generic}"
+
+
+def _sequence_first_around(module: AbstractBatchModule) -> None:
+    """Run ``module`` on ``(B*n, seq, ...)`` tensors although its caller passes ``(seq, B*n, ...)``."""
+
+    def to_batch_first(tensor: Any) -> Any:
+        return tensor.movedim(1, 0) if isinstance(tensor, Tensor) and tensor.dim() > 2 else tensor
+
+    def to_sequence_first(tensor: Any) -> Any:
+        return tensor.movedim(0, 1) if isinstance(tensor, Tensor) and tensor.dim() > 2 else tensor
+
+    module.register_forward_pre_hook(lambda _, args: tree_map(to_batch_first, args))
+    module.register_forward_hook(lambda _, args, out: tree_map(to_sequence_first, out))
+    module.sequence_first = True
 
 
 def _reorder_around(module: AbstractBatchModule) -> None:

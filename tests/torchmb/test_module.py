@@ -170,6 +170,25 @@ def test_sequence_first_layout_is_found_and_batched() -> None:
     assert_isolated(BatchModule(SeqFirst(), 3, init="independent", seed=0), torch.randn(3, 2, 5, 4))
 
 
+class SeqFirstEncoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0)  # batch_first=False: (seq, N, d)
+
+    def forward(self, x):
+        return self.layer(x.transpose(0, 1)).transpose(0, 1)
+
+
+@pytest.mark.parametrize("seq", [5, 6], ids=["seq-differs", "seq-equals-B*n"])
+def test_sequence_first_transformer_layer(seq: int) -> None:
+    # B*n = 3*2 = 6: with seq == 6 the shapes cannot tell which dim holds the models; the converter
+    # hands the layer's feed-forward and norms batch-first tensors.
+    torch.manual_seed(0)
+    assert_equivalent(SeqFirstEncoder, 3, torch.randn(3, 2, seq, 8))
+    assert_isolated(BatchModule(SeqFirstEncoder(), 3, init="independent", seed=0), torch.randn(3, 2, seq, 8))
+    assert BatchModule(SeqFirstEncoder(), 3).module.layer.linear1.sequence_first
+
+
 def test_model_that_mixes_samples_across_models_is_refused() -> None:
     class HardCodedBatch(nn.Module):
         def __init__(self) -> None:
