@@ -22,7 +22,7 @@ from support.models import MLP
 from torch import nn
 
 import torchmb
-from torchmb import BatchModule, lr_scheduler, optim
+from torchmb import BatchModule, _demo, lr_scheduler, optim
 from torchmb import distributed as tmd
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -190,10 +190,20 @@ def reference_run(steps: range):
     return models, optimizer, scheduler, losses
 
 
+def _has_optuna() -> bool:
+    try:
+        import optuna  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 @pytest.fixture(scope="module")
 def sharded_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One torchrun launch of 2 gloo workers: the sharded training scenarios, then the Optuna one."""
     out = tmp_path_factory.mktemp("sharded")
-    torchrun(2, "train", str(out))
+    storage = f"sqlite:///{out / 'study.db'}" if _has_optuna() else "none"
+    torchrun(2, "train", str(out), storage)
     return out
 
 
@@ -291,10 +301,10 @@ def test_checkpoint_refuses_a_module_of_the_wrong_size(sharded_run: Path, tmp_pa
         tmd.load_checkpoint(sharded_run / "checkpoint", other, adam)
 
 
-def test_optuna_sweep_across_two_processes_fills_one_study(tmp_path: Path) -> None:
+def test_optuna_sweep_across_two_processes_fills_one_study(sharded_run: Path) -> None:
     optuna = pytest.importorskip("optuna", reason="the [sweep] extra (Optuna) is not installed")
-    storage = f"sqlite:///{tmp_path / 'study.db'}"
-    torchrun(2, "optuna", storage, str(tmp_path))
+    storage = f"sqlite:///{sharded_run / 'study.db'}"
+    tmp_path = sharded_run
     study = optuna.load_study(study_name="sharded", storage=storage)
     trials = study.get_trials()
     assert len(trials) == 7, "rank 0 asked for 4 trials, rank 1 for 3: one study holds them all"
@@ -318,7 +328,7 @@ def test_demo_under_torchrun_on_two_processes(tmp_path: Path) -> None:
     result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
     with one_thread():
-        single = torchmb._demo.run(3, 2, 40, 32, "cpu", tmp_path / "single", 0)
+        single = _demo.run(3, 2, 40, 32, "cpu", tmp_path / "single", 0)
     sharded = json.loads((tmp_path / "sharded" / "results.json").read_text())
     assert [row["model"] for row in sharded["leaderboard"]] == [row["model"] for row in single["leaderboard"]]
     for mine, theirs in zip(sharded["leaderboard"], single["leaderboard"]):
@@ -332,7 +342,6 @@ def test_demo_under_torchrun_on_two_processes(tmp_path: Path) -> None:
 
 # ---- the torchrun workers --------------------------------------------------------------------------
 def _worker_train(out: Path) -> None:
-    dist.init_process_group("gloo")
     rank = dist.get_rank()
     # (a) every rank builds all B models, trains one step, then keeps its own (state carried over)
     models, optimizer, scheduler = build()
@@ -351,7 +360,6 @@ def _worker_train(out: Path) -> None:
     assert tmd.save_checkpoint(out / "checkpoint", models, optimizer, scheduler) == B
     tail = train(models, optimizer, scheduler, range(SAVE_AT, STEPS), owned)
     _record(out / f"local-rank{rank}.pt", models, optimizer, torch.cat([head, tail], 1), owned, lr_at_save=lr_at_save)
-    dist.destroy_process_group()
 
 
 def _record(path: Path, models, optimizer, losses, owned: slice, **extra) -> None:
@@ -379,7 +387,6 @@ def _worker_optuna(storage: str, out: Path) -> None:
     from torchmb import sweep
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    dist.init_process_group("gloo")
     rank = dist.get_rank()
     study = tmd.create_study("sharded", storage=storage, sampler=optuna.samplers.RandomSampler(seed=rank))
     trials = sweep.TrialBatch(study, 4 - rank, {"lr": FloatDistribution(1e-3, 1e-1, log=True)})
@@ -399,16 +406,17 @@ def _worker_optuna(storage: str, out: Path) -> None:
     all_values = tmd.gather_models(values).tolist()
     (out / f"optuna-rank{rank}.json").write_text(json.dumps(
         {"numbers": numbers, "all_numbers": all_numbers, "all_values": all_values}))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     scenario, *arguments = sys.argv[1:]
     if scenario == "train":
+        dist.init_process_group("gloo")
         _worker_train(Path(arguments[0]))
+        if arguments[1] != "none":
+            _worker_optuna(arguments[1], Path(arguments[0]))
+        dist.destroy_process_group()
     elif scenario == "resume":
         _worker_resume(Path(arguments[0]), Path(arguments[1]))
-    elif scenario == "optuna":
-        _worker_optuna(arguments[0], Path(arguments[1]))
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
