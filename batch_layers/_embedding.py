@@ -255,13 +255,18 @@ class Embedding(AbstractBatchModule):
         _weight: an initial ``(batch, num_embeddings, embedding_dim)`` weight (used as the parameter).
         _freeze: with ``_weight``, do not train it.
         batch: number of models B.
+        offload: keep the B tables and their optimizer state in (pinned) host memory and switch only each
+            step's rows onto the compute device: builds an
+            :class:`~batch_layers._embedding_offload.OffloadedBatchEmbedding`, which also takes
+            ``cache_rows``, ``cache_bytes``, ``pin`` and ``engine`` (see :mod:`offload`).
 
     Shape:
         - Input: ``(B*n, *)`` int64/int32 indices with the model axis merged into dim 0.
         - Output: ``(B*n, *, embedding_dim)``.
 
     Attributes:
-        weight: ``(B, num_embeddings, embedding_dim)``, each slice initialised from N(0, 1).
+        weight: ``(B, num_embeddings, embedding_dim)``, each slice initialised from N(0, 1) (with
+            ``offload=True``: the working rows of the step; the tables are ``table``).
     {shared}
     The backward is an atomic scatter-add on CUDA (a CuPy kernel) and ``index_add_`` elsewhere; see
     :mod:`batch_layers._embedding`. Bad indices raise ``IndexError`` (on CUDA at the next forward or
@@ -276,6 +281,13 @@ class Embedding(AbstractBatchModule):
 
     base_class: ClassVar[type[nn.Module]] = nn.Embedding
     merged_order = "models"
+
+    def __new__(cls, *args, offload: bool = False, **kwargs):
+        if offload and cls is Embedding:
+            from ._embedding_offload import OffloadedBatchEmbedding
+
+            return super().__new__(OffloadedBatchEmbedding)  # its __init__ then takes the same arguments
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -292,7 +304,15 @@ class Embedding(AbstractBatchModule):
         batch: int,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        offload: bool = False,
+        **offload_options,
     ) -> None:
+        if offload:
+            raise TypeError(f"{type(self).__name__} does not support offload=True (only batch_layers.Embedding "
+                            "itself builds an offloaded layer)")
+        if offload_options:
+            raise TypeError(f"Embedding got unexpected keyword arguments {sorted(offload_options)} (cache_rows, "
+                            "cache_bytes, pin and engine apply only with offload=True)")
         super().__init__(batch)
         if sparse:
             raise ValueError(_SPARSE_MSG)
@@ -328,8 +348,20 @@ class Embedding(AbstractBatchModule):
                 self.weight[:, self.padding_idx].fill_(0)
 
     @classmethod
-    def from_module(cls, module: nn.Embedding, batch: int) -> Embedding:
-        """B copies of ``module``'s table and settings."""
+    def from_module(cls, module: nn.Embedding, batch: int, *, offload: bool = False, **offload_options) -> Embedding:
+        """B copies of ``module``'s table and settings.
+
+        With ``offload=True`` the copies are written straight into host memory (see
+        :class:`~batch_layers._embedding_offload.OffloadedBatchEmbedding`; ``offload_options`` are its ``cache_rows``,
+        ``cache_bytes``, ``pin``, ``engine`` and ``device``).
+        """
+        if offload:
+            from ._embedding_offload import OffloadedBatchEmbedding
+
+            return OffloadedBatchEmbedding.from_module(module, batch, **offload_options)
+        if offload_options:
+            raise TypeError(f"from_module got unexpected keyword arguments {sorted(offload_options)} (they apply "
+                            "only with offload=True)")
         if module.sparse:
             raise ValueError(_SPARSE_MSG)
         return cls(
