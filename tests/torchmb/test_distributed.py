@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # The sweep: B models with per-model lr / momentum / weight decay; model 3 diverges (its lr is huge).
 B, N, STEPS, SAVE_AT, SEED = 5, 6, 8, 4, 7
 LRS = torch.tensor([0.05, 0.1, 0.02, 1e6, 0.08], dtype=torch.float64)
-MOMENTA = torch.tensor([0.9, 0.0, 0.5, 0.9, 0.7], dtype=torch.float64)
+MOMENTA = torch.tensor([0.9, 0.0, 0.5, 0.0, 0.0], dtype=torch.float64)  # rank 1 of 2 keeps no momentum state
 DECAYS = torch.tensor([0.0, 1e-3, 1e-2, 0.0, 1e-4], dtype=torch.float64)
 DIVERGING = 3
 
@@ -181,6 +181,37 @@ def test_world_of_one_gathers_and_shards_to_itself(grouped: bool, request: pytes
     assert torch.equal(flat_parameters(models), before)
 
 
+def test_checkpoint_restores_per_model_adam_betas_and_state(tmp_path: Path) -> None:
+    lrs, beta1 = torch.tensor([0.01, 0.02, 0.03]), torch.tensor([0.8, 0.9, 0.95])
+
+    def adam(models, **kwargs):
+        return optim.Adam(models.parameters(), **{"lr": lrs, "betas": (beta1, 0.99), "amsgrad": True, **kwargs})
+
+    def steps(models, optimizer, count):
+        g = torch.Generator().manual_seed(count)
+        for _ in range(count):
+            x, y = torch.randn(3, 4, 12, generator=g), torch.randint(0, 5, (3, 4), generator=g)
+            losses = torchmb.batch_loss(models(x), y)
+            optimizer.zero_grad()
+            losses.sum().backward()
+            optimizer.step()
+
+    reference = BatchModule(MLP(), 3, init="independent", seed=1)
+    reference_opt = adam(reference)
+    steps(reference, reference_opt, 3)
+    assert tmd.save_checkpoint(tmp_path / "ckpt", reference, reference_opt) == 3
+    models = BatchModule(MLP(), 3)
+    optimizer = adam(models, lr=1.0, betas=(0.5, 0.5))  # the checkpoint brings each model's own values back
+    tmd.load_checkpoint(tmp_path / "ckpt", models, optimizer)
+    assert torch.equal(optimizer.get_hyperparameter("betas")[0], beta1.double())
+    assert torch.equal(optimizer.step_counts(), torch.full((3,), 3.0, dtype=torch.float64))
+    steps(reference, reference_opt, 2)
+    steps(models, optimizer, 2)
+    assert identical(flat_parameters(models), flat_parameters(reference))
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['amsgrad'\] is True in the checkpoint and False"):
+        tmd.load_checkpoint(tmp_path / "ckpt", models, adam(models, amsgrad=False))
+
+
 # ---- several processes -----------------------------------------------------------------------------
 def reference_run(steps: range):
     """The same B models, optimizer and scheduler trained by one process."""
@@ -251,6 +282,13 @@ def test_sharded_training_matches_plain_torch_and_the_diverged_model_stops_no_on
     assert torch.isfinite(gathered[finite]).all() and not torch.isfinite(gathered[DIVERGING]).all()
 
 
+def test_gather_refuses_ranks_that_disagree_and_keeps_bools(sharded_run: Path) -> None:
+    for rank in range(2):
+        result = torch.load(sharded_run / f"local-rank{rank}.pt")
+        assert "rank 0: (2, 1) torch.float32, rank 1: (2, 2) torch.float32" in result["refused"]
+        assert result["flags"].dtype == torch.bool and result["flags"].tolist() == [True, False, True]
+
+
 def test_checkpoint_saved_on_two_ranks_loads_on_one(sharded_run: Path) -> None:
     checkpoint = sharded_run / "checkpoint"
     index = json.loads((checkpoint / "index.json").read_text())
@@ -260,6 +298,9 @@ def test_checkpoint_saved_on_two_ranks_loads_on_one(sharded_run: Path) -> None:
     first = torch.load(checkpoint / index["files"][0], weights_only=True)
     net = MLP()
     net.load_state_dict(first["model"])
+    held = [torch.load(checkpoint / name, weights_only=True)["optimizer"]["state"][0] for name in index["files"]]
+    assert ["momentum_buffer" in state for state in held] == [True, True, True, False, False], \
+        "rank 1 (models 3, 4, momentum 0) kept no momentum buffers: loading must fill them in"
     assert first["optimizer"]["param_groups"][0]["lr"] == pytest.approx(
         float(torch.load(sharded_run / "local-rank0.pt")["lr_at_save"][0]), rel=1e-15)
 
@@ -359,7 +400,13 @@ def _worker_train(out: Path) -> None:
     lr_at_save = optimizer.get_hyperparameter("lr")
     assert tmd.save_checkpoint(out / "checkpoint", models, optimizer, scheduler) == B
     tail = train(models, optimizer, scheduler, range(SAVE_AT, STEPS), owned)
-    _record(out / f"local-rank{rank}.pt", models, optimizer, torch.cat([head, tail], 1), owned, lr_at_save=lr_at_save)
+    try:
+        tmd.gather_models(torch.zeros(2, rank + 1))
+    except ValueError as error:
+        refused = str(error)
+    flags = tmd.gather_models(torch.tensor([True, False]) if rank == 0 else torch.tensor([True]))
+    _record(out / f"local-rank{rank}.pt", models, optimizer, torch.cat([head, tail], 1), owned, lr_at_save=lr_at_save,
+            refused=refused, flags=flags)
 
 
 def _record(path: Path, models, optimizer, losses, owned: slice, **extra) -> None:
