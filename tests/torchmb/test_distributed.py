@@ -243,7 +243,7 @@ def test_sharded_training_equals_one_process_bit_for_bit(sharded_run: Path, how:
     models, optimizer, _, losses = reference_run(range(STEPS))
     parameters = flat_parameters(models)
     for rank, owned in enumerate(tmd.shard_slices(B, 2)):
-        result = torch.load(sharded_run / f"{how}-rank{rank}.pt")
+        result = torch.load(sharded_run / f"{how}-rank{rank}.pt", weights_only=True)
         assert result["slice"] == (owned.start, owned.stop)
         assert identical(result["parameters"], parameters[owned])
         assert torch.equal(result["lr"], optimizer.get_hyperparameter("lr")[owned])
@@ -274,17 +274,18 @@ def test_sharded_training_matches_plain_torch_and_the_diverged_model_stops_no_on
             plain.append(torch.cat([p.detach().flatten() for p in net.parameters()]))
     plain = torch.stack(plain)
     assert not torch.isfinite(plain[DIVERGING]).all(), "the reference model with lr=1e6 must diverge"
-    sharded = torch.cat([torch.load(sharded_run / f"local-rank{rank}.pt")["parameters"] for rank in range(2)])
+    results = [torch.load(sharded_run / f"local-rank{rank}.pt", weights_only=True) for rank in range(2)]
+    sharded = torch.cat([result["parameters"] for result in results])
     assert not torch.isfinite(sharded[DIVERGING]).all()
     finite = [i for i in range(B) if i != DIVERGING]
     torch.testing.assert_close(sharded[finite], plain[finite], rtol=1e-5, atol=1e-6)
-    gathered = torch.load(sharded_run / "local-rank0.pt")["gathered"]
+    gathered = torch.load(sharded_run / "local-rank0.pt", weights_only=True)["gathered"]
     assert torch.isfinite(gathered[finite]).all() and not torch.isfinite(gathered[DIVERGING]).all()
 
 
 def test_gather_refuses_ranks_that_disagree_and_keeps_bools(sharded_run: Path) -> None:
     for rank in range(2):
-        result = torch.load(sharded_run / f"local-rank{rank}.pt")
+        result = torch.load(sharded_run / f"local-rank{rank}.pt", weights_only=True)
         assert "rank 0: (2, 1) torch.float32, rank 1: (2, 2) torch.float32" in result["refused"]
         assert result["flags"].dtype == torch.bool and result["flags"].tolist() == [True, False, True]
 
@@ -302,7 +303,7 @@ def test_checkpoint_saved_on_two_ranks_loads_on_one(sharded_run: Path) -> None:
     assert ["momentum_buffer" in state for state in held] == [True, True, True, False, False], \
         "rank 1 (models 3, 4, momentum 0) kept no momentum buffers: loading must fill them in"
     assert first["optimizer"]["param_groups"][0]["lr"] == pytest.approx(
-        float(torch.load(sharded_run / "local-rank0.pt")["lr_at_save"][0]), rel=1e-15)
+        float(torch.load(sharded_run / "local-rank0.pt", weights_only=True)["lr_at_save"][0]), rel=1e-15)
 
     saved, _, _, _ = reference_run(range(SAVE_AT))
     with one_thread():
@@ -323,7 +324,7 @@ def test_checkpoint_saved_on_two_ranks_loads_on_four(sharded_run: Path, tmp_path
     slices = tmd.shard_slices(B, 4)
     assert [s.stop - s.start for s in slices] == [2, 1, 1, 1]
     for rank, owned in enumerate(slices):
-        result = torch.load(tmp_path / f"resume-rank{rank}.pt")
+        result = torch.load(tmp_path / f"resume-rank{rank}.pt", weights_only=True)
         assert identical(result["parameters"], parameters[owned])
 
 
@@ -374,8 +375,8 @@ def test_demo_under_torchrun_on_two_processes(tmp_path: Path) -> None:
     assert [row["model"] for row in sharded["leaderboard"]] == [row["model"] for row in single["leaderboard"]]
     for mine, theirs in zip(sharded["leaderboard"], single["leaderboard"]):
         assert mine["val_accuracy"] == pytest.approx(theirs["val_accuracy"], abs=0, nan_ok=True)
-    best = torch.load(tmp_path / "sharded" / "best_state_dict.pt")
-    reference = torch.load(tmp_path / "single" / "best_state_dict.pt")
+    best = torch.load(tmp_path / "sharded" / "best_state_dict.pt", weights_only=True)
+    reference = torch.load(tmp_path / "single" / "best_state_dict.pt", weights_only=True)
     assert best.keys() == reference.keys() and all(torch.equal(best[k], reference[k]) for k in best)
     assert "6 models x 40 steps" in result.stdout and "on 2 ranks (cpu)" in result.stdout
     assert result.stdout.count("wrote") == 1, "only rank 0 writes and reports"
