@@ -22,6 +22,7 @@ the layer's :meth:`check`, which synchronise. No device-side assert, no per-step
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -412,6 +413,8 @@ class Embedding(AbstractBatchModule):
 
 
 Embedding.__doc__ = Embedding.__doc__.replace("{shared}", _SHARED_DOC)
+# ``__new__`` only routes offload=True; let help(), inspect and autodoc show the constructor's signature.
+Embedding.__new__.__signature__ = inspect.signature(Embedding.__init__)
 
 
 class FastEmbedding(nn.Embedding):

@@ -457,3 +457,34 @@ def test_padding_rows_are_never_updated_even_with_weight_decay():
     assert torch.equal(tables[:, 4], renormed)
     assert torch.equal(state_of(emb, "exp_avg")[:, 4], torch.zeros(B, D))
     assert not torch.equal(tables[:, :4], w0[:, :4])  # the other rows did train
+
+
+def test_prepare_then_several_lookups_equal_one_lookup():
+    w0 = init_tables()
+    steps = data(6, False, seed=9)
+    one = Embedding(N, D, batch=B, offload=True, _weight=w0.clone())
+    train_offloaded(one, offload.attach(torch.optim.Adam(one.parameters(), lr=0.01)), steps)
+    two = Embedding(N, D, batch=B, offload=True, _weight=w0.clone())
+    opt = offload.attach(torch.optim.Adam(two.parameters(), lr=0.01))
+    for idx, target in steps:
+        opt.zero_grad()
+        idx, target = idx.reshape(B * idx.shape[1], 2), target.reshape(B * idx.shape[1], 2, D)
+        two.prepare(idx)
+        assert two.weight.shape[0] == sum(idx[b * 4:(b + 1) * 4].unique().numel() for b in range(B))
+        (loss_fn(two(idx[:, :1]), target[:, :1]) + loss_fn(two(idx[:, 1:]), target[:, 1:])).backward()
+        opt.step()
+    torch.testing.assert_close(two.table.data, one.table.data)  # gradients summed in another order
+
+
+def test_offload_embeddings_by_name_and_signature():
+    import inspect
+
+    tree = nn.Sequential(Embedding(N, D, batch=B), nn.Sequential(Embedding(N, D, batch=B)))
+    with pytest.raises(KeyError, match=r"no batched \(not yet offloaded\) Embedding named \['2'\]"):
+        offload_embeddings(tree, names=["2"])
+    assert offload_embeddings(tree, names=["1.0"]) == ["1.0"]
+    assert type(tree[0]) is Embedding and isinstance(tree[1][0], OffloadedBatchEmbedding)
+    assert offload_embeddings(tree) == ["0"]  # the offloaded one is left alone
+    with pytest.raises(ValueError, match="changes layers inside a module"):
+        offload_embeddings(Embedding(N, D, batch=B))
+    assert "num_embeddings" in inspect.signature(Embedding).parameters  # __new__ does not hide it
