@@ -158,7 +158,9 @@ def shard_values(values: Any, batch: int | None = None, *, group: Any = None) ->
     if isinstance(values, (int, float)) or (isinstance(values, Tensor) and values.dim() == 0):
         return values
     if not isinstance(values, Tensor):
-        values = torch.as_tensor(values)
+        inferred = torch.as_tensor(values)
+        # Python floats are doubles: keep every digit of a hyperparameter (torch would infer float32)
+        values = torch.as_tensor(values, dtype=torch.float64) if inferred.is_floating_point() else inferred
     total = int(values.shape[0])
     if batch is not None and total != batch:
         raise ValueError(f"expected {batch} per-model values (one per model), got {total} "
@@ -529,8 +531,9 @@ def load_checkpoint(
     """Load this rank's models (``shard_slice(B)`` of the current world) from a :func:`save_checkpoint` directory.
 
     The checkpoint may come from any world size. ``models`` (and ``optimizer`` / ``scheduler``, built on
-    its parameters the same way as when saving) must hold exactly this rank's share: build them with
-    ``batch = len(range(B)[shard_slice(checkpoint_batch(path))])``, or with :func:`local_batch_module`.
+    its parameters the same way as when saving) must hold exactly this rank's share: with
+    ``owned = shard_slice(checkpoint_batch(path))``, build them with ``batch = owned.stop - owned.start``
+    (or with :func:`local_batch_module`).
     Parameters keep their identity; the optimizer gets back every model's hyperparameters and state.
 
     Returns:

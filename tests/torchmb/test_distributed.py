@@ -143,6 +143,9 @@ def test_local_module_equals_the_rows_of_the_full_one() -> None:
         for mine, theirs in zip(local.parameters(), full.parameters()):
             assert torch.equal(mine, theirs[owned])
     assert tmd.shard_values(0.1, 7) == 0.1, "a shared number passes through"
+    with mock_rank(1, 2):
+        rows = tmd.shard_values([0.1, 0.2, 0.3], 3)
+    assert rows.dtype == torch.float64 and rows.tolist() == [0.3], "Python floats keep double precision"
 
 
 @contextlib.contextmanager
