@@ -115,6 +115,9 @@ class OffloadedBatchEmbedding(Embedding):
         - Input: ``(B*n, *)`` int64/int32 indices with the model axis merged into dim 0.
         - Output: ``(B*n, *, embedding_dim)``.
     {shared}
+    ``weight.no_model_axis`` is ``True``: the working parameter has no leading model axis, so per-model
+    tools (``torchmb.clip``, ``torchmb.optim``) must not be given it.
+
     ``state_dict()`` holds ``weight`` as the full ``(B, num_embeddings, embedding_dim)`` table (a view of
     host memory, cached rows written back first), so ``BatchModule.state_dicts()`` / ``unbatch`` give
     plain per-model state dicts. ``BatchModule.select`` is refused: the tables and their optimizer state
@@ -189,6 +192,9 @@ class OffloadedBatchEmbedding(Embedding):
         # offload.attach finds the table through it) and the state dict is this module's (B, num, dim) view.
         object.__setattr__(self, "_host", rows)
         self.weight = rows.weight
+        # Marks the one parameter of a batched model without a leading model axis, for per-model tools
+        # (torchmb.optim, torchmb.clip) to recognise and refuse rather than read its rows as models.
+        self.weight.no_model_axis = True
 
     def _new_table(self, dtype: torch.dtype, device: torch.device, pin, engine) -> _offload.HostTable:
         return _offload.HostTable(self.batch * self.num_embeddings, self.embedding_dim, dtype, device=device,

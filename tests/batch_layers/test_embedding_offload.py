@@ -276,6 +276,7 @@ def test_construction_and_refusals():
     assert torch.equal(emb.table.data.view(B, N, D)[:, N - 1], torch.zeros(B, D))
     assert "batch=3, offload=True" in repr(emb) and "cache_rows=4" in repr(emb)
     assert [n for n, _ in emb.named_parameters()] == ["weight"]
+    assert emb.weight.no_model_axis and not hasattr(Embedding(N, D, batch=B).weight, "no_model_axis")
     with pytest.raises(ValueError, match="sparse=True is not supported"):
         Embedding(N, D, sparse=True, batch=B, offload=True)
     with pytest.raises(ValueError, match=r"_weight must have shape .* \(3, 12, 5\)"):
