@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -284,6 +285,10 @@ def _optimizer_rows(optimizer: BatchOptimizer) -> list[dict[str, Any]]:
     """Model ``j``'s part of the optimizer: its hyperparameters (numbers), its state rows, the shared rest."""
     batch = optimizer.batch
     packed = optimizer.state_dict()
+    host = {  # one device-to-host copy per state tensor, then rows
+        index: {key: value.detach().cpu() if isinstance(value, Tensor) else value for key, value in entries.items()}
+        for index, entries in packed["state"].items()
+    }
     per_model = [optimizer._per_model_entries(group) for group in optimizer.param_groups]
     rows = []
     for j in range(batch):
@@ -297,7 +302,7 @@ def _optimizer_rows(optimizer: BatchOptimizer) -> list[dict[str, Any]]:
                     row[key] = list(value) if key == "params" else value
             groups.append(row)
         state = {}
-        for index, entries in packed["state"].items():
+        for index, entries in host.items():
             state[index] = {
                 key: (value[j].clone() if isinstance(value, Tensor) and value.dim() and value.shape[0] == batch
                       else value.clone() if isinstance(value, Tensor) else value)
@@ -447,7 +452,7 @@ def save_checkpoint(
 
     ``path`` is a directory (on storage every rank can reach) holding ``model-000000.pt`` ... one file
     per model in global model order (rank 0's models first), each a dict with the model's plain state
-    dict under ``"model"`` (``torch.load(f)["model"]`` loads into the original ``nn.Module``), and, when
+    dict (CPU tensors) under ``"model"`` (``torch.load(f)["model"]`` loads into the original ``nn.Module``), and, when
     given, its optimizer state (its hyperparameters as numbers and its state rows) and its scheduler
     state; plus ``index.json`` naming the files. Each rank writes the files of its own models; rank 0
     writes the index last. Call it from every rank (it is a collective).
@@ -470,7 +475,8 @@ def save_checkpoint(
     optimizer_rows = _optimizer_rows(optimizer) if optimizer is not None else None
     scheduler_rows = _scheduler_rows(scheduler) if scheduler is not None else None
     for j in range(models.batch):
-        entry: dict[str, Any] = {"format": CHECKPOINT_FORMAT, "index": start + j, "model": models.state_dict_of(j)}
+        plain = OrderedDict((key, value.cpu()) for key, value in models.state_dict_of(j).items())
+        entry: dict[str, Any] = {"format": CHECKPOINT_FORMAT, "index": start + j, "model": plain}
         if optimizer_rows is not None:
             entry["optimizer"] = optimizer_rows[j]
         if scheduler_rows is not None:
