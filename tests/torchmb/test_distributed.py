@@ -253,8 +253,10 @@ def test_sharded_training_equals_one_process_bit_for_bit(sharded_run: Path, how:
         assert identical(result["losses"], losses[owned])
         # every rank gathered every model's losses, in global model order; rank 0 also got them alone
         assert identical(result["gathered"], losses)
-        assert identical(result["gathered_to_0"], losses) if rank == 0 else \
-            result["gathered_to_0"] is None
+        if rank == 0:
+            assert identical(result["gathered_to_0"], losses)
+        else:
+            assert result["gathered_to_0"] is None
 
 
 def test_sharded_training_matches_plain_torch_and_the_diverged_model_stops_no_one(sharded_run: Path) -> None:
