@@ -116,8 +116,7 @@ def _run(lr_values, wd_values, steps, samples, device, out, seed) -> dict:
         schedule.step()
         alive &= ~diverged(losses).cpu()
         if rank == 0 and bool(alive.any()):
-            progress.set_postfix(best_loss=f"{losses[alive.to(device)].min().item():.3f}",
-                                 diverged=int((~alive).sum()))
+            progress.set_postfix(best_loss=f"{losses[alive.to(device)].min().item():.3f}", diverged=int((~alive).sum()))
     elapsed = time.perf_counter() - started
     models.eval()
     with torch.no_grad():

@@ -103,8 +103,10 @@ def init_from_env(device: str | torch.device = "cpu", *, backend: str | None = N
     if device.type == "cuda" and device.index is None:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if local_rank >= torch.cuda.device_count():
-            raise RuntimeError(f"LOCAL_RANK={local_rank} but this machine shows {torch.cuda.device_count()} CUDA "
-                               "devices; start at most one process per GPU (torchrun --nproc-per-node)")
+            raise RuntimeError(
+                f"LOCAL_RANK={local_rank} but this machine shows {torch.cuda.device_count()} CUDA "
+                "devices; start at most one process per GPU (torchrun --nproc-per-node)"
+            )
         device = torch.device("cuda", local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -128,8 +130,10 @@ def shard_slices(batch: int, world_size: int) -> list[slice]:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if batch < world_size:
-        raise ValueError(f"cannot shard {batch} models over {world_size} ranks: every rank needs at least one "
-                         f"model (use at most {batch} processes, or more models)")
+        raise ValueError(
+            f"cannot shard {batch} models over {world_size} ranks: every rank needs at least one "
+            f"model (use at most {batch} processes, or more models)"
+        )
     size, extra = divmod(batch, world_size)
     slices, start = [], 0
     for rank in range(world_size):
@@ -164,8 +168,9 @@ def shard_values(values: Any, batch: int | None = None, *, group: Any = None) ->
         values = torch.as_tensor(values, dtype=torch.float64) if inferred.is_floating_point() else inferred
     total = int(values.shape[0])
     if batch is not None and total != batch:
-        raise ValueError(f"expected {batch} per-model values (one per model), got {total} "
-                         f"(shape {tuple(values.shape)})")
+        raise ValueError(
+            f"expected {batch} per-model values (one per model), got {total} (shape {tuple(values.shape)})"
+        )
     return values[shard_slice(total, group=group)]
 
 
@@ -186,8 +191,7 @@ def local_batch_module(
     if init == "independent" and seed is None:
         raise ValueError("local_batch_module(init='independent') needs a seed shared by every rank")
     owned = shard_slice(batch, group=group)
-    return BatchModule(model, owned.stop - owned.start, init=init,
-                       seed=None if seed is None else seed + owned.start)
+    return BatchModule(model, owned.stop - owned.start, init=init, seed=None if seed is None else seed + owned.start)
 
 
 def shard(models: BatchModule, *objects: Any, group: Any = None) -> slice:
@@ -304,12 +308,16 @@ def _optimizer_rows(optimizer: BatchOptimizer) -> list[dict[str, Any]]:
         state = {}
         for index, entries in host.items():
             state[index] = {
-                key: (value[j].clone() if isinstance(value, Tensor) and value.dim() and value.shape[0] == batch
-                      else value.clone() if isinstance(value, Tensor) else value)
+                key: (
+                    value[j].clone()
+                    if isinstance(value, Tensor) and value.dim() and value.shape[0] == batch
+                    else value.clone()
+                    if isinstance(value, Tensor)
+                    else value
+                )
                 for key, value in entries.items()
             }
-        rows.append({"type": type(optimizer).__name__, "param_groups": groups, "per_model": per_model,
-                     "state": state})
+        rows.append({"type": type(optimizer).__name__, "param_groups": groups, "per_model": per_model, "state": state})
     return rows
 
 
@@ -319,26 +327,32 @@ def _load_optimizer_rows(optimizer: BatchOptimizer, rows: list[dict[str, Any]], 
         raise ValueError(f"{what}: {len(rows)} models in the checkpoint slice but the optimizer holds {batch}")
     kinds = {row["type"] for row in rows}
     if kinds != {type(optimizer).__name__}:
-        raise TypeError(f"{what}: the checkpoint holds {sorted(kinds)} optimizer state, this is a "
-                        f"{type(optimizer).__name__}")
+        raise TypeError(
+            f"{what}: the checkpoint holds {sorted(kinds)} optimizer state, this is a {type(optimizer).__name__}"
+        )
     if any(len(row["param_groups"]) != len(optimizer.param_groups) for row in rows):
-        raise ValueError(f"{what}: the checkpoint has {len(rows[0]['param_groups'])} parameter groups, the "
-                         f"optimizer {len(optimizer.param_groups)}")
+        raise ValueError(
+            f"{what}: the checkpoint has {len(rows[0]['param_groups'])} parameter groups, the "
+            f"optimizer {len(optimizer.param_groups)}"
+        )
     params: list[tuple[Tensor, dict[str, Any]]] = []
     for g, group in enumerate(optimizer.param_groups):
         saved = [row["param_groups"][g] for row in rows]
         names = set(rows[0]["per_model"][g])
         if len(saved[0]["params"]) != len(group["params"]):
-            raise ValueError(f"{what}: parameter group {g} holds {len(saved[0]['params'])} parameters in the "
-                             f"checkpoint and {len(group['params'])} in the optimizer")
+            raise ValueError(
+                f"{what}: parameter group {g} holds {len(saved[0]['params'])} parameters in the "
+                f"checkpoint and {len(group['params'])} in the optimizer"
+            )
         for key in saved[0]:
             if key == "params":
                 continue
             values = [s[key] for s in saved]
             if key in names:
                 if isinstance(values[0], tuple):
-                    value: Any = tuple(torch.tensor([v[i] for v in values], dtype=torch.float64)
-                                       for i in range(len(values[0])))
+                    value: Any = tuple(
+                        torch.tensor([v[i] for v in values], dtype=torch.float64) for i in range(len(values[0]))
+                    )
                 else:
                     value = torch.tensor(values, dtype=torch.float64)
                 if key in optimizer.per_model:
@@ -347,11 +361,15 @@ def _load_optimizer_rows(optimizer: BatchOptimizer, rows: list[dict[str, Any]], 
                     group[key] = value
                 continue
             if any(not _same(v, values[0]) for v in values[1:]):
-                raise ValueError(f"{what}: param_groups[{g}][{key!r}] is shared by all models but the checkpoint's "
-                                 f"models disagree on it: {values}")
+                raise ValueError(
+                    f"{what}: param_groups[{g}][{key!r}] is shared by all models but the checkpoint's "
+                    f"models disagree on it: {values}"
+                )
             if key in group and not _same(group[key], values[0]):
-                raise ValueError(f"{what}: param_groups[{g}][{key!r}] is {values[0]!r} in the checkpoint and "
-                                 f"{group[key]!r} in this optimizer")
+                raise ValueError(
+                    f"{what}: param_groups[{g}][{key!r}] is {values[0]!r} in the checkpoint and "
+                    f"{group[key]!r} in this optimizer"
+                )
             group[key] = values[0]
         params.extend((p, group) for p in group["params"])
     for index, (p, group) in enumerate(params):
@@ -364,8 +382,13 @@ def _load_optimizer_rows(optimizer: BatchOptimizer, rows: list[dict[str, Any]], 
         for key in keys:
             present = [(j, s[key]) for j, s in enumerate(saved_state) if s and key in s]
             first = present[0][1]
-            per_model = key in state and isinstance(state[key], Tensor) and state[key].dim() > 0 \
-                and state[key].shape[0] == batch and isinstance(first, Tensor)
+            per_model = (
+                key in state
+                and isinstance(state[key], Tensor)
+                and state[key].dim() > 0
+                and state[key].shape[0] == batch
+                and isinstance(first, Tensor)
+            )
             if key not in state and len(present) == batch and isinstance(first, Tensor):
                 state[key] = torch.stack([v for _, v in present]).to(p.device)
                 continue
@@ -378,8 +401,10 @@ def _load_optimizer_rows(optimizer: BatchOptimizer, rows: list[dict[str, Any]], 
             rows_at = torch.tensor([j for j, _ in present], dtype=torch.int64)
             stacked = torch.stack([v for _, v in present])
             if tuple(stacked.shape[1:]) != tuple(target.shape[1:]):
-                raise ValueError(f"{what}: state entry {key!r} of parameter {index} has per-model shape "
-                                 f"{tuple(stacked.shape[1:])} in the checkpoint and {tuple(target.shape[1:])} here")
+                raise ValueError(
+                    f"{what}: state entry {key!r} of parameter {index} has per-model shape "
+                    f"{tuple(stacked.shape[1:])} in the checkpoint and {tuple(target.shape[1:])} here"
+                )
             if key in optimizer.cpu_state:  # bookkeeping vectors may be shared: never in place
                 state[key] = target.index_copy(0, rows_at, stacked.to(target.dtype))
             else:
@@ -415,12 +440,14 @@ def _scheduler_rows(scheduler: BatchLRScheduler) -> list[dict[str, Any]]:
 
 def _load_scheduler_rows(scheduler: BatchLRScheduler, rows: list[dict[str, Any]], what: str) -> None:
     if len(rows) != scheduler.batch:
-        raise ValueError(f"{what}: {len(rows)} models in the checkpoint slice but the scheduler holds "
-                         f"{scheduler.batch}")
+        raise ValueError(
+            f"{what}: {len(rows)} models in the checkpoint slice but the scheduler holds {scheduler.batch}"
+        )
     kinds = {row["type"] for row in rows}
     if kinds != {type(scheduler).__name__}:
-        raise TypeError(f"{what}: the checkpoint holds {sorted(kinds)} scheduler state, this is a "
-                        f"{type(scheduler).__name__}")
+        raise TypeError(
+            f"{what}: the checkpoint holds {sorted(kinds)} scheduler state, this is a {type(scheduler).__name__}"
+        )
     per_model = rows[0]["per_model"]
     state: dict[str, Any] = {}
     for key, value in rows[0]["state"].items():
@@ -434,8 +461,10 @@ def _load_scheduler_rows(scheduler: BatchLRScheduler, rows: list[dict[str, Any]]
             state[key] = column
         else:
             if isinstance(value, (int, float, str, bool)) and any(v != value for v in column[1:]):
-                raise ValueError(f"{what}: scheduler entry {key!r} is shared by all models but the checkpoint's "
-                                 f"models disagree on it: {column}")
+                raise ValueError(
+                    f"{what}: scheduler entry {key!r} is shared by all models but the checkpoint's "
+                    f"models disagree on it: {column}"
+                )
             state[key] = value
     scheduler.load_state_dict(state)
 
@@ -554,8 +583,10 @@ def load_checkpoint(
     count = owned.stop - owned.start
     what = f"load_checkpoint({str(path)!r}) on rank {rank} of {world}"
     if models.batch != count:
-        raise ValueError(f"{what}: this rank loads models {owned.start}..{owned.stop - 1} of B={total} ({count} "
-                         f"models) but the BatchModule holds {models.batch}; build it with batch={count}")
+        raise ValueError(
+            f"{what}: this rank loads models {owned.start}..{owned.stop - 1} of B={total} ({count} "
+            f"models) but the BatchModule holds {models.batch}; build it with batch={count}"
+        )
     if optimizer is not None and not index["optimizer"]:
         raise ValueError(f"{what}: the checkpoint holds no optimizer state")
     if scheduler is not None and not index["scheduler"]:

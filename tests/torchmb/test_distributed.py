@@ -91,8 +91,18 @@ def one_thread():
 def torchrun(nproc: int, *args: str, timeout: float = 120) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-               "--nproc-per-node", str(nproc), __file__, *args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        __file__,
+        *args,
+    ]
     result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"torchrun failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
 
@@ -266,8 +276,9 @@ def test_sharded_training_matches_plain_torch_and_the_diverged_model_stops_no_on
         for i in range(B):
             net = MLP()
             net.load_state_dict(full.state_dict_of(i))
-            opt = torch.optim.SGD(net.parameters(), lr=float(LRS[i]), momentum=float(MOMENTA[i]),
-                                  weight_decay=float(DECAYS[i]))
+            opt = torch.optim.SGD(
+                net.parameters(), lr=float(LRS[i]), momentum=float(MOMENTA[i]), weight_decay=float(DECAYS[i])
+            )
             sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS)
             for step in range(STEPS):
                 x, y, shared = data(step)
@@ -305,10 +316,12 @@ def test_checkpoint_saved_on_two_ranks_loads_on_one(sharded_run: Path) -> None:
     net = MLP()
     net.load_state_dict(first["model"])
     held = [torch.load(checkpoint / name, weights_only=True)["optimizer"]["state"][0] for name in index["files"]]
-    assert ["momentum_buffer" in state for state in held] == [True, True, True, False, False], \
+    assert ["momentum_buffer" in state for state in held] == [True, True, True, False, False], (
         "rank 1 (models 3, 4, momentum 0) kept no momentum buffers: loading must fill them in"
+    )
     assert first["optimizer"]["param_groups"][0]["lr"] == pytest.approx(
-        float(torch.load(sharded_run / "local-rank0.pt", weights_only=True)["lr_at_save"][0]), rel=1e-15)
+        float(torch.load(sharded_run / "local-rank0.pt", weights_only=True)["lr_at_save"][0]), rel=1e-15
+    )
 
     saved, _, _, _ = reference_run(range(SAVE_AT))
     with one_thread():
@@ -368,10 +381,22 @@ def test_optuna_sweep_across_two_processes_fills_one_study(sharded_run: Path) ->
 def test_demo_under_torchrun_on_two_processes(tmp_path: Path) -> None:
     pytest.importorskip("sklearn")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    arguments = ["demo", "--lr-values", "3", "--wd-values", "2", "--steps", "40", "--samples", "32",
-                 "--device", "cpu"]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",
-               "2", "-m", "torchmb", *arguments, "--out", str(tmp_path / "sharded")]
+    arguments = ["demo", "--lr-values", "3", "--wd-values", "2", "--steps", "40", "--samples", "32", "--device", "cpu"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "torchmb",
+        *arguments,
+        "--out",
+        str(tmp_path / "sharded"),
+    ]
     result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
     with one_thread():
@@ -399,8 +424,12 @@ def _worker_train(out: Path) -> None:
     # (b) every rank builds only its models; checkpoint half-way
     owned = tmd.shard_slice(B)
     models = tmd.local_batch_module(MLP(), B, init="independent", seed=SEED)
-    optimizer = optim.SGD(models.parameters(), lr=tmd.shard_values(LRS, B), momentum=tmd.shard_values(MOMENTA, B),
-                          weight_decay=tmd.shard_values(DECAYS, B))
+    optimizer = optim.SGD(
+        models.parameters(),
+        lr=tmd.shard_values(LRS, B),
+        momentum=tmd.shard_values(MOMENTA, B),
+        weight_decay=tmd.shard_values(DECAYS, B),
+    )
     scheduler = lr_scheduler.CosineAnnealingLR(optimizer, T_max=STEPS)
     head = train(models, optimizer, scheduler, range(SAVE_AT), owned)
     lr_at_save = optimizer.get_hyperparameter("lr")
@@ -411,16 +440,33 @@ def _worker_train(out: Path) -> None:
     except ValueError as error:
         refused = str(error)
     flags = tmd.gather_models(torch.tensor([True, False]) if rank == 0 else torch.tensor([True]))
-    _record(out / f"local-rank{rank}.pt", models, optimizer, torch.cat([head, tail], 1), owned, lr_at_save=lr_at_save,
-            refused=refused, flags=flags)
+    _record(
+        out / f"local-rank{rank}.pt",
+        models,
+        optimizer,
+        torch.cat([head, tail], 1),
+        owned,
+        lr_at_save=lr_at_save,
+        refused=refused,
+        flags=flags,
+    )
 
 
 def _record(path: Path, models, optimizer, losses, owned: slice, **extra) -> None:
     gathered = tmd.gather_models(losses)
     gathered_to_0 = tmd.gather_models(losses, dst=0)
-    torch.save({"slice": (owned.start, owned.stop), "parameters": flat_parameters(models), "losses": losses,
-                "lr": optimizer.get_hyperparameter("lr"), "gathered": gathered, "gathered_to_0": gathered_to_0,
-                **extra}, path)
+    torch.save(
+        {
+            "slice": (owned.start, owned.stop),
+            "parameters": flat_parameters(models),
+            "losses": losses,
+            "lr": optimizer.get_hyperparameter("lr"),
+            "gathered": gathered,
+            "gathered_to_0": gathered_to_0,
+            **extra,
+        },
+        path,
+    )
 
 
 def _worker_resume(checkpoint: Path, out: Path) -> None:
@@ -457,8 +503,9 @@ def _worker_optuna(storage: str, out: Path) -> None:
     trials.tell(values)
     all_numbers = tmd.gather_models(torch.tensor(numbers)).tolist()
     all_values = tmd.gather_models(values).tolist()
-    (out / f"optuna-rank{rank}.json").write_text(json.dumps(
-        {"numbers": numbers, "all_numbers": all_numbers, "all_values": all_values}))
+    (out / f"optuna-rank{rank}.json").write_text(
+        json.dumps({"numbers": numbers, "all_numbers": all_numbers, "all_values": all_values})
+    )
 
 
 if __name__ == "__main__":
