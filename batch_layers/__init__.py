@@ -21,6 +21,7 @@ from ._embedding import (
     batched_embedding,
     check_indices,
 )
+from ._embedding_offload import OffloadedBatchEmbedding, offload_embeddings
 from ._linear import Linear
 from ._norm import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm, RMSNorm
 from ._out_of_scope import OUT_OF_SCOPE, LazyLinear, SyncBatchNorm
@@ -64,6 +65,7 @@ __all__ = [
     "Linear",
     "MultiEmbedding",
     "MultiheadAttention",
+    "OffloadedBatchEmbedding",
     "PReLU",
     "RMSNorm",
     "RNNCell",
@@ -73,6 +75,7 @@ __all__ = [
     "current_forward",
     "forward_context",
     "get_backend",
+    "offload_embeddings",
     "set_backend",
     "use_backend",
     "use_cupy",

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from batch_layers import AbstractBatchModule, ForwardContext, forward_context
+from batch_layers import AbstractBatchModule, ForwardContext, OffloadedBatchEmbedding, forward_context
 
 from ._generic import batch_generically, is_generic
 from ._registry import lookup_batch_module
@@ -238,7 +238,9 @@ class BatchModule(nn.Module):
         """A fresh instance of the original model class holding model ``index``'s parameters and buffers."""
         model = copy.deepcopy(self._template)
         model.load_state_dict(self.state_dict_of(index))
-        device = next((t.device for t in self.module.state_dict().values()), None)
+        devices = [p.device for p in self.module.parameters()]
+        # An offloaded embedding's table lives on the host while the model computes on the GPU.
+        device = next((d for d in devices if d.type != "cpu"), devices[0] if devices else None)
         return model.to(device) if device is not None else model
 
     def select(self, keep: Sequence[int] | Tensor) -> BatchModule:
@@ -248,6 +250,12 @@ class BatchModule(nn.Module):
         same ``keep`` continues the survivors exactly.
         """
         index = self._keep_index(keep)
+        for name, module in self.module.named_modules():
+            if isinstance(module, OffloadedBatchEmbedding):  # checked first: nothing may change half-way
+                raise NotImplementedError(
+                    f"select() cannot shrink {name or 'the model'}: an offloaded embedding keeps all B tables in "
+                    "one host table; build a new BatchModule from the survivors' state_dicts instead"
+                )
         with torch.no_grad():
             for key, value in self.module.state_dict(keep_vars=True).items():
                 if not self._is_per_model(key, value):

@@ -42,9 +42,16 @@ class GradScaler:
         batch: the number of models B; when omitted it is taken from the first ``scale`` call.
     """
 
-    def __init__(self, device: str = "cuda", init_scale: Any = 2.0**16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True,
-                 batch: int | None = None) -> None:
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: Any = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        batch: int | None = None,
+    ) -> None:
         if growth_factor <= 1.0:
             raise ValueError(f"growth_factor should be > 1, got {growth_factor}")
         if not 0.0 < backoff_factor < 1.0:
@@ -80,8 +87,10 @@ class GradScaler:
 
     def _check_init(self, what: str) -> None:
         if self._scale is None:
-            raise RuntimeError(f"GradScaler.{what}: no scale yet; call scale(losses) first (it learns B from the "
-                               "losses' leading model axis)")
+            raise RuntimeError(
+                f"GradScaler.{what}: no scale yet; call scale(losses) first (it learns B from the "
+                "losses' leading model axis)"
+            )
 
     # ---- the step -----------------------------------------------------------------------------
     def scale(self, outputs: Tensor | Iterable[Tensor]) -> Any:
@@ -90,14 +99,18 @@ class GradScaler:
             return outputs
         if isinstance(outputs, Tensor):
             if outputs.dim() == 0:
-                raise ValueError("GradScaler.scale: expected per-model losses with a leading model axis (B, ...), "
-                                 "got a 0-d tensor; scale the (B,) losses before summing them")
+                raise ValueError(
+                    "GradScaler.scale: expected per-model losses with a leading model axis (B, ...), "
+                    "got a 0-d tensor; scale the (B,) losses before summing them"
+                )
             if self._scale is None:
                 self._lazy_init(int(outputs.shape[0]), outputs.device)
             assert self._scale is not None
             if outputs.shape[0] != self._scale.shape[0]:
-                raise ValueError(f"GradScaler.scale: expected a leading model axis of {self._scale.shape[0]}, got "
-                                 f"shape {tuple(outputs.shape)}")
+                raise ValueError(
+                    f"GradScaler.scale: expected a leading model axis of {self._scale.shape[0]}, got "
+                    f"shape {tuple(outputs.shape)}"
+                )
             scale = self._scale.to(outputs.device, non_blocking=True)
             return outputs * scale.view(-1, *([1] * (outputs.dim() - 1)))
         if isinstance(outputs, (list, tuple)):
@@ -130,8 +143,10 @@ class GradScaler:
                 if g.is_sparse:
                     raise ValueError("GradScaler: sparse gradients are not supported")
                 if g.dim() == 0 or g.shape[0] != batch:
-                    raise ValueError(f"GradScaler: expected gradients with a leading model axis of {batch}, got "
-                                     f"shape {tuple(g.shape)}")
+                    raise ValueError(
+                        f"GradScaler: expected gradients with a leading model axis of {batch}, got "
+                        f"shape {tuple(g.shape)}"
+                    )
                 bad = ~torch.isfinite(g).reshape(batch, -1).all(dim=1)
                 found |= bad.to(found.device)
                 g.mul_(inv_scale.to(g.device).view(-1, *([1] * (g.dim() - 1))))
@@ -145,8 +160,10 @@ class GradScaler:
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         if not isinstance(optimizer, BatchOptimizer):
-            raise TypeError("torchmb.amp.GradScaler.step needs a torchmb.optim optimizer (it skips single "
-                            f"models), got {type(optimizer).__name__}")
+            raise TypeError(
+                "torchmb.amp.GradScaler.step needs a torchmb.optim optimizer (it skips single "
+                f"models), got {type(optimizer).__name__}"
+            )
         self._check_init("step")
         state = self._state(optimizer)
         if state["stage"] == _STEPPED:
@@ -239,8 +256,9 @@ class GradScaler:
         scale = source._scale[src_index.to(source._scale.device)].clone()
         tracker = source._growth_tracker[src_index.to(source._growth_tracker.device)].clone()
         self._scale.index_copy_(0, dst_index.to(self._scale.device), scale.to(self._scale.device))
-        self._growth_tracker.index_copy_(0, dst_index.to(self._growth_tracker.device),
-                                         tracker.to(self._growth_tracker.device))
+        self._growth_tracker.index_copy_(
+            0, dst_index.to(self._growth_tracker.device), tracker.to(self._growth_tracker.device)
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Scales and trackers (CPU copies) and the growth settings, as ``torch.amp.GradScaler``'s."""
@@ -258,8 +276,9 @@ class GradScaler:
         if not self._enabled:
             return
         if len(state_dict) == 0:
-            raise RuntimeError("The source state dict is empty, possibly because it was saved from a disabled "
-                               "instance of GradScaler.")
+            raise RuntimeError(
+                "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler."
+            )
         scale = state_dict["scale"]
         self._growth_factor = float(state_dict["growth_factor"])
         self._backoff_factor = float(state_dict["backoff_factor"])
@@ -268,6 +287,9 @@ class GradScaler:
         device = self._scale.device if self._scale is not None else self._device
         self._scale = scale.to(device, torch.float32).clone()
         tracker = state_dict["_growth_tracker"]
-        self._growth_tracker = (torch.zeros(self._batch, dtype=torch.int32, device=device) if tracker is None
-                                else tracker.to(device, torch.int32).clone())
+        self._growth_tracker = (
+            torch.zeros(self._batch, dtype=torch.int32, device=device)
+            if tracker is None
+            else tracker.to(device, torch.int32).clone()
+        )
         self._per_optimizer = {}

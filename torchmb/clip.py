@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .optim._base import per_model_values
+from .optim._base import NO_MODEL_AXIS, per_model_values
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_", "diverged", "diverged_indices"]
 
@@ -27,11 +27,14 @@ def _batch_of(tensors: list[Tensor], what: str) -> int:
     for t in tensors:
         if t.dim() == 0:
             raise ValueError(f"{what}: expected tensors with a leading model axis (B, ...), got a 0-d tensor")
+        if getattr(t, "no_model_axis", False):
+            raise ValueError(f"{what}: {NO_MODEL_AXIS}")
         if batch is None:
             batch = int(t.shape[0])
         elif t.shape[0] != batch:
-            raise ValueError(f"{what}: every tensor needs the same leading model axis B = {batch}, got shape "
-                             f"{tuple(t.shape)}")
+            raise ValueError(
+                f"{what}: every tensor needs the same leading model axis B = {batch}, got shape {tuple(t.shape)}"
+            )
     if batch is None:
         raise ValueError(f"{what}: got no tensors")
     return batch
@@ -50,8 +53,9 @@ def _rows(value: float | Tensor, like: Tensor) -> float | Tensor:
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Tensor | Iterable[Tensor], max_norm: Any, norm_type: float | str = 2.0,
-                    error_if_nonfinite: bool = False) -> Tensor:
+def clip_grad_norm_(
+    parameters: Tensor | Iterable[Tensor], max_norm: Any, norm_type: float | str = 2.0, error_if_nonfinite: bool = False
+) -> Tensor:
     """Clip each model's gradients by its own total norm, in place.
 
     Model ``i``'s gradients (``p.grad[i]`` of every parameter) are scaled by
@@ -79,10 +83,12 @@ def clip_grad_norm_(parameters: Tensor | Iterable[Tensor], max_norm: Any, norm_t
     if error_if_nonfinite:
         bad = ~torch.isfinite(total)
         if bool(bad.any()):
-            raise RuntimeError(f"The total norm of order {norm_type} for the gradients of models "
-                               f"{bad.nonzero().flatten().tolist()} is non-finite, so they cannot be clipped. "
-                               "To disable this error and scale those gradients by the non-finite norm anyway, "
-                               "set `error_if_nonfinite=False`")
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for the gradients of models "
+                f"{bad.nonzero().flatten().tolist()} is non-finite, so they cannot be clipped. "
+                "To disable this error and scale those gradients by the non-finite norm anyway, "
+                "set `error_if_nonfinite=False`"
+            )
     limit = _per_model(max_norm, batch, "max_norm", total)
     coef = torch.clamp(limit / (total + 1e-6), max=1.0)
     for g in grads:
@@ -115,8 +121,9 @@ def clip_grad_value_(parameters: Tensor | Iterable[Tensor], clip_value: Any) -> 
 
 
 @torch.no_grad()
-def diverged(losses: Tensor | None = None, parameters: Tensor | Iterable[Tensor] | None = None, *,
-             grads: bool = False) -> Tensor:
+def diverged(
+    losses: Tensor | None = None, parameters: Tensor | Iterable[Tensor] | None = None, *, grads: bool = False
+) -> Tensor:
     """Which models diverged: a bool ``(B,)`` mask of models whose loss or parameters hold inf or NaN.
 
     Args:
@@ -132,10 +139,10 @@ def diverged(losses: Tensor | None = None, parameters: Tensor | Iterable[Tensor]
     if losses is not None:
         tensors.append(losses if losses.dim() else losses.reshape(1))
         if losses.dim() == 0:
-            raise ValueError("diverged: expected per-model losses with a leading model axis (B, ...), got a 0-d "
-                             "tensor")
+            raise ValueError("diverged: expected per-model losses with a leading model axis (B, ...), got a 0-d tensor")
     if parameters is not None:
         params = _as_list(parameters)
+        _batch_of(params, "diverged")  # refuses tensors without a model axis before they are detached
         tensors.extend(p.detach() for p in params)
         if grads:
             tensors.extend(p.grad for p in params if p.grad is not None)
@@ -150,7 +157,8 @@ def diverged(losses: Tensor | None = None, parameters: Tensor | Iterable[Tensor]
     return mask
 
 
-def diverged_indices(losses: Tensor | None = None, parameters: Tensor | Iterable[Tensor] | None = None, *,
-                     grads: bool = False) -> list[int]:
+def diverged_indices(
+    losses: Tensor | None = None, parameters: Tensor | Iterable[Tensor] | None = None, *, grads: bool = False
+) -> list[int]:
     """The indices of the models :func:`diverged` reports (synchronises with the device)."""
     return diverged(losses, parameters, grads=grads).nonzero().flatten().tolist()

@@ -68,8 +68,10 @@ class BatchLRScheduler:
         else:
             for i, group in enumerate(optimizer.param_groups):
                 if "initial_lr" not in group:
-                    raise KeyError(f"param 'initial_lr' is not specified in param_groups[{i}] when resuming a "
-                                   "scheduler with last_epoch >= 0")
+                    raise KeyError(
+                        f"param 'initial_lr' is not specified in param_groups[{i}] when resuming a "
+                        "scheduler with last_epoch >= 0"
+                    )
         self.base_lrs: list[Tensor] = [group["initial_lr"].clone() for group in optimizer.param_groups]
         self.last_epoch = last_epoch
         self._step_count = 0
@@ -184,8 +186,13 @@ class MultiStepLR(BatchLRScheduler):
 
     per_model_args = ("milestones", "gamma")
 
-    def __init__(self, optimizer: BatchOptimizer, milestones: Iterable[int] | Sequence[Iterable[int]],
-                 gamma: Any = 0.1, last_epoch: int = -1) -> None:
+    def __init__(
+        self,
+        optimizer: BatchOptimizer,
+        milestones: Iterable[int] | Sequence[Iterable[int]],
+        gamma: Any = 0.1,
+        last_epoch: int = -1,
+    ) -> None:
         batch = _batch(optimizer, "MultiStepLR")
         milestones = list(milestones)
         if milestones and all(isinstance(m, Iterable) and not isinstance(m, (str, bytes)) for m in milestones):
@@ -235,8 +242,14 @@ class LinearLR(BatchLRScheduler):
 
     per_model_args = ("start_factor", "end_factor", "total_iters")
 
-    def __init__(self, optimizer: BatchOptimizer, start_factor: Any = 1.0 / 3, end_factor: Any = 1.0,
-                 total_iters: Any = 5, last_epoch: int = -1) -> None:
+    def __init__(
+        self,
+        optimizer: BatchOptimizer,
+        start_factor: Any = 1.0 / 3,
+        end_factor: Any = 1.0,
+        total_iters: Any = 5,
+        last_epoch: int = -1,
+    ) -> None:
         batch = _batch(optimizer, "LinearLR")
         self.start_factor = per_model_values(start_factor, batch, "start_factor")
         self.end_factor = per_model_values(end_factor, batch, "end_factor")
@@ -281,8 +294,9 @@ class CosineAnnealingLR(BatchLRScheduler):
         out = []
         for base, lr in zip(self.base_lrs, lrs):
             at_restart = lr + (base - eta) * (1 - torch.cos(math.pi / t_max)) / 2
-            regular = ((1 + torch.cos(math.pi * epoch / t_max)) / (1 + torch.cos(math.pi * (epoch - 1) / t_max))
-                       * (lr - eta) + eta)
+            regular = (1 + torch.cos(math.pi * epoch / t_max)) / (1 + torch.cos(math.pi * (epoch - 1) / t_max)) * (
+                lr - eta
+            ) + eta
             out.append(torch.where(restart, at_restart, regular))
         return out
 
@@ -299,13 +313,16 @@ class LambdaLR(BatchLRScheduler):
 
     per_model_args = ("lr_lambdas",)
 
-    def __init__(self, optimizer: BatchOptimizer, lr_lambda: Callable[[int], Any] | Sequence[Callable[[int], Any]],
-                 last_epoch: int = -1) -> None:
+    def __init__(
+        self,
+        optimizer: BatchOptimizer,
+        lr_lambda: Callable[[int], Any] | Sequence[Callable[[int], Any]],
+        last_epoch: int = -1,
+    ) -> None:
         if isinstance(lr_lambda, (list, tuple)):
             batch = _batch(optimizer, "LambdaLR")
             if len(lr_lambda) != batch:
-                raise ValueError(f"lr_lambda: expected one function per model ({batch}), "
-                                 f"got {len(lr_lambda)}")
+                raise ValueError(f"lr_lambda: expected one function per model ({batch}), got {len(lr_lambda)}")
             if not all(callable(f) for f in lr_lambda):
                 raise TypeError("lr_lambda: every entry must be callable")
             self.lr_lambdas: list[Callable[[int], Any]] = list(lr_lambda)
@@ -340,8 +357,9 @@ class LambdaLR(BatchLRScheduler):
         lambdas = state.pop("lr_lambdas")
         self.__dict__.update({key: _copy(value) for key, value in state.items()})
         if len(lambdas) != len(self.lr_lambdas):
-            raise ValueError(f"load_state_dict: the state holds {len(lambdas)} lr_lambdas, this scheduler "
-                             f"{len(self.lr_lambdas)}")
+            raise ValueError(
+                f"load_state_dict: the state holds {len(lambdas)} lr_lambdas, this scheduler {len(self.lr_lambdas)}"
+            )
         for f, saved in zip(self.lr_lambdas, lambdas):
             if saved is not None:
                 f.__dict__.update(saved)
@@ -360,11 +378,23 @@ class OneCycleLR(BatchLRScheduler):
     With ``cycle_momentum`` the momentum (SGD, RMSprop) or ``beta1`` (Adam, AdamW) cycles per model too.
     """
 
-    def __init__(self, optimizer: BatchOptimizer, max_lr: Any, total_steps: int | None = None,
-                 epochs: int | None = None, steps_per_epoch: int | None = None, pct_start: float = 0.3,
-                 anneal_strategy: Literal["cos", "linear"] = "cos", cycle_momentum: bool = True,
-                 base_momentum: Any = 0.85, max_momentum: Any = 0.95, div_factor: Any = 25.0,
-                 final_div_factor: Any = 1e4, three_phase: bool = False, last_epoch: int = -1) -> None:
+    def __init__(
+        self,
+        optimizer: BatchOptimizer,
+        max_lr: Any,
+        total_steps: int | None = None,
+        epochs: int | None = None,
+        steps_per_epoch: int | None = None,
+        pct_start: float = 0.3,
+        anneal_strategy: Literal["cos", "linear"] = "cos",
+        cycle_momentum: bool = True,
+        base_momentum: Any = 0.85,
+        max_momentum: Any = 0.95,
+        div_factor: Any = 25.0,
+        final_div_factor: Any = 1e4,
+        three_phase: bool = False,
+        last_epoch: int = -1,
+    ) -> None:
         batch = _batch(optimizer, "OneCycleLR")
         if total_steps is not None:
             if not isinstance(total_steps, int) or total_steps <= 0:
@@ -385,19 +415,44 @@ class OneCycleLR(BatchLRScheduler):
         self.anneal_strategy = anneal_strategy
         if three_phase:
             self._schedule_phases = [
-                dict(end_step=float(pct_start * self.total_steps) - 1, start_lr="initial_lr", end_lr="max_lr",
-                     start_momentum="max_momentum", end_momentum="base_momentum"),
-                dict(end_step=float(2 * pct_start * self.total_steps) - 2, start_lr="max_lr", end_lr="initial_lr",
-                     start_momentum="base_momentum", end_momentum="max_momentum"),
-                dict(end_step=self.total_steps - 1, start_lr="initial_lr", end_lr="min_lr",
-                     start_momentum="max_momentum", end_momentum="max_momentum"),
+                dict(
+                    end_step=float(pct_start * self.total_steps) - 1,
+                    start_lr="initial_lr",
+                    end_lr="max_lr",
+                    start_momentum="max_momentum",
+                    end_momentum="base_momentum",
+                ),
+                dict(
+                    end_step=float(2 * pct_start * self.total_steps) - 2,
+                    start_lr="max_lr",
+                    end_lr="initial_lr",
+                    start_momentum="base_momentum",
+                    end_momentum="max_momentum",
+                ),
+                dict(
+                    end_step=self.total_steps - 1,
+                    start_lr="initial_lr",
+                    end_lr="min_lr",
+                    start_momentum="max_momentum",
+                    end_momentum="max_momentum",
+                ),
             ]
         else:
             self._schedule_phases = [
-                dict(end_step=float(pct_start * self.total_steps) - 1, start_lr="initial_lr", end_lr="max_lr",
-                     start_momentum="max_momentum", end_momentum="base_momentum"),
-                dict(end_step=self.total_steps - 1, start_lr="max_lr", end_lr="min_lr",
-                     start_momentum="base_momentum", end_momentum="max_momentum"),
+                dict(
+                    end_step=float(pct_start * self.total_steps) - 1,
+                    start_lr="initial_lr",
+                    end_lr="max_lr",
+                    start_momentum="max_momentum",
+                    end_momentum="base_momentum",
+                ),
+                dict(
+                    end_step=self.total_steps - 1,
+                    start_lr="max_lr",
+                    end_lr="min_lr",
+                    start_momentum="base_momentum",
+                    end_momentum="max_momentum",
+                ),
             ]
         max_lrs = per_model_values(max_lr, batch, "max_lr")
         div = per_model_values(div_factor, batch, "div_factor")
@@ -435,8 +490,9 @@ class OneCycleLR(BatchLRScheduler):
     def get_lr(self) -> list[Tensor]:
         step_num = self.last_epoch
         if step_num > self.total_steps:
-            raise ValueError(f"Tried to step {step_num} times. The specified number of total steps is "
-                             f"{self.total_steps}")
+            raise ValueError(
+                f"Tried to step {step_num} times. The specified number of total steps is {self.total_steps}"
+            )
         lrs = []
         for group in self.optimizer.param_groups:
             start_step = 0.0

@@ -20,6 +20,12 @@ from torch import Tensor
 
 __all__ = ["BatchOptimizer", "per_model_values"]
 
+NO_MODEL_AXIS = (
+    "an offloaded embedding's working rows have no model axis; optimise them with a torch.optim optimizer "
+    "through offload.attach (see the offload tutorial)"
+)
+
+
 def _as_index(keep: Any, batch: int, what: str = "keep") -> Tensor:
     """``keep`` (bool mask of length B, or a sequence/tensor of model indices) as a CPU int64 index."""
     if isinstance(keep, Tensor):
@@ -28,14 +34,17 @@ def _as_index(keep: Any, batch: int, what: str = "keep") -> Tensor:
         index = torch.as_tensor(list(keep) if not isinstance(keep, (list, tuple)) else keep)
     if index.dtype == torch.bool:
         if index.shape != (batch,):
-            raise ValueError(f"{what}: a boolean mask must have shape ({batch},) (one entry per model), "
-                             f"got {tuple(index.shape)}")
+            raise ValueError(
+                f"{what}: a boolean mask must have shape ({batch},) (one entry per model), got {tuple(index.shape)}"
+            )
         return index.nonzero().flatten()
     if index.numel() == 0:
         index = index.to(torch.int64)
     if index.dim() != 1 or index.is_floating_point() or index.is_complex():
-        raise ValueError(f"{what}: expected a 1-d sequence of integer model indices or a ({batch},) bool mask, "
-                         f"got dtype {index.dtype} and shape {tuple(index.shape)}")
+        raise ValueError(
+            f"{what}: expected a 1-d sequence of integer model indices or a ({batch},) bool mask, "
+            f"got dtype {index.dtype} and shape {tuple(index.shape)}"
+        )
     index = index.to(torch.int64)
     if index.numel() and (int(index.min()) < -batch or int(index.max()) >= batch):
         raise IndexError(f"{what}: model indices must lie in [0, {batch}), got {index.tolist()}")
@@ -60,21 +69,29 @@ def per_model_values(value: Any, batch: int, name: str) -> Tensor:
         try:
             values = torch.as_tensor(value, dtype=torch.float64)
         except (TypeError, ValueError, RuntimeError) as error:
-            raise TypeError(f"{name}: expected a number or {batch} numbers (one per model), "
-                            f"got {type(value).__name__}") from error
+            raise TypeError(
+                f"{name}: expected a number or {batch} numbers (one per model), got {type(value).__name__}"
+            ) from error
     if values.dim() == 0:
         values = values.expand(batch)
     if values.shape != (batch,):
-        raise ValueError(f"{name}: expected a number or {batch} values (one per model), "
-                         f"got shape {tuple(values.shape)}")
+        raise ValueError(
+            f"{name}: expected a number or {batch} values (one per model), got shape {tuple(values.shape)}"
+        )
     if not bool(torch.isfinite(values).all()):
         bad = (~torch.isfinite(values)).nonzero().flatten().tolist()
         raise ValueError(f"{name}: values must be finite, got non-finite values for models {bad}")
     return values.clone()
 
 
-def check_range(name: str, values: Tensor, low: float | None = None, high: float | None = None,
-                low_open: bool = False, high_open: bool = False) -> None:
+def check_range(
+    name: str,
+    values: Tensor,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> None:
     """Raise naming the models whose ``values`` leave ``[low, high]`` (ends open as asked)."""
     bad = torch.zeros_like(values, dtype=torch.bool)
     if low is not None:
@@ -86,13 +103,15 @@ def check_range(name: str, values: Tensor, low: float | None = None, high: float
         hi = "inf" if high is None else f"{high}"
         interval = f"{'(' if low_open or low is None else '['}{lo}, {hi}{')' if high_open or high is None else ']'}"
         models = bad.nonzero().flatten().tolist()
-        raise ValueError(f"Invalid {name}: expected values in {interval}, got {values[bad].tolist()} "
-                         f"for models {models}")
+        raise ValueError(
+            f"Invalid {name}: expected values in {interval}, got {values[bad].tolist()} for models {models}"
+        )
 
 
 # Coefficient helpers: every coefficient is a list with one (B, 1, ..., 1) tensor per parameter tensor,
 # so each model's arithmetic is the same whatever the other models' values are (survivors of a select,
 # or the models beside one whose hyperparameters changed, continue bit for bit).
+
 
 def lerp_(xs: list[Tensor], ys: list[Tensor], cs: list[Tensor]) -> None:
     """``x += c * (y - x)``."""
@@ -129,8 +148,9 @@ class BatchOptimizer(torch.optim.Optimizer):
     per_model: ClassVar[tuple[str, ...]] = ("lr",)
     cpu_state: ClassVar[tuple[str, ...]] = ("step",)
 
-    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], defaults: dict[str, Any],
-                 fused: bool | None = False) -> None:
+    def __init__(
+        self, params: Iterable[Tensor] | Iterable[dict[str, Any]], defaults: dict[str, Any], fused: bool | None = False
+    ) -> None:
         if fused not in (None, True, False):
             raise ValueError(f"fused must be None (automatic), True or False, got {fused!r}")
         self._batch: int | None = None
@@ -152,9 +172,10 @@ class BatchOptimizer(torch.optim.Optimizer):
         if self.fused is True:
             raise RuntimeError(f"{type(self).__name__}(fused=True) cannot run the fused kernels: {reason}")
         if _fused.cupy is None and params[0].is_cuda and _fused.get_backend() == "cupy":
-            raise ImportError("the batch_layers backend 'cupy' was requested but CuPy could not be imported; "
-                              "install cupy-cuda12x / cupy-cuda13x or use set_backend('auto'|'torch')"
-                              ) from _fused._CUPY_ERROR
+            raise ImportError(
+                "the batch_layers backend 'cupy' was requested but CuPy could not be imported; "
+                "install cupy-cuda12x / cupy-cuda13x or use set_backend('auto'|'torch')"
+            ) from _fused._CUPY_ERROR
         return False
 
     # ---- population size and hyperparameters -------------------------------------------------
@@ -170,15 +191,20 @@ class BatchOptimizer(torch.optim.Optimizer):
         try:
             for p in group["params"]:
                 if p.dim() == 0:
-                    raise ValueError(f"{type(self).__name__}: parameters need a leading model axis (B, ...), "
-                                     "got a 0-d tensor")
+                    raise ValueError(
+                        f"{type(self).__name__}: parameters need a leading model axis (B, ...), got a 0-d tensor"
+                    )
+                if getattr(p, "no_model_axis", False):
+                    raise ValueError(f"{type(self).__name__}: {NO_MODEL_AXIS}")
                 if p.is_complex():
                     raise TypeError(f"{type(self).__name__}: complex parameters are not supported, got {p.dtype}")
                 if self._batch is None:
                     self._batch = int(p.shape[0])
                 if p.shape[0] != self._batch:
-                    raise ValueError(f"{type(self).__name__}: every parameter needs the same leading model axis "
-                                     f"B = {self._batch}, got a parameter of shape {tuple(p.shape)}")
+                    raise ValueError(
+                        f"{type(self).__name__}: every parameter needs the same leading model axis "
+                        f"B = {self._batch}, got a parameter of shape {tuple(p.shape)}"
+                    )
             for name in self.per_model:
                 group[name] = self._normalize(name, group[name])
         except Exception:
@@ -190,8 +216,10 @@ class BatchOptimizer(torch.optim.Optimizer):
         if name == "betas":
             if not isinstance(value, (tuple, list)) or len(value) != 2:
                 raise ValueError(f"betas: expected a pair (beta1, beta2), each a number or {self.batch} numbers")
-            betas = (per_model_values(value[0], self.batch, "betas[0]"),
-                     per_model_values(value[1], self.batch, "betas[1]"))
+            betas = (
+                per_model_values(value[0], self.batch, "betas[0]"),
+                per_model_values(value[1], self.batch, "betas[1]"),
+            )
             self._validate("betas", betas)
             return betas
         values = per_model_values(value, self.batch, name)
@@ -227,8 +255,10 @@ class BatchOptimizer(torch.optim.Optimizer):
                 g["betas"] = self._normalize("betas", tuple(betas))
             return
         if name not in self.per_model:
-            raise KeyError(f"{type(self).__name__} has no per-model hyperparameter {name!r}; "
-                           f"expected one of {list(self.per_model)}")
+            raise KeyError(
+                f"{type(self).__name__} has no per-model hyperparameter {name!r}; "
+                f"expected one of {list(self.per_model)}"
+            )
         for g in groups:
             g[name] = self._normalize(name, value)
 
@@ -249,8 +279,9 @@ class BatchOptimizer(torch.optim.Optimizer):
                 continue
             if isinstance(value, Tensor) and value.shape == (batch,):
                 names.append(key)
-            elif isinstance(value, tuple) and value and all(isinstance(v, Tensor) and v.shape == (batch,)
-                                                             for v in value):
+            elif (
+                isinstance(value, tuple) and value and all(isinstance(v, Tensor) and v.shape == (batch,) for v in value)
+            ):
                 names.append(key)
         return names
 
@@ -278,8 +309,9 @@ class BatchOptimizer(torch.optim.Optimizer):
                         state[key] = value[index.to(value.device)]
         self._batch = int(index.numel())
 
-    def load_model_state(self, dst: Any, source: BatchOptimizer | None = None, src: Any = None, *,
-                         hyperparameters: bool = True) -> None:
+    def load_model_state(
+        self, dst: Any, source: BatchOptimizer | None = None, src: Any = None, *, hyperparameters: bool = True
+    ) -> None:
         """Copy models' optimizer state into other slots (population-based training's exploit step).
 
         Args:
@@ -300,8 +332,10 @@ class BatchOptimizer(torch.optim.Optimizer):
         dst_index = _as_index([dst] if isinstance(dst, int) else dst, self.batch, "dst")
         src_index = _as_index([src] if isinstance(src, int) else src, source.batch, "src")
         if dst_index.numel() != src_index.numel():
-            raise ValueError(f"load_model_state: dst and src must name as many models, got {dst_index.numel()} "
-                             f"and {src_index.numel()}")
+            raise ValueError(
+                f"load_model_state: dst and src must name as many models, got {dst_index.numel()} "
+                f"and {src_index.numel()}"
+            )
         if len(source.param_groups) != len(self.param_groups):
             raise ValueError("load_model_state: source has a different number of parameter groups")
         for group, src_group in zip(self.param_groups, source.param_groups):
@@ -309,8 +343,9 @@ class BatchOptimizer(torch.optim.Optimizer):
                 raise ValueError("load_model_state: source groups hold a different number of parameters")
             for p, q in zip(group["params"], src_group["params"]):
                 if p.shape[1:] != q.shape[1:]:
-                    raise ValueError(f"load_model_state: parameter shapes differ: {tuple(p.shape)} and "
-                                     f"{tuple(q.shape)}")
+                    raise ValueError(
+                        f"load_model_state: parameter shapes differ: {tuple(p.shape)} and {tuple(q.shape)}"
+                    )
         # Read everything first so that self-copies between overlapping slots see the old values.
         copies = []
         for group, src_group in zip(self.param_groups, source.param_groups):
@@ -343,9 +378,11 @@ class BatchOptimizer(torch.optim.Optimizer):
     def _ensure_state(self, p: Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]
         if p.shape[0] != self.batch:
-            raise ValueError(f"{type(self).__name__}: a parameter has shape {tuple(p.shape)} but the optimizer "
-                             f"holds B = {self.batch} models; call optimizer.select(keep) with the same keep "
-                             "as BatchModule.select(keep)")
+            raise ValueError(
+                f"{type(self).__name__}: a parameter has shape {tuple(p.shape)} but the optimizer "
+                f"holds B = {self.batch} models; call optimizer.select(keep) with the same keep "
+                "as BatchModule.select(keep)"
+            )
         if "step" not in state:
             state["step"] = torch.zeros(self.batch, dtype=torch.float64)
         self._init_state(p, group, state)
@@ -373,8 +410,10 @@ class BatchOptimizer(torch.optim.Optimizer):
                 group[name] = self._normalize(name, group[name])
             for p in group["params"]:
                 if p.shape[0] != self.batch:
-                    raise ValueError(f"load_state_dict: the state holds B = {self.batch} models but a parameter has "
-                                     f"shape {tuple(p.shape)}")
+                    raise ValueError(
+                        f"load_state_dict: the state holds B = {self.batch} models but a parameter has "
+                        f"shape {tuple(p.shape)}"
+                    )
         for state in self.state.values():
             for key in self.cpu_state:
                 if key in state:
@@ -451,14 +490,18 @@ class BatchOptimizer(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 if p.shape[0] != self.batch:
-                    raise ValueError(f"{type(self).__name__}: a parameter has shape {tuple(p.shape)} but the optimizer "
-                                     f"holds B = {self.batch} models; call optimizer.select(keep) with the same keep "
-                                     "as BatchModule.select(keep)")
+                    raise ValueError(
+                        f"{type(self).__name__}: a parameter has shape {tuple(p.shape)} but the optimizer "
+                        f"holds B = {self.batch} models; call optimizer.select(keep) with the same keep "
+                        "as BatchModule.select(keep)"
+                    )
                 if p.grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
                 if p.grad.shape != p.shape:
-                    raise ValueError(f"{type(self).__name__}: gradient of shape {tuple(p.grad.shape)} for a parameter "
-                                     f"of shape {tuple(p.shape)}")
+                    raise ValueError(
+                        f"{type(self).__name__}: gradient of shape {tuple(p.grad.shape)} for a parameter "
+                        f"of shape {tuple(p.shape)}"
+                    )
                 params.append(p)
                 grads.append(p.grad)
                 states.append(self._ensure_state(p, group))
@@ -482,8 +525,15 @@ class BatchOptimizer(torch.optim.Optimizer):
                     t.index_copy_(0, idx, rows)
         return loss
 
-    def _step_group(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
-                    states: list[dict[str, Any]], counts: list[Tensor], skip_mask: Tensor | None) -> None:
+    def _step_group(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        states: list[dict[str, Any]],
+        counts: list[Tensor],
+        skip_mask: Tensor | None,
+    ) -> None:
         raise NotImplementedError
 
 
@@ -498,8 +548,9 @@ def per_count(counts: list[Tensor], fn: Callable[[Tensor], Any]) -> list[Any]:
     return out
 
 
-def prepare_grads(params: list[Tensor], grads: list[Tensor], maximize: bool, weight_decay: Tensor,
-                  coefs: dict[str, list[Tensor]]) -> list[Tensor]:
+def prepare_grads(
+    params: list[Tensor], grads: list[Tensor], maximize: bool, weight_decay: Tensor, coefs: dict[str, list[Tensor]]
+) -> list[Tensor]:
     """``-grad`` when maximizing, plus L2 weight decay (when any model has some), without touching ``.grad``."""
     if maximize:
         grads = list(torch._foreach_neg(grads))

@@ -242,33 +242,63 @@ def _ptr(t: Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def sgd_step(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor] | None, coefs: dict[str, list[Tensor]],
-             maximize: bool, weight_decay: bool, nesterov: bool) -> None:
+def sgd_step(
+    params: list[Tensor],
+    grads: list[Tensor],
+    bufs: list[Tensor] | None,
+    coefs: dict[str, list[Tensor]],
+    maximize: bool,
+    weight_decay: bool,
+    nesterov: bool,
+) -> None:
     """One fused SGD step per parameter tensor (coefficients: ``(B, 1, ...)`` float32 device views)."""
-    flags = (1 if maximize else 0) | (2 if weight_decay else 0) | (4 if bufs is not None else 0) | (
-        8 if nesterov else 0)
+    flags = (
+        (1 if maximize else 0) | (2 if weight_decay else 0) | (4 if bufs is not None else 0) | (8 if nesterov else 0)
+    )
     for i, (p, g) in enumerate(zip(params, grads)):
         buf = bufs[i] if bufs is not None else None
-        pointers = [p.data_ptr(), g.data_ptr(), _ptr(buf) if buf is not None else p.data_ptr(),
-                    coefs["neg_lr"][i].data_ptr(), coefs["weight_decay"][i].data_ptr(),
-                    coefs["mom"][i].data_ptr() if bufs is not None else 0,
-                    coefs["damp"][i].data_ptr() if bufs is not None else 0,
-                    coefs["momentum"][i].data_ptr() if bufs is not None else 0]
+        pointers = [
+            p.data_ptr(),
+            g.data_ptr(),
+            _ptr(buf) if buf is not None else p.data_ptr(),
+            coefs["neg_lr"][i].data_ptr(),
+            coefs["weight_decay"][i].data_ptr(),
+            coefs["mom"][i].data_ptr() if bufs is not None else 0,
+            coefs["damp"][i].data_ptr() if bufs is not None else 0,
+            coefs["momentum"][i].data_ptr() if bufs is not None else 0,
+        ]
         _launch("torchmb_sgd", p, pointers, p.numel() // p.shape[0], flags)
 
 
-def adam_step(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
-              max_exp_avg_sqs: list[Tensor] | None, coefs: dict[str, list[Tensor]], maximize: bool,
-              l2: bool, decoupled: bool) -> None:
+def adam_step(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    max_exp_avg_sqs: list[Tensor] | None,
+    coefs: dict[str, list[Tensor]],
+    maximize: bool,
+    l2: bool,
+    decoupled: bool,
+) -> None:
     """One fused Adam/AdamW step per parameter tensor."""
     amsgrad = max_exp_avg_sqs is not None
     flags = (1 if maximize else 0) | (2 if l2 else 0) | (4 if decoupled else 0) | (8 if amsgrad else 0)
     for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
         vmax = max_exp_avg_sqs[i] if max_exp_avg_sqs is not None else v
-        pointers = [p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), vmax.data_ptr(),
-                    coefs["one_minus_beta1"][i].data_ptr(), coefs["beta2"][i].data_ptr(),
-                    coefs["one_minus_beta2"][i].data_ptr(), coefs["neg_step_size"][i].data_ptr(),
-                    coefs["bc2_sqrt"][i].data_ptr(), coefs["eps"][i].data_ptr(),
-                    coefs["weight_decay"][i].data_ptr() if l2 else 0,
-                    coefs["decay"][i].data_ptr() if decoupled else 0]
+        pointers = [
+            p.data_ptr(),
+            g.data_ptr(),
+            m.data_ptr(),
+            v.data_ptr(),
+            vmax.data_ptr(),
+            coefs["one_minus_beta1"][i].data_ptr(),
+            coefs["beta2"][i].data_ptr(),
+            coefs["one_minus_beta2"][i].data_ptr(),
+            coefs["neg_step_size"][i].data_ptr(),
+            coefs["bc2_sqrt"][i].data_ptr(),
+            coefs["eps"][i].data_ptr(),
+            coefs["weight_decay"][i].data_ptr() if l2 else 0,
+            coefs["decay"][i].data_ptr() if decoupled else 0,
+        ]
         _launch("torchmb_adam", p, pointers, p.numel() // p.shape[0], flags)

@@ -58,11 +58,26 @@ class SGD(BatchOptimizer):
     per_model = ("lr", "momentum", "dampening", "weight_decay")
     cpu_state = ("step", "momentum_started")
 
-    def __init__(self, params: Params, lr: Any = 1e-3, momentum: Any = 0.0, dampening: Any = 0.0,
-                 weight_decay: Any = 0.0, nesterov: bool = False, *, maximize: bool = False,
-                 fused: bool | None = None) -> None:
-        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                        nesterov=nesterov, maximize=maximize)
+    def __init__(
+        self,
+        params: Params,
+        lr: Any = 1e-3,
+        momentum: Any = 0.0,
+        dampening: Any = 0.0,
+        weight_decay: Any = 0.0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        fused: bool | None = None,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            maximize=maximize,
+        )
         super().__init__(params, defaults, fused=fused)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -147,9 +162,18 @@ class Adam(BatchOptimizer):
     cpu_state = ("step",)
     decoupled_weight_decay = False
 
-    def __init__(self, params: Params, lr: Any = 1e-3, betas: tuple[Any, Any] = (0.9, 0.999), eps: Any = 1e-8,
-                 weight_decay: Any = 0.0, amsgrad: bool = False, *, maximize: bool = False,
-                 fused: bool | None = None) -> None:
+    def __init__(
+        self,
+        params: Params,
+        lr: Any = 1e-3,
+        betas: tuple[Any, Any] = (0.9, 0.999),
+        eps: Any = 1e-8,
+        weight_decay: Any = 0.0,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        fused: bool | None = None,
+    ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
         super().__init__(params, defaults, fused=fused)
 
@@ -217,7 +241,6 @@ class Adam(BatchOptimizer):
         with frozen_rows(params, zero_rows(step_size)):
             torch._foreach_addcdiv_(params, exp_avgs, denom)
 
-
     def _fused_step(self, group, params, grads, exp_avgs, exp_avg_sqs, max_sqs, counts) -> None:
         """torch's plain single-tensor Adam per element, one kernel per parameter tensor."""
         from ._fused import adam_step
@@ -227,8 +250,12 @@ class Adam(BatchOptimizer):
         beta1, beta2 = group["betas"]
         per = per_count(counts, lambda c: (-(lr / (1 - beta1**c)), (1 - beta2**c) ** 0.5))
         values: dict[str, list[Tensor]] = {
-            "one_minus_beta1": [1 - beta1] * n, "beta2": [beta2] * n, "one_minus_beta2": [1 - beta2] * n,
-            "neg_step_size": [c[0] for c in per], "bc2_sqrt": [c[1] for c in per], "eps": [eps] * n,
+            "one_minus_beta1": [1 - beta1] * n,
+            "beta2": [beta2] * n,
+            "one_minus_beta2": [1 - beta2] * n,
+            "neg_step_size": [c[0] for c in per],
+            "bc2_sqrt": [c[1] for c in per],
+            "eps": [eps] * n,
         }
         decoupled = self.decoupled_weight_decay and bool((wd != 0).any())
         l2 = not self.decoupled_weight_decay and bool((wd != 0).any())
@@ -253,11 +280,28 @@ class AdamW(Adam):
 
     decoupled_weight_decay = True
 
-    def __init__(self, params: Params, lr: Any = 1e-3, betas: tuple[Any, Any] = (0.9, 0.999), eps: Any = 1e-8,
-                 weight_decay: Any = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
-                 fused: bool | None = None) -> None:
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                         maximize=maximize, fused=fused)
+    def __init__(
+        self,
+        params: Params,
+        lr: Any = 1e-3,
+        betas: tuple[Any, Any] = (0.9, 0.999),
+        eps: Any = 1e-8,
+        weight_decay: Any = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        fused: bool | None = None,
+    ) -> None:
+        super().__init__(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            fused=fused,
+        )
 
 
 class RMSprop(BatchOptimizer):
@@ -273,10 +317,27 @@ class RMSprop(BatchOptimizer):
 
     per_model = ("lr", "alpha", "eps", "weight_decay", "momentum")
 
-    def __init__(self, params: Params, lr: Any = 1e-2, alpha: Any = 0.99, eps: Any = 1e-8, weight_decay: Any = 0.0,
-                 momentum: Any = 0.0, centered: bool = False, *, maximize: bool = False) -> None:
-        defaults = dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
-                        centered=centered, maximize=maximize)
+    def __init__(
+        self,
+        params: Params,
+        lr: Any = 1e-2,
+        alpha: Any = 0.99,
+        eps: Any = 1e-8,
+        weight_decay: Any = 0.0,
+        momentum: Any = 0.0,
+        centered: bool = False,
+        *,
+        maximize: bool = False,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            alpha=alpha,
+            eps=eps,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            centered=centered,
+            maximize=maximize,
+        )
         super().__init__(params, defaults)
 
     def _validate(self, name: str, values: Any) -> None:
@@ -297,8 +358,11 @@ class RMSprop(BatchOptimizer):
         n = len(params)
         lr, alpha, eps, wd = group["lr"], group["alpha"], group["eps"], group["weight_decay"]
         has_buffers = "momentum_buffer" in states[0]
-        values: dict[str, list[Tensor]] = {"one_minus_alpha": [1 - alpha] * n, "eps": [eps] * n,
-                                           "weight_decay": [wd] * n}
+        values: dict[str, list[Tensor]] = {
+            "one_minus_alpha": [1 - alpha] * n,
+            "eps": [eps] * n,
+            "weight_decay": [wd] * n,
+        }
         if has_buffers:
             values["momentum"] = [group["momentum"]] * n
             values["neg_lr"] = [-lr] * n
@@ -340,10 +404,25 @@ class Adagrad(BatchOptimizer):
 
     per_model = ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps")
 
-    def __init__(self, params: Params, lr: Any = 1e-2, lr_decay: Any = 0.0, weight_decay: Any = 0.0,
-                 initial_accumulator_value: Any = 0.0, eps: Any = 1e-10, *, maximize: bool = False) -> None:
-        defaults = dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
-                        initial_accumulator_value=initial_accumulator_value, eps=eps, maximize=maximize)
+    def __init__(
+        self,
+        params: Params,
+        lr: Any = 1e-2,
+        lr_decay: Any = 0.0,
+        weight_decay: Any = 0.0,
+        initial_accumulator_value: Any = 0.0,
+        eps: Any = 1e-10,
+        *,
+        maximize: bool = False,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            lr_decay=lr_decay,
+            weight_decay=weight_decay,
+            initial_accumulator_value=initial_accumulator_value,
+            eps=eps,
+            maximize=maximize,
+        )
         super().__init__(params, defaults)
 
     def _init_group_state(self, group: dict[str, Any]) -> None:
@@ -364,8 +443,11 @@ class Adagrad(BatchOptimizer):
         lr, lr_decay, eps, wd = group["lr"], group["lr_decay"], group["eps"], group["weight_decay"]
         clr = per_count(counts, lambda c: lr / (1 + (c - 1) * lr_decay))
         # p += g / (std / -clr); a model with clr 0 folds in -1 and gets its weights restored
-        values: dict[str, list[Tensor]] = {"eps": [eps] * n, "weight_decay": [wd] * n,
-                                           "neg_clr": per_count(clr, lambda c: torch.where(c == 0, -1.0, -c))}
+        values: dict[str, list[Tensor]] = {
+            "eps": [eps] * n,
+            "weight_decay": [wd] * n,
+            "neg_clr": per_count(clr, lambda c: torch.where(c == 0, -1.0, -c)),
+        }
         coefs = self._coefficients(params, values)
         grads = prepare_grads(params, grads, group["maximize"], wd, coefs)
         sums = [s["sum"] for s in states]
