@@ -98,8 +98,7 @@ def _raise_bad_now(idx: Tensor, num: int | Tensor) -> None:
         value = int(idx.reshape(-1)[pos])
         size = int(nums.expand_as(idx).reshape(-1)[pos]) if isinstance(num, Tensor) else num
         raise IndexError(
-            f"index {value} is out of range for an embedding table of {size} rows (valid indices are "
-            f"0..{size - 1})"
+            f"index {value} is out of range for an embedding table of {size} rows (valid indices are 0..{size - 1})"
         )
 
 
@@ -309,11 +308,15 @@ class Embedding(AbstractBatchModule):
         **offload_options,
     ) -> None:
         if offload:
-            raise TypeError(f"{type(self).__name__} does not support offload=True (only batch_layers.Embedding "
-                            "itself builds an offloaded layer)")
+            raise TypeError(
+                f"{type(self).__name__} does not support offload=True (only batch_layers.Embedding "
+                "itself builds an offloaded layer)"
+            )
         if offload_options:
-            raise TypeError(f"Embedding got unexpected keyword arguments {sorted(offload_options)} (cache_rows, "
-                            "cache_bytes, pin and engine apply only with offload=True)")
+            raise TypeError(
+                f"Embedding got unexpected keyword arguments {sorted(offload_options)} (cache_rows, "
+                "cache_bytes, pin and engine apply only with offload=True)"
+            )
         super().__init__(batch)
         if sparse:
             raise ValueError(_SPARSE_MSG)
@@ -333,8 +336,10 @@ class Embedding(AbstractBatchModule):
         else:
             expected = (batch, num_embeddings, embedding_dim)
             if tuple(_weight.shape) != expected:
-                raise ValueError(f"_weight must have shape (batch, num_embeddings, embedding_dim) = {expected}, "
-                                 f"got {tuple(_weight.shape)}")
+                raise ValueError(
+                    f"_weight must have shape (batch, num_embeddings, embedding_dim) = {expected}, "
+                    f"got {tuple(_weight.shape)}"
+                )
             self.weight = nn.Parameter(_weight, requires_grad=not _freeze)
 
     def reset_parameters(self) -> None:
@@ -361,14 +366,22 @@ class Embedding(AbstractBatchModule):
 
             return OffloadedBatchEmbedding.from_module(module, batch, **offload_options)
         if offload_options:
-            raise TypeError(f"from_module got unexpected keyword arguments {sorted(offload_options)} (they apply "
-                            "only with offload=True)")
+            raise TypeError(
+                f"from_module got unexpected keyword arguments {sorted(offload_options)} (they apply "
+                "only with offload=True)"
+            )
         if module.sparse:
             raise ValueError(_SPARSE_MSG)
         return cls(
-            module.num_embeddings, module.embedding_dim, module.padding_idx, module.max_norm, module.norm_type,
-            module.scale_grad_by_freq, _weight=stack_copies(module.weight, batch),
-            _freeze=not module.weight.requires_grad, batch=batch,
+            module.num_embeddings,
+            module.embedding_dim,
+            module.padding_idx,
+            module.max_norm,
+            module.norm_type,
+            module.scale_grad_by_freq,
+            _weight=stack_copies(module.weight, batch),
+            _freeze=not module.weight.requires_grad,
+            batch=batch,
         )
 
     @classmethod
@@ -394,15 +407,32 @@ class Embedding(AbstractBatchModule):
         elif batch is not None and batch != embeddings.shape[0]:
             raise ValueError(f"batch={batch} disagrees with embeddings of shape {tuple(embeddings.shape)}")
         b, num, dim = embeddings.shape
-        return cls(num, dim, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse,
-                   _weight=embeddings, _freeze=freeze, batch=b)
+        return cls(
+            num,
+            dim,
+            padding_idx,
+            max_norm,
+            norm_type,
+            scale_grad_by_freq,
+            sparse,
+            _weight=embeddings,
+            _freeze=freeze,
+            batch=b,
+        )
 
     def forward(self, input: Tensor) -> Tensor:
         shared = self.is_shared(input)
         if not shared and input.dim():
-            self.check_merged(input)
+            dim = self.merged_dim(input, feature_dims=0)
+            if dim:  # sequence-first token ids, (seq, B*n): look up with the model axis in front
+                return self.forward(input.movedim(dim, 0)).movedim(0, dim)
         return batched_embedding(
-            input, self.weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq,
+            input,
+            self.weight,
+            self.padding_idx,
+            self.max_norm,
+            self.norm_type,
+            self.scale_grad_by_freq,
             shared=shared,
         )
 
@@ -537,9 +567,16 @@ class EmbeddingBag(AbstractBatchModule):
         if module.sparse:
             raise ValueError(_SPARSE_MSG)
         layer = cls(
-            module.num_embeddings, module.embedding_dim, module.max_norm, module.norm_type,
-            module.scale_grad_by_freq, module.mode, _weight=stack_copies(module.weight, batch),
-            include_last_offset=module.include_last_offset, padding_idx=module.padding_idx, batch=batch,
+            module.num_embeddings,
+            module.embedding_dim,
+            module.max_norm,
+            module.norm_type,
+            module.scale_grad_by_freq,
+            module.mode,
+            _weight=stack_copies(module.weight, batch),
+            include_last_offset=module.include_last_offset,
+            padding_idx=module.padding_idx,
+            batch=batch,
         )
         layer.weight.requires_grad_(module.weight.requires_grad)
         return layer
@@ -567,8 +604,19 @@ class EmbeddingBag(AbstractBatchModule):
         elif embeddings.dim() != 3:
             raise ValueError(f"embeddings must be (B, num, dim) or (num, dim), got {tuple(embeddings.shape)}")
         b, num, dim = embeddings.shape
-        layer = cls(num, dim, max_norm, norm_type, scale_grad_by_freq, mode, sparse, embeddings,
-                    include_last_offset, padding_idx, batch=b)
+        layer = cls(
+            num,
+            dim,
+            max_norm,
+            norm_type,
+            scale_grad_by_freq,
+            mode,
+            sparse,
+            embeddings,
+            include_last_offset,
+            padding_idx,
+            batch=b,
+        )
         layer.weight.requires_grad_(not freeze)
         return layer
 
@@ -581,8 +629,10 @@ class EmbeddingBag(AbstractBatchModule):
                     f"per_sample_weights is only supported for mode='sum' (as in torch), got mode={self.mode!r}"
                 )
             if per_sample_weights.shape != input.shape:
-                raise ValueError(f"per_sample_weights must have the input's shape {tuple(input.shape)}, "
-                                 f"got {tuple(per_sample_weights.shape)}")
+                raise ValueError(
+                    f"per_sample_weights must have the input's shape {tuple(input.shape)}, "
+                    f"got {tuple(per_sample_weights.shape)}"
+                )
         shared = self.is_shared(input)
         if input.dim() == 2:
             if offsets is not None:
@@ -603,8 +653,10 @@ class EmbeddingBag(AbstractBatchModule):
             _check_index_tensor(offsets, self.weight, "offsets")
             groups = 1 if shared else B
             if input.numel() % groups or offsets.numel() % groups:
-                raise ValueError(f"expected B = {B} models' indices and offsets, got input {tuple(input.shape)} "
-                                 f"and offsets {tuple(offsets.shape)}")
+                raise ValueError(
+                    f"expected B = {B} models' indices and offsets, got input {tuple(input.shape)} "
+                    f"and offsets {tuple(offsets.shape)}"
+                )
             per = input.numel() // groups
             starts = offsets.long().view(groups, -1)
             if self.include_last_offset:
@@ -623,7 +675,12 @@ class EmbeddingBag(AbstractBatchModule):
             raise ValueError(f"input must be 1-D (with offsets) or 2-D (B*n, L), got shape {tuple(input.shape)}")
 
         rows = batched_embedding(
-            input.reshape(-1), self.weight, None, self.max_norm, self.norm_type, self.scale_grad_by_freq,
+            input.reshape(-1),
+            self.weight,
+            None,
+            self.max_norm,
+            self.norm_type,
+            self.scale_grad_by_freq,
             shared=shared,
         )  # (B*per, dim), models-major
         dim = self.embedding_dim
@@ -653,7 +710,8 @@ class EmbeddingBag(AbstractBatchModule):
                 out = out.index_add(0, target, src)
             if self.mode == "mean":
                 count = torch.zeros(out_rows, dtype=rows.dtype, device=rows.device).index_add(
-                    0, target, keep.to(rows.dtype))
+                    0, target, keep.to(rows.dtype)
+                )
                 out = out / count.clamp(min=1).unsqueeze(1)
         return out[:nbags]
 
@@ -774,7 +832,7 @@ class MultiEmbedding(nn.Module):
         """The ``(B, num_t, dim_t)`` view of table ``t`` inside ``weight`` (shares its memory)."""
         n, d = self.num_embeddings[t], self.embedding_dims[t]
         start = sum(a * b for a, b in zip(self.num_embeddings[:t], self.embedding_dims[:t]))
-        return self.weight[:, start:start + n * d].view(self.weight.shape[0], n, d)
+        return self.weight[:, start : start + n * d].view(self.weight.shape[0], n, d)
 
     def reset_parameters(self) -> None:
         """Every table from N(0, 1), as ``nn.Embedding``."""
@@ -785,19 +843,30 @@ class MultiEmbedding(nn.Module):
         """One MultiEmbedding holding copies of ``modules``' tables (``batch`` copies of each)."""
         for m in modules:
             if m.padding_idx is not None or m.max_norm is not None or m.scale_grad_by_freq or m.sparse:
-                raise ValueError("MultiEmbedding supports plain tables only (no padding_idx, max_norm, "
-                                 "scale_grad_by_freq or sparse)")
+                raise ValueError(
+                    "MultiEmbedding supports plain tables only (no padding_idx, max_norm, scale_grad_by_freq or sparse)"
+                )
         w = modules[0].weight
-        layer = cls([m.num_embeddings for m in modules], [m.embedding_dim for m in modules], batch=batch,
-                    device=w.device, dtype=w.dtype)
+        layer = cls(
+            [m.num_embeddings for m in modules],
+            [m.embedding_dim for m in modules],
+            batch=batch,
+            device=w.device,
+            dtype=w.dtype,
+        )
         with torch.no_grad():
             for t, m in enumerate(modules):
                 layer.table(t).copy_(stack_copies(m.weight, batch))
         return layer
 
     def _meta(self) -> dict[str, Tensor]:
-        return {"rows": self.rows, "woff": self.woff, "dims": self.dims, "col_start": self.col_start,
-                "col_table": self.col_table}
+        return {
+            "rows": self.rows,
+            "woff": self.woff,
+            "dims": self.dims,
+            "col_start": self.col_start,
+            "col_table": self.col_table,
+        }
 
     def forward(self, input: Tensor) -> Tensor:
         T = len(self.num_embeddings)

@@ -179,6 +179,25 @@ class SeqFirstEncoder(nn.Module):
         return self.layer(x.transpose(0, 1)).transpose(0, 1)
 
 
+class SeqFirstLM(nn.Module):
+    """Token ids arrive (n, seq) and are turned sequence-first, as older language-model code does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 8)
+        self.out = nn.Linear(8, 11)
+
+    def forward(self, tokens):
+        return self.out(self.embed(tokens.t())).transpose(0, 1)
+
+
+def test_sequence_first_token_ids() -> None:
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 11, (3, 2, 5))
+    assert_equivalent(SeqFirstLM, 3, tokens)
+    assert_isolated(BatchModule(SeqFirstLM(), 3, init="independent", seed=0), tokens)
+
+
 @pytest.mark.parametrize("seq", [5, 6], ids=["seq-differs", "seq-equals-B*n"])
 def test_sequence_first_transformer_layer(seq: int) -> None:
     # B*n = 3*2 = 6: with seq == 6 the shapes cannot tell which dim holds the models; the converter
