@@ -101,7 +101,7 @@ def test_full_coverage_equals_b_dense_torch_models(device, name, cls, kw):
     opt = offload.attach(cls(emb.parameters(), **kw))
     train_offloaded(emb, opt, steps, device)
     for b in range(B):
-        torch.testing.assert_close(emb.table_of(b), refs[b].weight.detach(), msg=f"model {b}")
+        torch.testing.assert_close(emb.table_of(b), refs[b].weight.detach(), msg=lambda m, b=b: f"model {b}: {m}")
         ref_state = ref_opts[b].state[refs[b].weight]
         for k in emb.state_tables:
             torch.testing.assert_close(state_of(emb, k)[b], ref_state[k], msg=f"model {b} state {k}")
@@ -133,7 +133,7 @@ def test_partial_coverage_equals_b_dense_torch_models(device, name, cls, kw, emb
         for idx, _ in steps:
             touched[idx[b].reshape(-1)] = True
         assert not touched.all()
-        torch.testing.assert_close(emb.table_of(b), refs[b].weight.detach(), msg=f"model {b}")
+        torch.testing.assert_close(emb.table_of(b), refs[b].weight.detach(), msg=lambda m, b=b: f"model {b}: {m}")
         assert torch.equal(emb.table_of(b)[~touched], w0[b][~touched])
         for k in emb.state_tables:
             torch.testing.assert_close(state_of(emb, k)[b], ref_opts[b].state[refs[b].weight][k])
