@@ -79,7 +79,7 @@ def main() -> None:
         device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         with open(args.json, "w") as f:
             json.dump({"device": device_name, "torch": torch.__version__, "rows": rows}, f, indent=1)
-    if world > 1:
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 
