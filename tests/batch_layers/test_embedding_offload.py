@@ -69,7 +69,7 @@ def init_tables(seed: int = 1) -> torch.Tensor:
 
 
 def train_reference(w0, cls, kw, steps, sparse=False, device="cpu", **emb_kw):
-    refs = [nn.Embedding(N, D, sparse=sparse, _weight=w0[b].clone(), device=device, **emb_kw) for b in range(B)]
+    refs = [nn.Embedding(N, D, sparse=sparse, _weight=w0[b].clone().to(device), **emb_kw) for b in range(B)]
     opts = [cls(r.parameters(), **kw) for r in refs]
     for idx, target in steps:
         for b in range(B):
