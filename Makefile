@@ -20,7 +20,8 @@ demo: $(BIN)/.installed
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .
 
-test: lint
+# The docs build (warnings as errors) is part of the tests, so API pages cannot rot.
+test: lint docs
 	$(BIN)/python -m pytest
 
 docs: $(BIN)/.installed

@@ -95,9 +95,10 @@ class OffloadedBatchEmbedding(Embedding):
     ``optimizer.step()`` the updated rows and their optimizer state go back to the host.
 
     Args:
-        num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq, _freeze, batch,
-            device, dtype: as for :class:`batch_layers.Embedding` (per model). ``device`` is the compute
-            device (the working rows'); ``.to()`` moves it, the tables stay in host memory.
+        num_embeddings, embedding_dim, padding_idx, max_norm, norm_type: as for
+            :class:`batch_layers.Embedding` (per model).
+        scale_grad_by_freq, _freeze, batch, device, dtype: likewise. ``device`` is the compute device (the
+            working rows'); ``.to()`` moves it, the tables stay in host memory.
         sparse: must be ``False`` (gradients already cover only the step's rows).
         _weight: initial ``(batch, num_embeddings, embedding_dim)`` tables, copied into host memory.
         offload: must be ``True`` (the flag that selects this class).
@@ -114,7 +115,9 @@ class OffloadedBatchEmbedding(Embedding):
     Shape:
         - Input: ``(B*n, *)`` int64/int32 indices with the model axis merged into dim 0.
         - Output: ``(B*n, *, embedding_dim)``.
+
     {shared}
+
     ``weight.no_model_axis`` is ``True``: the working parameter has no leading model axis, so per-model
     tools (``torchmb.clip``, ``torchmb.optim``) must not be given it.
 
