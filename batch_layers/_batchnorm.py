@@ -8,19 +8,14 @@ from torch import Tensor, nn
 
 from ._base import AbstractBatchModule, stack_copies
 
-__all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d"]
+__all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d"]  # and _NormBase, shared with instance norm
 
 
-class _BatchNorm(AbstractBatchModule):
-    """``batch`` independent batch norms, each with its own statistics, affine weights and running stats.
-
-    Model ``b``'s channels become channels ``b*C .. b*C + C-1`` of one batch norm over ``(n, B*C, ...)``,
-    so the statistics of a model only ever mix that model's samples. Running statistics are per model:
-    ``running_mean`` / ``running_var`` are ``(B, C)`` and ``num_batches_tracked`` is ``(B,)``.
-    """
+class _NormBase(AbstractBatchModule):
+    """What batch and instance norms share (torch's ``_NormBase``): per-model affine weights ``(B, C)``,
+    running statistics ``(B, C)`` and ``num_batches_tracked`` ``(B,)``, their reset and ``from_module``."""
 
     merged_order = "models"
-    expected_dims: ClassVar[tuple[int, ...]]
 
     def __init__(
         self,
@@ -72,7 +67,7 @@ class _BatchNorm(AbstractBatchModule):
             nn.init.zeros_(self.bias)
 
     @classmethod
-    def from_module(cls, module: nn.Module, batch: int) -> _BatchNorm:
+    def from_module(cls, module: nn.Module, batch: int) -> _NormBase:
         reference = module.weight if module.affine else module.running_mean
         layer = cls(
             module.num_features,
@@ -90,6 +85,17 @@ class _BatchNorm(AbstractBatchModule):
                 if source is not None:
                     getattr(layer, name).copy_(stack_copies(source, batch))
         return layer
+
+
+class _BatchNorm(_NormBase):
+    """``batch`` independent batch norms, each with its own statistics, affine weights and running stats.
+
+    Model ``b``'s channels become channels ``b*C .. b*C + C-1`` of one batch norm over ``(n, B*C, ...)``,
+    so the statistics of a model only ever mix that model's samples. Running statistics are per model:
+    ``running_mean`` / ``running_var`` are ``(B, C)`` and ``num_batches_tracked`` is ``(B,)``.
+    """
+
+    expected_dims: ClassVar[tuple[int, ...]]
 
     def _check_input_dim(self, x: Tensor) -> None:
         if x.dim() not in self.expected_dims:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._base import AbstractBatchModule, stack_copies
+from ._batchnorm import _NormBase
 
 __all__ = ["GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LayerNorm", "RMSNorm"]
 
@@ -153,8 +154,7 @@ class LayerNorm(_AffineNorm):
 
     def extra_repr(self) -> str:
         return (
-            f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
-            f"batch={self.batch}"
+            f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, batch={self.batch}"
         )
 
 
@@ -182,9 +182,7 @@ class RMSNorm(LayerNorm):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__(
-            normalized_shape, eps, elementwise_affine, bias=False, batch=batch, device=device, dtype=dtype
-        )
+        super().__init__(normalized_shape, eps, elementwise_affine, bias=False, batch=batch, device=device, dtype=dtype)
 
     @classmethod
     def from_module(cls, module: nn.Module, batch: int) -> RMSNorm:
@@ -279,7 +277,7 @@ class GroupNorm(_AffineNorm):
         return f"{nn.GroupNorm.extra_repr(self)}, batch={self.batch}"
 
 
-class _InstanceNorm(_AffineNorm):
+class _InstanceNorm(_NormBase, _AffineNorm):
     """``batch`` independent instance norms with per-model affine weights and running statistics.
 
     Instance statistics belong to one sample and channel, so the merged input is normalised as it is. In
@@ -305,58 +303,9 @@ class _InstanceNorm(_AffineNorm):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__(batch)
-        factory_kwargs = {"device": device, "dtype": dtype}
-        self.num_features = num_features
-        self.eps = eps
-        self.momentum = momentum
-        self.affine = affine
-        self.track_running_stats = track_running_stats
-        if affine:
-            self.weight = nn.Parameter(torch.empty(batch, num_features, **factory_kwargs))
-            self.bias = nn.Parameter(torch.empty(batch, num_features, **factory_kwargs))
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
-        if track_running_stats:
-            self.register_buffer("running_mean", torch.zeros(batch, num_features, **factory_kwargs))
-            self.register_buffer("running_var", torch.ones(batch, num_features, **factory_kwargs))
-            self.register_buffer(
-                "num_batches_tracked", torch.zeros(batch, dtype=torch.long, device=factory_kwargs["device"])
-            )
-        else:
-            self.register_buffer("running_mean", None)
-            self.register_buffer("running_var", None)
-            self.register_buffer("num_batches_tracked", None)
-        self.reset_parameters()
-
-    def reset_running_stats(self) -> None:
-        if self.track_running_stats:
-            self.running_mean.zero_()
-            self.running_var.fill_(1)
-            self.num_batches_tracked.zero_()
-
-    def reset_parameters(self) -> None:
-        self.reset_running_stats()
-        if self.affine:
-            nn.init.ones_(self.weight)
-            nn.init.zeros_(self.bias)
-
-    @classmethod
-    def from_module(cls, module: nn.Module, batch: int) -> _InstanceNorm:
-        reference = module.weight if module.affine else module.running_mean
-        layer = cls(
-            module.num_features,
-            module.eps,
-            module.momentum,
-            module.affine,
-            module.track_running_stats,
-            batch=batch,
-            device=None if reference is None else reference.device,
-            dtype=None if reference is None else reference.dtype,
+        super().__init__(
+            num_features, eps, momentum, affine, track_running_stats, batch=batch, device=device, dtype=dtype
         )
-        _copy_parameters(layer, module, batch)
-        return layer
 
     def _check_input(self, x: Tensor) -> None:
         if x.dim() != self.spatial_dims + 2:
