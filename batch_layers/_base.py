@@ -23,7 +23,14 @@ from typing import ClassVar, Literal
 import torch
 from torch import Tensor, nn
 
-__all__ = ["AbstractBatchModule", "ForwardContext", "current_forward", "forward_context"]
+__all__ = [
+    "AbstractBatchModule",
+    "ForwardContext",
+    "check_merged_rows",
+    "current_forward",
+    "forward_context",
+    "is_shared_input",
+]
 
 MergedOrder = Literal["models", "samples"]
 
@@ -61,6 +68,29 @@ def forward_context(context: ForwardContext) -> Iterator[ForwardContext]:
         _FORWARD.reset(token)
 
 
+def is_shared_input(x: Tensor, batch: int) -> bool:
+    """Whether ``x`` is the shared ``(n, ...)`` input of the shared-input forward in progress."""
+    context = current_forward()
+    if context is None or not context.shared or batch == 1:
+        return False
+    rows = x.shape[0] if x.dim() else 0
+    return rows % (batch * context.samples) != 0 and rows % context.samples == 0
+
+
+def check_merged_rows(x: Tensor, batch: int, owner: str, what: str = "input") -> None:
+    """Refuse a tensor whose dim 0 is not a multiple of ``B * n``, the merged model axis."""
+    context = current_forward()
+    rows = x.shape[0] if x.dim() else 0
+    step = batch * (context.samples if context is not None else 1)
+    if x.dim() == 0 or rows % step != 0:
+        where = f"B * n = {batch} * {context.samples}" if context is not None else f"B = {batch}"
+        raise ValueError(
+            f"{owner}: expected the {what}'s dim 0 to be a multiple of {where} (the merged model axis), got shape "
+            f"{tuple(x.shape)}; the model moved or reshaped the sample axis in a way that mixes models (check it "
+            "with torchmb.testing.assert_isolated)"
+        )
+
+
 class AbstractBatchModule(nn.Module):
     """Base class of batched layers: ``batch`` independent copies of ``base_class`` as one module.
 
@@ -94,24 +124,11 @@ class AbstractBatchModule(nn.Module):
 
     def is_shared(self, x: Tensor) -> bool:
         """Whether ``x`` is the shared ``(n, ...)`` input of a shared-input forward, not a merged tensor."""
-        context = current_forward()
-        if context is None or not context.shared or self.batch == 1:
-            return False
-        rows = x.shape[0] if x.dim() else 0
-        return rows % (self.batch * context.samples) != 0 and rows % context.samples == 0
+        return is_shared_input(x, self.batch)
 
     def check_merged(self, x: Tensor, what: str = "input") -> None:
         """Refuse a tensor whose dim 0 cannot hold B models' samples."""
-        context = current_forward()
-        rows = x.shape[0] if x.dim() else 0
-        step = self.batch * (context.samples if context is not None else 1)
-        if x.dim() == 0 or rows % step != 0:
-            where = f"B * n = {self.batch} * {context.samples}" if context is not None else f"B = {self.batch}"
-            raise ValueError(
-                f"{type(self).__name__}: expected the {what}'s dim 0 to be a multiple of {where} (the merged "
-                f"model axis), got shape {tuple(x.shape)}; the model moved or reshaped the sample axis in a way "
-                "that mixes models (check it with torchmb.testing.assert_isolated)"
-            )
+        check_merged_rows(x, self.batch, type(self).__name__, what)
 
     def merged_dim(self, x: Tensor, feature_dims: int = 1) -> int:
         """The dim of ``x`` holding the merged model axis, for layers that take any leading dims.

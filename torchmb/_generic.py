@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from batch_layers import current_forward
+from batch_layers._base import check_merged_rows, is_shared_input
 
 __all__ = ["batch_generically", "is_generic"]
 
@@ -78,21 +78,12 @@ def _make_forward(original_forward):
 
 def _vmapped_call(module: nn.Module, args: tuple, kwargs: dict) -> Any:
     batch = module._torchmb_batch
-    context = current_forward()
     leaves, spec = tree_flatten((args, kwargs))
     mapped_positions, mapped, in_dims = [], [], []
     for position, leaf in enumerate(leaves):
-        if not isinstance(leaf, Tensor):
-            continue
-        rows = leaf.shape[0] if leaf.dim() else 0
-        samples = context.samples if context is not None else 1
-        if context is not None and context.shared and batch > 1 and rows % (batch * samples) and not rows % samples:
-            continue  # the shared input: every model reads the same tensor, unmapped
-        if leaf.dim() == 0 or rows % (batch * samples):
-            raise ValueError(
-                f"{type(module).__name__} (batched via torch.func): expected every tensor argument's dim 0 to "
-                f"be a multiple of B * n = {batch} * {samples} (the merged model axis), got shape {tuple(leaf.shape)}"
-            )
+        if not isinstance(leaf, Tensor) or is_shared_input(leaf, batch):
+            continue  # constants, and the shared input that every model reads as it is
+        check_merged_rows(leaf, batch, f"{type(module).__name__} (batched via torch.func)", "tensor argument")
         mapped_positions.append(position)
         mapped.append(leaf.view(batch, -1, *leaf.shape[1:]))
         in_dims.append(0)
