@@ -85,7 +85,10 @@ def run(
     device = distributed.init_from_env(device)
     joined = joined and torch.distributed.is_available() and torch.distributed.is_initialized()
     try:
-        return _run(lr_values, wd_values, steps, samples, device, out, seed)
+        results = _run(lr_values, wd_values, steps, samples, device, out, seed)
+        if joined:  # no rank tears its connections down while a peer still reads from them
+            torch.distributed.barrier()
+        return results
     finally:
         if joined:  # the group this call started
             torch.distributed.destroy_process_group()

@@ -476,6 +476,7 @@ def _worker_resume(checkpoint: Path, out: Path) -> None:
     assert tmd.load_checkpoint(checkpoint, models, optimizer, scheduler) == owned
     train(models, optimizer, scheduler, range(SAVE_AT, STEPS), owned)
     torch.save({"parameters": flat_parameters(models)}, out / f"resume-rank{dist.get_rank()}.pt")
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -515,6 +516,7 @@ if __name__ == "__main__":
         _worker_train(Path(arguments[0]))
         if arguments[1] != "none":
             _worker_optuna(arguments[1], Path(arguments[0]))
+        dist.barrier()  # no rank tears its connections down while a peer still reads from them
         dist.destroy_process_group()
     elif scenario == "resume":
         _worker_resume(Path(arguments[0]), Path(arguments[1]))
