@@ -6,7 +6,7 @@ hyperparameter sweeps, seed studies and ensembles in the time one model used to 
 
 from batch_layers import AbstractBatchModule
 
-from . import amp, clip, distributed, graphs, lr_scheduler, optim, sweep, testing
+from . import amp, clip, distributed, graphs, lr_scheduler, memory, optim, sweep, testing
 from ._module import BatchModule
 from ._registry import lookup_batch_module, register_batch_module, registered_batch_modules
 from .functional import batch_accuracy, batch_loss, batch_topk, merge_batch, split_batch
@@ -25,6 +25,7 @@ __all__ = [
     "graphs",
     "lookup_batch_module",
     "lr_scheduler",
+    "memory",
     "merge_batch",
     "optim",
     "register_batch_module",

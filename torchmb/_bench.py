@@ -30,6 +30,7 @@ from torch.func import functional_call, stack_module_state, vmap
 from . import _bench_models as models
 from ._module import BatchModule
 from .graphs import CapturedStep
+from .memory import largest_fitting, max_batch
 
 
 @dataclass(frozen=True)
@@ -243,6 +244,54 @@ def run(
     return rows
 
 
+def largest_batches(workloads: list[str], samples: int, device: torch.device, upper: int) -> list[dict]:
+    """Per workload, the largest B whose SGD training step fits on ``device``: torchmb and vmap."""
+    rows = []
+    for name in workloads:
+        workload = WORKLOADS[name]
+        model = workload.make().to(device)
+        x_one = workload.make_input((samples,), device)
+        y_one = torch.randint(0, workload.classes, (samples,), device=device)
+        largest = max_batch(
+            model,
+            x_one,
+            device=device,
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.01),
+            loss_fn=lambda out, y_one=y_one: _summed_cross_entropy(out, y_one.expand(out.shape[0], -1), samples),
+            upper=upper,
+        )
+        rows.append({"workload": name, "impl": "torchmb", "n": samples, "largest_B": largest})
+        print(json.dumps(rows[-1]), flush=True)
+        base = copy.deepcopy(model).to("meta")
+
+        def vmap_step(batch: int, model=model, base=base, x_one=x_one, y_one=y_one) -> None:
+            params = {
+                k: v.detach().unsqueeze(0).repeat(batch, *[1] * v.dim()).requires_grad_()
+                for k, v in model.named_parameters()
+            }
+            buffers = {k: v.unsqueeze(0).repeat(batch, *[1] * v.dim()) for k, v in model.named_buffers()}
+            opt = torch.optim.SGD(list(params.values()), lr=0.01)
+            x = x_one.unsqueeze(0).expand(batch, *x_one.shape).contiguous()
+            out = vmap(lambda p, b, xi: functional_call(base, (p, b), (xi,)), randomness="different")(
+                params, buffers, x
+            )
+            _summed_cross_entropy(out, y_one.expand(batch, -1), samples).backward()
+            opt.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        rows.append(
+            {
+                "workload": name,
+                "impl": "vmap",
+                "n": samples,
+                "largest_B": largest_fitting(vmap_step, upper=upper, device=device),
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def _add_ratios(rows: list[dict]) -> None:
     by_key = {(r["workload"], r["B"], r["impl"]): r for r in rows if "model_steps_per_s" in r}
     for row in rows:
@@ -285,6 +334,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--impls", default=",".join(IMPLEMENTATIONS), help="comma-separated subset of implementations")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--json", help="write the rows and the environment to this file")
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        metavar="UPPER",
+        help="instead: the largest B that trains, torchmb and vmap, up to UPPER",
+    )
 
 
 def main(args: argparse.Namespace) -> list[dict]:
@@ -299,6 +354,16 @@ def main(args: argparse.Namespace) -> list[dict]:
         raise SystemExit(f"unknown workload or implementation: {', '.join(unknown)}")
     batches = [int(b) for b in args.batches.split(",")]
     samples, iters = args.samples, args.iters
+    if args.max_batch:
+        if device.type != "cuda":
+            raise SystemExit("--max-batch measures device memory: it needs --device cuda")
+        rows = largest_batches(workloads, samples, device, args.max_batch)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(
+                    {"environment": {"torch": torch.__version__, "device": _device_name(device)}, "rows": rows}, f
+                )
+        return rows
     if args.quick:
         workloads = [w for w in workloads if w in ("mlp", "lenet")] or ["mlp"]
         batches, samples, iters = [1, 4], 16, 3

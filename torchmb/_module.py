@@ -250,12 +250,7 @@ class BatchModule(nn.Module):
         same ``keep`` continues the survivors exactly.
         """
         index = self._keep_index(keep)
-        for name, module in self.module.named_modules():
-            if isinstance(module, OffloadedBatchEmbedding):  # checked first: nothing may change half-way
-                raise NotImplementedError(
-                    f"select() cannot shrink {name or 'the model'}: an offloaded embedding keeps all B tables in "
-                    "one host table; build a new BatchModule from the survivors' state_dicts instead"
-                )
+        self._refuse_offloaded("select() cannot shrink", "build a new BatchModule from the survivors' state_dicts")
         with torch.no_grad():
             for key, value in self.module.state_dict(keep_vars=True).items():
                 if not self._is_per_model(key, value):
@@ -277,6 +272,15 @@ class BatchModule(nn.Module):
             elif is_generic(module):
                 module._torchmb_batch = self.batch
         return self
+
+    def _refuse_offloaded(self, action: str, instead: str) -> None:
+        """Operations on slices of the model axis cannot reach an offloaded embedding's host table."""
+        for name, module in self.module.named_modules():
+            if isinstance(module, OffloadedBatchEmbedding):
+                raise NotImplementedError(
+                    f"{action} {name or 'the model'}: an offloaded embedding keeps all B tables in one host "
+                    f"table; {instead} instead"
+                )
 
     def _keep_index(self, keep: Sequence[int] | Tensor) -> Tensor:
         keep = torch.as_tensor(keep)

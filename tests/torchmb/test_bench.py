@@ -48,3 +48,10 @@ def test_every_workload_converts_and_trains_like_plain_models(name: str) -> None
 def test_unknown_names_are_refused() -> None:
     with pytest.raises(SystemExit, match="unknown workload or implementation: vgg"):
         main(["bench", "--device", "cpu", "--quick", "--workloads", "vgg"])
+
+
+def test_largest_batches_runs_both_searches_up_to_the_cap(capsys) -> None:
+    rows = _bench.largest_batches(["lenet"], 2, torch.device("cpu"), upper=3)  # nothing runs out of memory on CPU
+    assert [(r["impl"], r["largest_B"]) for r in rows] == [("torchmb", 3), ("vmap", 3)]
+    with pytest.raises(SystemExit, match="--max-batch measures device memory"):
+        main(["bench", "--device", "cpu", "--max-batch", "8"])
