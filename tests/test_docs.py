@@ -1,4 +1,4 @@
-"""Every ```python block of the tutorials and the README runs, in order, one namespace per page."""
+"""Every ```python block of the tutorials, reference pages and README runs, in order, one namespace per page."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [*sorted((ROOT / "docs" / "tutorials").glob("*.md")), ROOT / "README.md"]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
+REFERENCE_WITH_CODE = [p for p in sorted((ROOT / "docs" / "reference").glob("*.md")) if BLOCK.search(p.read_text())]
+PAGES = [*sorted((ROOT / "docs" / "tutorials").glob("*.md")), *REFERENCE_WITH_CODE, ROOT / "README.md"]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
