@@ -13,6 +13,7 @@ from ._base import AbstractBatchModule, autocast_dtype, stack_copies
 __all__ = ["Conv1d", "Conv2d", "Conv3d"]
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_INDEX_LIMIT = 2**31 - 1  # elements one convolution kernel may address (cuDNN and ATen use int32 indexing)
 
 
 def _to_grouped(x: Tensor, batch: int) -> Tensor:
@@ -209,6 +210,32 @@ class _ConvNd(AbstractBatchModule):
                 return y.reshape(batch * n, self.out_channels, *y.shape[3:])
             x = x.expand(batch, *x.shape).reshape(batch * n, *x.shape[1:])
         self.check_merged(x)
+        per_call = self._models_per_call(x, batch)
+        if per_call >= batch:
+            return self._grouped_forward(x, weight, bias, batch)
+        # Too many models for one kernel's 32-bit indexing: convolve them a slice of models at a time.
+        n, out = x.shape[0] // batch, self.out_channels
+        chunks = []
+        for start in range(0, batch, per_call):
+            stop = min(start + per_call, batch)
+            chunk_bias = None if bias is None else bias[start * out : stop * out]
+            chunks.append(
+                self._grouped_forward(
+                    x[start * n : stop * n], weight[start * out : stop * out], chunk_bias, stop - start
+                )
+            )
+        return torch.cat(chunks)
+
+    def _models_per_call(self, x: Tensor, batch: int) -> int:
+        """How many models one grouped convolution may take: cuDNN's kernels index with 32 bits."""
+        n = x.shape[0] // batch
+        padding = self.padding if isinstance(self.padding, tuple) else (0,) * self.dims
+        reach = [max(p, d * (k - 1)) for p, d, k in zip(padding, self.dilation, self.kernel_size)]
+        spatial = math.prod(size + 2 * r for size, r in zip(x.shape[2:], reach))
+        per_model = n * max(self.in_channels, self.out_channels) * spatial
+        return max(1, _INDEX_LIMIT // max(per_model, 1))
+
+    def _grouped_forward(self, x: Tensor, weight: Tensor, bias: Tensor | None, batch: int) -> Tensor:
         if self._numeric_padding is None:  # uneven 'same' padding: torch's own conv pads it
             grouped = _to_grouped(x, batch)
             return _to_models(self._conv(grouped, weight, bias, batch * self.groups), batch)

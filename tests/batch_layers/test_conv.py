@@ -66,3 +66,23 @@ def test_cpu_bf16_autocast_matches_torch_conv() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_cuda_autocast_matches_torch_conv(dtype: torch.dtype) -> None:
     _autocast_case("cuda", dtype, atol=5e-2 if dtype == torch.bfloat16 else 1e-2)
+
+
+@pytest.mark.parametrize("padding_mode", ["zeros", "reflect"])
+def test_models_beyond_32_bit_indexing_are_convolved_in_slices(monkeypatch, padding_mode: str) -> None:
+    torch.manual_seed(0)
+    conv = batch_layers.Conv2d(2, 3, 3, padding=1, padding_mode=padding_mode, batch=5)
+    x = torch.randn(5 * 4, 2, 6, 6, requires_grad=True)
+    expected = conv(x)
+    expected.square().sum().backward()
+    grads = [x.grad.clone(), conv.weight.grad.clone(), conv.bias.grad.clone()]
+    x.grad = conv.weight.grad = conv.bias.grad = None
+    # One model's grouped tensors are bounded by 4 samples x 3 channels x (6 + 2 * 2)^2 = 1200 elements
+    # (the kernel's reach on both sides): allow two models per kernel call.
+    monkeypatch.setattr(batch_layers._conv, "_INDEX_LIMIT", 2 * 1200)
+    assert conv._models_per_call(x, 5) == 2
+    got = conv(x)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    got.square().sum().backward()
+    for a, b in zip([x.grad, conv.weight.grad, conv.bias.grad], grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-6)
