@@ -265,6 +265,14 @@ def largest_batches(workloads: list[str], samples: int, device: torch.device, up
         base = copy.deepcopy(model).to("meta")
 
         def vmap_step(batch: int, model=model, base=base, x_one=x_one, y_one=y_one) -> None:
+            try:
+                _vmap_step(batch, model, base, x_one, y_one)
+            except RuntimeError as error:  # torch refuses kernels beyond 32-bit indexing: too many models too
+                if "32BitIndexMath" not in str(error):
+                    raise
+                raise torch.cuda.OutOfMemoryError(f"vmap at B={batch}: {error}") from error
+
+        def _vmap_step(batch: int, model, base, x_one, y_one) -> None:
             params = {
                 k: v.detach().unsqueeze(0).repeat(batch, *[1] * v.dim()).requires_grad_()
                 for k, v in model.named_parameters()
