@@ -89,7 +89,8 @@ def one_thread():
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 120) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    # PYTHONFAULTHANDLER: a worker that aborts (SIGABRT) still prints where each of its threads was.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
     command = [
         sys.executable,
