@@ -9,6 +9,7 @@ from torch import nn
 
 import batch_layers
 from batch_layers._conv import _GroupedConv
+from torchmb import BatchModule
 
 
 def test_backward_keeps_the_models_major_input_not_a_grouped_copy() -> None:
@@ -86,3 +87,22 @@ def test_models_beyond_32_bit_indexing_are_convolved_in_slices(monkeypatch, padd
     got.square().sum().backward()
     for a, b in zip([x.grad, conv.weight.grad, conv.bias.grad], grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-6)
+
+
+def test_channels_last_inputs_give_the_same_results() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 2, 3))
+    batched = BatchModule(net, 3, init="independent", seed=0)
+    x = torch.randn(3, 5, 3, 8, 8)
+    dense = x.reshape(15, 3, 8, 8).requires_grad_()
+    last = dense.detach().to(memory_format=torch.channels_last).requires_grad_()
+    expected = batched.module(dense)
+    expected.square().sum().backward()
+    grads = [p.grad.clone() for p in batched.parameters()]
+    batched.zero_grad()
+    got = batched.module(last)
+    got.square().sum().backward()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(last.grad, dense.grad, atol=1e-5, rtol=0)
+    for a, b in zip(batched.parameters(), grads):
+        torch.testing.assert_close(a.grad, b, atol=1e-4, rtol=1e-5)
