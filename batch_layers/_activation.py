@@ -7,7 +7,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from ._base import AbstractBatchModule, autocast_dtype, stack_copies
+from ._base import AbstractBatchModule, autocast_dtype, copy_into_every_model
 
 __all__ = ["PReLU"]
 
@@ -84,8 +84,7 @@ class PReLU(AbstractBatchModule):
             device=module.weight.device,
             dtype=module.weight.dtype,
         )
-        with torch.no_grad():
-            layer.weight.copy_(stack_copies(module.weight, batch))
+        copy_into_every_model(layer, module)
         return layer
 
     def forward(self, x: Tensor) -> Tensor:

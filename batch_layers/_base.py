@@ -182,6 +182,17 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
+def copy_into_every_model(layer: AbstractBatchModule, module: nn.Module) -> None:
+    """Copy every parameter and buffer of the plain ``module`` into all of ``layer``'s model slots.
+
+    The batched layer's state-dict names are the plain module's, each entry ``(B, *plain_shape)``.
+    """
+    source = module.state_dict()
+    with torch.no_grad():
+        for name, target in layer.state_dict(keep_vars=True).items():
+            target.copy_(stack_copies(source[name], layer.batch))
+
+
 def stack_copies(tensor: Tensor, batch: int) -> Tensor:
     """``(B, *tensor.shape)``: ``batch`` copies of one model's tensor (for ``from_module``)."""
     return tensor.detach().unsqueeze(0).repeat(batch, *([1] * tensor.dim())).clone()

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._base import AbstractBatchModule, stack_copies
+from ._base import AbstractBatchModule, copy_into_every_model
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d"]  # and _NormBase, shared with instance norm
 
@@ -79,11 +79,7 @@ class _NormBase(AbstractBatchModule):
             device=None if reference is None else reference.device,
             dtype=None if reference is None else reference.dtype,
         )
-        with torch.no_grad():
-            for name in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked"):
-                source = getattr(module, name)
-                if source is not None:
-                    getattr(layer, name).copy_(stack_copies(source, batch))
+        copy_into_every_model(layer, module)
         return layer
 
 

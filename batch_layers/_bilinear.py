@@ -7,7 +7,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from ._base import AbstractBatchModule, stack_copies
+from ._base import AbstractBatchModule, copy_into_every_model
 
 __all__ = ["Bilinear"]
 
@@ -90,21 +90,14 @@ class Bilinear(AbstractBatchModule):
             device=module.weight.device,
             dtype=module.weight.dtype,
         )
-        with torch.no_grad():
-            layer.weight.copy_(stack_copies(module.weight, batch))
-            if module.bias is not None:
-                layer.bias.copy_(stack_copies(module.bias, batch))
+        copy_into_every_model(layer, module)
         return layer
 
     def _check_inputs(self, x1: Tensor, x2: Tensor) -> None:
         if x1.dim() == 0 or x1.shape[-1] != self.in1_features:
-            raise ValueError(
-                f"Bilinear: expected input1 of shape (B*n, *, {self.in1_features}), got {tuple(x1.shape)}"
-            )
+            raise ValueError(f"Bilinear: expected input1 of shape (B*n, *, {self.in1_features}), got {tuple(x1.shape)}")
         if x2.dim() == 0 or x2.shape[-1] != self.in2_features:
-            raise ValueError(
-                f"Bilinear: expected input2 of shape (B*n, *, {self.in2_features}), got {tuple(x2.shape)}"
-            )
+            raise ValueError(f"Bilinear: expected input2 of shape (B*n, *, {self.in2_features}), got {tuple(x2.shape)}")
 
     def forward(self, input1: Tensor, input2: Tensor) -> Tensor:
         self._check_inputs(input1, input2)

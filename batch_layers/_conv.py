@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.utils import _ntuple, _reverse_repeat_tuple
 
-from ._base import AbstractBatchModule, autocast_dtype, stack_copies
+from ._base import AbstractBatchModule, autocast_dtype, copy_into_every_model
 
 __all__ = ["Conv1d", "Conv2d", "Conv3d"]
 
@@ -27,6 +27,18 @@ def _to_models(y: Tensor, batch: int) -> Tensor:
     n = y.shape[0]
     y = y.view(n, batch, -1, *y.shape[2:]).transpose(0, 1)
     return y.reshape(batch * n, *y.shape[2:])
+
+
+def reset_conv_slices(weight: Tensor, bias: Tensor | None, kernel_size: tuple[int, ...]) -> None:
+    """torch's ``_ConvNd.reset_parameters`` on each model's slice; the bias bound uses the fan-in of the
+    weight's dim 1 (in/groups for convolutions, out/groups for transposed ones, as torch computes it)."""
+    for i in range(weight.shape[0]):
+        nn.init.kaiming_uniform_(weight[i], a=math.sqrt(5))
+        if bias is not None:
+            fan_in = weight[i].shape[1] * math.prod(kernel_size)
+            if fan_in != 0:
+                bound = 1 / math.sqrt(fan_in)
+                nn.init.uniform_(bias[i], -bound, bound)
 
 
 class _GroupedConv(torch.autograd.Function):
@@ -161,13 +173,7 @@ class _ConvNd(AbstractBatchModule):
 
     def reset_parameters(self) -> None:
         """Initialise every model's slice as torch's ``_ConvNd.reset_parameters`` does."""
-        for i in range(self.batch):
-            nn.init.kaiming_uniform_(self.weight[i], a=math.sqrt(5))
-            if self.bias is not None:
-                fan_in = self.weight[i].shape[1] * math.prod(self.kernel_size)
-                if fan_in != 0:
-                    bound = 1 / math.sqrt(fan_in)
-                    nn.init.uniform_(self.bias[i], -bound, bound)
+        reset_conv_slices(self.weight, self.bias, self.kernel_size)
 
     @classmethod
     def from_module(cls, module: nn.Module, batch: int) -> _ConvNd:
@@ -185,10 +191,7 @@ class _ConvNd(AbstractBatchModule):
             device=module.weight.device,
             dtype=module.weight.dtype,
         )
-        with torch.no_grad():
-            layer.weight.copy_(stack_copies(module.weight, batch))
-            if module.bias is not None:
-                layer.bias.copy_(stack_copies(module.bias, batch))
+        copy_into_every_model(layer, module)
         return layer
 
     def _conv(self, x: Tensor, weight: Tensor, bias: Tensor | None, groups: int) -> Tensor:

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import math
 from typing import ClassVar
 
 import torch
@@ -8,8 +7,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.utils import _ntuple
 
-from ._base import AbstractBatchModule, autocast_dtype, stack_copies
-from ._conv import _to_grouped, _to_models
+from ._base import AbstractBatchModule, autocast_dtype, copy_into_every_model
+from ._conv import _to_grouped, _to_models, reset_conv_slices
 
 __all__ = ["ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d"]
 
@@ -97,9 +96,7 @@ class _ConvTransposeNd(AbstractBatchModule):
                 f"in_channels ({in_channels}) and out_channels ({out_channels}) must be divisible by groups ({groups})"
             )
         if padding_mode != "zeros":
-            raise ValueError(
-                f'Only "zeros" padding mode is supported for {type(self).__name__}, got {padding_mode!r}'
-            )
+            raise ValueError(f'Only "zeros" padding mode is supported for {type(self).__name__}, got {padding_mode!r}')
         if isinstance(padding, str):
             raise ValueError(
                 f"{type(self).__name__} takes numeric padding (as torch's transposed convolutions do), got {padding!r}"
@@ -133,14 +130,7 @@ class _ConvTransposeNd(AbstractBatchModule):
 
     def reset_parameters(self) -> None:
         """Initialise every model's slice as torch's ``_ConvNd.reset_parameters`` does for transposed convs."""
-        for i in range(self.batch):
-            nn.init.kaiming_uniform_(self.weight[i], a=math.sqrt(5))
-            if self.bias is not None:
-                # torch computes fan_in from the weight's dim 1, i.e. out_channels / groups here.
-                fan_in = self.weight[i].shape[1] * math.prod(self.kernel_size)
-                if fan_in != 0:
-                    bound = 1 / math.sqrt(fan_in)
-                    nn.init.uniform_(self.bias[i], -bound, bound)
+        reset_conv_slices(self.weight, self.bias, self.kernel_size)
 
     @classmethod
     def from_module(cls, module: nn.Module, batch: int) -> _ConvTransposeNd:
@@ -159,10 +149,7 @@ class _ConvTransposeNd(AbstractBatchModule):
             device=module.weight.device,
             dtype=module.weight.dtype,
         )
-        with torch.no_grad():
-            layer.weight.copy_(stack_copies(module.weight, batch))
-            if module.bias is not None:
-                layer.bias.copy_(stack_copies(module.bias, batch))
+        copy_into_every_model(layer, module)
         return layer
 
     def _check_input(self, x: Tensor) -> None:
@@ -175,8 +162,14 @@ class _ConvTransposeNd(AbstractBatchModule):
     def forward(self, x: Tensor, output_size: list[int] | None = None) -> Tensor:
         self._check_input(x)
         output_padding = nn.modules.conv._ConvTransposeNd._output_padding(
-            self, x, output_size, list(self.stride), list(self.padding), list(self.kernel_size), self.dims,
-            list(self.dilation)
+            self,
+            x,
+            output_size,
+            list(self.stride),
+            list(self.padding),
+            list(self.kernel_size),
+            self.dims,
+            list(self.dilation),
         )
         conv = _CONV_TRANSPOSE[self.dims]
         batch, out_channels = self.batch, self.out_channels
@@ -193,8 +186,7 @@ class _ConvTransposeNd(AbstractBatchModule):
         self.check_merged(x)
         weight = self.weight.reshape(batch * self.in_channels, *self.weight.shape[2:])
         return _GroupedConvTranspose.apply(
-            x, weight, bias, batch, self.stride, self.padding, tuple(output_padding), batch * self.groups,
-            self.dilation
+            x, weight, bias, batch, self.stride, self.padding, tuple(output_padding), batch * self.groups, self.dilation
         )
 
     def extra_repr(self) -> str:

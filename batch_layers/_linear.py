@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._base import AbstractBatchModule, autocast_dtype, stack_copies
+from ._base import AbstractBatchModule, autocast_dtype, copy_into_every_model
 
 __all__ = ["Linear"]
 
@@ -112,10 +112,7 @@ class Linear(AbstractBatchModule):
             device=module.weight.device,
             dtype=module.weight.dtype,
         )
-        with torch.no_grad():
-            layer.weight.copy_(stack_copies(module.weight, batch))
-            if module.bias is not None:
-                layer.bias.copy_(stack_copies(module.bias, batch))
+        copy_into_every_model(layer, module)
         return layer
 
     def forward(self, x: Tensor) -> Tensor:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._base import AbstractBatchModule, stack_copies
+from ._base import AbstractBatchModule, copy_into_every_model
 from ._batchnorm import _NormBase
 
 __all__ = ["GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LayerNorm", "RMSNorm"]
@@ -131,7 +131,7 @@ class LayerNorm(_AffineNorm):
             device=None if module.weight is None else module.weight.device,
             dtype=None if module.weight is None else module.weight.dtype,
         )
-        _copy_parameters(layer, module, batch)
+        copy_into_every_model(layer, module)
         return layer
 
     def forward(self, x: Tensor) -> Tensor:
@@ -194,7 +194,7 @@ class RMSNorm(LayerNorm):
             device=None if module.weight is None else module.weight.device,
             dtype=None if module.weight is None else module.weight.dtype,
         )
-        _copy_parameters(layer, module, batch)
+        copy_into_every_model(layer, module)
         return layer
 
     def _normalize(self, x: Tensor) -> Tensor:
@@ -260,7 +260,7 @@ class GroupNorm(_AffineNorm):
             device=None if module.weight is None else module.weight.device,
             dtype=None if module.weight is None else module.weight.dtype,
         )
-        _copy_parameters(layer, module, batch)
+        copy_into_every_model(layer, module)
         return layer
 
     def forward(self, x: Tensor) -> Tensor:
@@ -392,10 +392,3 @@ class InstanceNorm3d(_InstanceNorm):
 
     base_class = nn.InstanceNorm3d
     spatial_dims = 3
-
-
-def _copy_parameters(layer: AbstractBatchModule, module: nn.Module, batch: int) -> None:
-    """Copy every parameter and buffer of the plain ``module`` into all ``batch`` slots of ``layer``."""
-    with torch.no_grad():
-        for name, target in layer.state_dict(keep_vars=True).items():
-            target.copy_(stack_copies(module.state_dict()[name], batch))
