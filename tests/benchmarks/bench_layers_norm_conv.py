@@ -23,29 +23,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
+from _timing import cuda_ms
 from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
 
 from torchmb import lookup_batch_module
-
-
-def cuda_ms(fn, warmup: int = 3, iters: int = 20) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def step_fn(run, params, inputs):
@@ -122,9 +107,7 @@ def measure(name: str, batch: int, device: torch.device) -> dict:
 
     try:
         vmapped = vmap(one_model, in_dims=(0, 0, *([0] * len(inputs))), randomness="different")
-        row["vmap"] = cuda_ms(
-            step_fn(lambda *xs: vmapped(params, buffers, *xs), list(params.values()), inputs)
-        )
+        row["vmap"] = cuda_ms(step_fn(lambda *xs: vmapped(params, buffers, *xs), list(params.values()), inputs))
     except Exception as error:  # a layer that vmap cannot run is a result, reported as such
         row["vmap"] = None
         row["vmap_error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"

@@ -19,9 +19,9 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 
 import torch
+from _timing import cuda_ms as timed_ms
 from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -30,19 +30,9 @@ import batch_layers
 from torchmb import BatchModule
 
 
-def cuda_ms(fn, warmup: int = 3, iters: int = 15) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def cuda_ms(fn) -> float:
+    """This benchmark times 15 steps a row (recurrent layers are slow)."""
+    return timed_ms(fn, iters=15)
 
 
 def first_tensor(out):
