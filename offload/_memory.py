@@ -8,6 +8,8 @@ exactly the table's bytes, and it lets a memory-mapped file be pinned without a 
 
 from __future__ import annotations
 
+import mmap
+import os
 import resource
 import threading
 
@@ -62,12 +64,33 @@ def _memory_report() -> str:
     return f"MemAvailable {avail}, RLIMIT_MEMLOCK {lock}"
 
 
+HUGE_PAGES = os.environ.get("TORCHMB_OFFLOAD_HUGE_PAGES", "1") != "0"
+"""Allocate tables of at least ``HUGE_PAGE_MIN`` bytes as anonymous memory maps advised for transparent
+huge pages (``madvise(MADV_HUGEPAGE)``), so that random rows of a large table cost fewer address
+translations on the host and, where the driver maps the pinned pages with large pages, on the GPU.
+``$TORCHMB_OFFLOAD_HUGE_PAGES=0`` turns it off. Where the kernel has no transparent huge pages the advice
+is ignored and the memory is ordinary."""
+HUGE_PAGE_MIN = 32 << 20
+
+
 def allocate_host(shape: tuple[int, ...], dtype: torch.dtype, what: str) -> torch.Tensor:
-    """An uninitialised plain CPU tensor; a failed allocation raises :class:`HostMemoryError`."""
+    """An uninitialised plain CPU tensor; a failed allocation raises :class:`HostMemoryError`.
+
+    Large tables are anonymous memory maps advised for huge pages (see :data:`HUGE_PAGES`); the tensor
+    holds the map, which is unmapped when the last tensor viewing it is freed.
+    """
     nbytes = _nbytes(shape, dtype)
     try:
+        if HUGE_PAGES and nbytes >= HUGE_PAGE_MIN and hasattr(mmap, "MADV_HUGEPAGE"):
+            m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                          prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                m.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:  # no transparent huge pages here: ordinary pages
+                pass
+            return torch.frombuffer(m, dtype=torch.uint8).view(dtype).view(shape)
         return torch.empty(shape, dtype=dtype)
-    except (RuntimeError, MemoryError) as e:
+    except (RuntimeError, MemoryError, OSError, ValueError) as e:
         raise HostMemoryError(
             f"could not allocate {_fmt_bytes(nbytes)} ({nbytes} bytes) of host memory for {what} "
             f"({_memory_report()}): {e}"

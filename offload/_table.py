@@ -8,6 +8,7 @@ variant for dataset rows of any shape.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import tempfile
@@ -152,16 +153,42 @@ def _measure(device: torch.device) -> dict[str, str]:
 
 
 class _Staging:
-    """A few page-locked byte buffers, each guarded by an event, shared by the tables on one device."""
+    """Page-locked staging memory of the CPU engine, shared by the tables on one device: ``BYTES`` bytes cut
+    into pieces of ``CHUNK_BYTES`` used in rotation, each guarded by an event recorded after the copy that
+    last used it. Small pieces let the CPU's indexing of one piece overlap the DMA of the previous ones."""
 
-    SLOT_BYTES = 16 << 20
-    SLOTS = 4
+    BYTES = 64 << 20
+    CHUNK_BYTES = 4 << 20
 
     def __init__(self, device: torch.device):
-        self.slots = [torch.empty(self.SLOT_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(self.SLOTS)]
-        self.events = [torch.cuda.Event() for _ in range(self.SLOTS)]
-        for ev in self.events:
-            ev.record(torch.cuda.current_stream(device))
+        self.device = device
+        self.nbytes = self.BYTES
+        self.buf = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+        self.chunk = 0
+        self.lock = threading.RLock()
+        self.events: list[torch.cuda.Event] = []
+        self.next = 0
+
+    def pieces(self, row_bytes: int) -> int:
+        """Rows per piece for rows of ``row_bytes`` (0: a row does not fit, copy directly)."""
+        chunk = min(max(type(self).CHUNK_BYTES, row_bytes), self.nbytes)
+        if chunk != self.chunk:
+            for ev in self.events:
+                ev.synchronize()
+            self.chunk = chunk
+            self.events = [torch.cuda.Event() for _ in range(self.nbytes // chunk)]
+            for ev in self.events:
+                ev.record(torch.cuda.current_stream(self.device))
+            self.next = 0
+        return self.chunk // row_bytes
+
+    def take(self, nbytes: int) -> tuple[Tensor, torch.cuda.Event]:
+        """The next piece (first ``nbytes`` bytes), once the copy that last used it has finished."""
+        k = self.next
+        self.next = (k + 1) % len(self.events)
+        ev = self.events[k]
+        ev.synchronize()
+        return self.buf[k * self.chunk:k * self.chunk + nbytes], ev
 
 
 _staging: dict[int, _Staging] = {}
@@ -172,6 +199,18 @@ def _staging_for(device: torch.device) -> _Staging:
     if got is None:
         got = _staging[device.index] = _Staging(device)
     return got
+
+
+def _wide(t: Tensor) -> Tensor:
+    """``t`` (2-D, contiguous) viewed with the widest element type that divides its rows and alignment, so
+    that CPU row copies move 16 or 8 bytes per element instead of one float at a time."""
+    row_bytes = t.shape[1] * t.element_size()
+    offset = t.storage_offset() * t.element_size()
+    for dt in (torch.complex128, torch.int64, torch.int32, torch.int16):
+        size = torch.empty((), dtype=dt).element_size()
+        if row_bytes % size == 0 and t.data_ptr() % size == 0 and offset % size == 0:
+            return t.view(torch.uint8).view(dt) if t.dtype != dt else t
+    return t.view(torch.uint8)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -475,18 +514,19 @@ class HostTable:
         stage = _staging_for(self.device)
         stream = torch.cuda.current_stream(self.device)
         row_bytes = self.dim * self._data.element_size()
-        per = max(1, _Staging.SLOT_BYTES // row_bytes)
-        if per * row_bytes > _Staging.SLOT_BYTES:  # a row longer than a slot: copy directly
-            out.copy_(self._data.index_select(0, uniq_cpu), non_blocking=False)
-            return
-        for k, s in enumerate(range(0, n, per)):
-            e = min(n, s + per)
-            slot, ev = stage.slots[k % _Staging.SLOTS], stage.events[k % _Staging.SLOTS]
-            ev.synchronize()
-            view = slot[: (e - s) * row_bytes].view(self.dtype).view(e - s, self.dim)
-            torch.index_select(self._data, 0, uniq_cpu[s:e], out=view)
-            out[s:e].copy_(view, non_blocking=True)
-            ev.record(stream)
+        with stage.lock:
+            per = stage.pieces(row_bytes)
+            if per == 0:  # a row longer than the staging memory: copy directly
+                out.copy_(self._data.index_select(0, uniq_cpu), non_blocking=False)
+                return
+            src = _wide(self._data)
+            for s in range(0, n, per):
+                e = min(n, s + per)
+                piece, ev = stage.take((e - s) * row_bytes)
+                view = piece.view(self.dtype).view(e - s, self.dim)
+                torch.index_select(src, 0, uniq_cpu[s:e], out=_wide(view))
+                out[s:e].copy_(view, non_blocking=True)
+                ev.record(stream)
 
     def _scatter_unique(self, uniq: Tensor, uniq_cpu: Tensor | None, rows: Tensor, engine: str) -> None:
         """``rows[uniq] = rows``; ``uniq`` checked and distinct, on ``self.device``."""
@@ -515,29 +555,30 @@ class HostTable:
         stage = _staging_for(self.device)
         stream = torch.cuda.current_stream(self.device)
         row_bytes = self.dim * self._data.element_size()
-        per = max(1, _Staging.SLOT_BYTES // row_bytes)
-        if per * row_bytes > _Staging.SLOT_BYTES:
-            self._data.index_copy_(0, uniq_cpu, rows.cpu())
-            return
-        chunks = [(s, min(n, s + per)) for s in range(0, n, per)]
-        views: list[Tensor] = []
+        with stage.lock:
+            per = stage.pieces(row_bytes)
+            if per == 0:
+                self._data.index_copy_(0, uniq_cpu, rows.cpu())
+                return
+            dst = _wide(self._data)
+            pending: collections.deque[tuple[int, int, Tensor, torch.cuda.Event]] = collections.deque()
 
-        def consume(j: int) -> None:
-            s, e = chunks[j]
-            stage.events[j % _Staging.SLOTS].synchronize()
-            self._data.index_copy_(0, uniq_cpu[s:e], views[j])
+            def consume() -> None:
+                s, e, view, ev = pending.popleft()
+                ev.synchronize()
+                dst.index_copy_(0, uniq_cpu[s:e], _wide(view))
 
-        for k, (s, e) in enumerate(chunks):
-            if k >= _Staging.SLOTS:
-                consume(k - _Staging.SLOTS)
-            slot, ev = stage.slots[k % _Staging.SLOTS], stage.events[k % _Staging.SLOTS]
-            ev.synchronize()
-            view = slot[: (e - s) * row_bytes].view(self.dtype).view(e - s, self.dim)
-            view.copy_(rows[s:e], non_blocking=True)
-            ev.record(stream)
-            views.append(view)
-        for j in range(max(0, len(chunks) - _Staging.SLOTS), len(chunks)):
-            consume(j)
+            for s in range(0, n, per):
+                e = min(n, s + per)
+                if len(pending) == len(stage.events):
+                    consume()
+                piece, ev = stage.take((e - s) * row_bytes)
+                view = piece.view(self.dtype).view(e - s, self.dim)
+                view.copy_(rows[s:e], non_blocking=True)
+                ev.record(stream)
+                pending.append((s, e, view, ev))
+            while pending:
+                consume()
 
     # -- public gather / scatter -------------------------------------------------------------------------
     def prepare(self, idx, *, unique: bool = False) -> tuple[Tensor, Tensor | None]:

@@ -1,9 +1,17 @@
 """The UVA zero-copy engine: CuPy kernels that read and write page-locked host memory from the GPU.
 
 Rows are copied as raw bytes with the widest vector type (16, 8, 4, 2 or 1 bytes) that divides the row
-size and the pointers' alignment, so one kernel serves every dtype. Each thread keeps ``UNROLL``
-independent loads in flight before it stores (PCIe reads have microseconds of latency, so the bytes in
-flight, not the instruction count, set the bandwidth), and a block of 256 threads covers several rows.
+size and the pointers' alignment, so one kernel serves every dtype. A row is handled by a group of ``G``
+consecutive threads (``G``: the vectors of a row rounded up to a power of two, at most a warp), so a
+512-byte row is one warp reading 32 consecutive 16-byte vectors: whole 128-byte lines, one request each.
+Each thread first reads the indices of ``UNROLL`` rows, then issues all their loads, then all their
+stores: PCIe reads have microseconds of latency, so the bytes in flight, not the instruction count, set
+the bandwidth.
+
+The kernels check every index against the table size themselves: a row whose index is outside
+``[0, num_rows)`` is skipped (nothing outside the table is read or written) and its position is recorded
+in a per-device flag that :func:`take_bad_position` reads. The tables check indices on the host before
+launching; this guard makes memory safety independent of that check.
 """
 
 from __future__ import annotations
@@ -19,62 +27,100 @@ try:
 except (ImportError, OSError):  # pragma: no cover - depends on the machine
     cupy = None
 
-__all__ = ["available", "gather_rows", "launch_counts", "scatter_rows"]
+__all__ = ["available", "gather_rows", "launch_counts", "scatter_rows", "take_bad_position"]
 
 _VTYPES = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short", 1: "unsigned char"}
-UNROLL = 4
-THREADS = 256
+
+# Launch shape and cache policies. Kept as module state so that the benchmark can measure alternatives;
+# every value is part of the compiled kernel's cache key.
+THREADS = 256  # threads per block
+UNROLL = 4  # rows in flight per thread group
+BLOCKS_PER_SM = 8  # grid = multiprocessors * BLOCKS_PER_SM (the grid-stride loop covers the rest)
+LOAD = "plain"  # host reads (gather): "plain", "cs" (__ldcs, evict-first) or "nc" (__ldg)
+STORE = "plain"  # host writes (scatter): "plain", "cs" (__stcs) or "wt" (__stwt, write-through)
+
+_LOADS = {"plain": "*p", "cs": "__ldcs(p)", "nc": "__ldg(p)"}
+_STORES = {"plain": "*p = v", "cs": "__stcs(p, v)", "wt": "__stwt(p, v)"}
 
 _SRC = r"""
 typedef {vtype} V;
-#define UNROLL {unroll}
-extern "C" __global__ void offload_gather(const V* __restrict__ table, const long long* __restrict__ idx,
-                                          V* __restrict__ out, long long n_vec, long long vpr) {{
-  const long long stride = (long long)gridDim.x * blockDim.x;
-  for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n_vec; e += stride * UNROLL) {{
-    V r[UNROLL];
+#define OFFLOAD_G {group}
+#define OFFLOAD_U {unroll}
+__device__ __forceinline__ V ld_host(const V* p) {{ return {load}; }}
+__device__ __forceinline__ void st_host(V* p, V v) {{ {store}; }}
+
+// Reads the indices of this group's OFFLOAD_U rows; a row past the end or with an index outside the table
+// gets -1 (skipped), and an out-of-range index records its position in *bad (the smallest one wins).
+__device__ __forceinline__ void load_rows(const long long* __restrict__ idx, long long r0, long long nslots,
+                                          long long n, long long num_rows, unsigned long long* bad, int sub,
+                                          long long (&src)[OFFLOAD_U]) {{
 #pragma unroll
-    for (int k = 0; k < UNROLL; ++k) {{
-      const long long ek = e + k * stride;
-      if (ek < n_vec) {{
-        const long long row = ek / vpr;
-        r[k] = table[idx[row] * vpr + (ek - row * vpr)];
+  for (int k = 0; k < OFFLOAD_U; ++k) {{
+    const long long r = r0 + k * nslots;
+    long long s = -1;
+    if (r < n) {{
+      s = idx[r];
+      if ((unsigned long long)s >= (unsigned long long)num_rows) {{
+        if (sub == 0) atomicMin(bad, (unsigned long long)r);
+        s = -1;
       }}
     }}
+    src[k] = s;
+  }}
+}}
+
+extern "C" __global__ void offload_gather(const V* __restrict__ table, const long long* __restrict__ idx,
+                                          V* __restrict__ out, long long n, int vpr, long long num_rows,
+                                          unsigned long long* bad) {{
+  const unsigned long long t = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const long long slot = (long long)(t / OFFLOAD_G);
+  const int sub = (int)(threadIdx.x % OFFLOAD_G);
+  const long long nslots = (long long)(((unsigned long long)gridDim.x * blockDim.x) / OFFLOAD_G);
+  for (long long r0 = slot; r0 < n; r0 += nslots * OFFLOAD_U) {{
+    long long src[OFFLOAD_U];
+    load_rows(idx, r0, nslots, n, num_rows, bad, sub, src);
+    for (int v = sub; v < vpr; v += OFFLOAD_G) {{
+      V val[OFFLOAD_U];
 #pragma unroll
-    for (int k = 0; k < UNROLL; ++k) {{
-      const long long ek = e + k * stride;
-      if (ek < n_vec) out[ek] = r[k];
+      for (int k = 0; k < OFFLOAD_U; ++k)
+        if (src[k] >= 0) val[k] = ld_host(table + src[k] * vpr + v);
+#pragma unroll
+      for (int k = 0; k < OFFLOAD_U; ++k)
+        if (src[k] >= 0) out[(r0 + k * nslots) * vpr + v] = val[k];
     }}
   }}
 }}
+
 extern "C" __global__ void offload_scatter(V* __restrict__ table, const long long* __restrict__ idx,
-                                           const V* __restrict__ src, long long n_vec, long long vpr) {{
-  const long long stride = (long long)gridDim.x * blockDim.x;
-  for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n_vec; e += stride * UNROLL) {{
-    V r[UNROLL];
+                                           const V* __restrict__ rows, long long n, int vpr, long long num_rows,
+                                           unsigned long long* bad) {{
+  const unsigned long long t = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const long long slot = (long long)(t / OFFLOAD_G);
+  const int sub = (int)(threadIdx.x % OFFLOAD_G);
+  const long long nslots = (long long)(((unsigned long long)gridDim.x * blockDim.x) / OFFLOAD_G);
+  for (long long r0 = slot; r0 < n; r0 += nslots * OFFLOAD_U) {{
+    long long dst[OFFLOAD_U];
+    load_rows(idx, r0, nslots, n, num_rows, bad, sub, dst);
+    for (int v = sub; v < vpr; v += OFFLOAD_G) {{
+      V val[OFFLOAD_U];
 #pragma unroll
-    for (int k = 0; k < UNROLL; ++k) {{
-      const long long ek = e + k * stride;
-      if (ek < n_vec) r[k] = src[ek];
-    }}
+      for (int k = 0; k < OFFLOAD_U; ++k)
+        if (dst[k] >= 0) val[k] = rows[(r0 + k * nslots) * vpr + v];
 #pragma unroll
-    for (int k = 0; k < UNROLL; ++k) {{
-      const long long ek = e + k * stride;
-      if (ek < n_vec) {{
-        const long long row = ek / vpr;
-        table[idx[row] * vpr + (ek - row * vpr)] = r[k];
-      }}
+      for (int k = 0; k < OFFLOAD_U; ++k)
+        if (dst[k] >= 0) st_host(table + dst[k] * vpr + v, val[k]);
     }}
   }}
 }}
 """
 
-_kernels: dict[tuple[int, int], tuple[object, object]] = {}
+_kernels: dict[tuple, tuple[object, object]] = {}
 _sm_count: dict[int, int] = {}
+_bad: dict[int, torch.Tensor] = {}
 _lock = threading.Lock()
 _launches: collections.Counter[str] = collections.Counter()
 
+_NO_BAD = (1 << 63) - 1  # the flag's "nothing seen" value (int64 max; the kernel compares it as unsigned)
 
 _host_ptr_ok: dict[int, bool] = {}
 
@@ -114,17 +160,40 @@ def launch_counts() -> dict[str, int]:
     return dict(_launches)
 
 
-def _kernel_pair(device: int, width: int):
-    key = (device, width)
+def _group(vpr: int) -> int:
+    """Threads per row: the row's vectors rounded up to a power of two, at most a warp."""
+    g = 1
+    while g < vpr and g < 32:
+        g *= 2
+    return g
+
+
+def _variant() -> tuple[int, int, str, str]:
+    if THREADS % 32 or not 32 <= THREADS <= 1024:
+        raise ValueError(f"_uva.THREADS must be a multiple of 32 in [32, 1024], got {THREADS}")
+    if not 1 <= UNROLL <= 32:
+        raise ValueError(f"_uva.UNROLL must be in [1, 32], got {UNROLL}")
+    if LOAD not in _LOADS or STORE not in _STORES:
+        raise ValueError(f"_uva.LOAD must be one of {tuple(_LOADS)} and STORE one of {tuple(_STORES)}, "
+                         f"got {LOAD!r}, {STORE!r}")
+    return THREADS, UNROLL, LOAD, STORE
+
+
+def _kernel_pair(device: int, width: int, group: int):
+    _, unroll, load, store = _variant()
+    key = (device, width, group, unroll, load, store)
     with _lock:
         got = _kernels.get(key)
         if got is None:
-            src = _SRC.format(vtype=_VTYPES[width], unroll=UNROLL)
+            src = _SRC.format(vtype=_VTYPES[width], group=group, unroll=unroll, load=_LOADS[load],
+                              store=_STORES[store])
             with cupy.cuda.Device(device):
-                mod = cupy.RawModule(code=src)
+                mod = cupy.RawModule(code=src, options=("-std=c++14",))
                 got = (mod.get_function("offload_gather"), mod.get_function("offload_scatter"))
             _kernels[key] = got
             _sm_count[device] = torch.cuda.get_device_properties(device).multi_processor_count
+            if device not in _bad:
+                _bad[device] = torch.full((1,), _NO_BAD, dtype=torch.int64, device=torch.device("cuda", device))
         return got
 
 
@@ -151,8 +220,8 @@ def _width(row_bytes: int, *ptrs: int) -> int:
 
 
 def _check(host: torch.Tensor, idx: torch.Tensor, dev_rows: torch.Tensor) -> None:
-    if host.device.type != "cpu" or not host.is_contiguous():
-        raise ValueError("UVA engine: the host table must be a contiguous CPU tensor")
+    if host.device.type != "cpu" or not host.is_contiguous() or host.dim() != 2:
+        raise ValueError("UVA engine: the host table must be a contiguous 2-D CPU tensor")
     if idx.device != dev_rows.device or idx.dtype != torch.int64 or not idx.is_contiguous() or idx.dim() != 1:
         raise ValueError(
             f"UVA engine: indices must be a contiguous 1-D int64 tensor on {dev_rows.device}, "
@@ -169,11 +238,18 @@ def _check(host: torch.Tensor, idx: torch.Tensor, dev_rows: torch.Tensor) -> Non
         )
 
 
+def _shape(host: torch.Tensor, dev_rows: torch.Tensor) -> tuple[int, int, int]:
+    row_bytes = host.shape[1] * host.element_size()
+    width = _width(row_bytes, host.data_ptr(), dev_rows.data_ptr())
+    vpr = row_bytes // width
+    return width, vpr, _group(vpr)
+
+
 def check_and_compile(host: torch.Tensor, idx: torch.Tensor, dev_rows: torch.Tensor) -> None:
     """Everything a launch checks and builds, without launching (for all-or-nothing commits)."""
     _check(host, idx, dev_rows)
-    row_bytes = host.shape[1] * host.element_size()
-    _kernel_pair(dev_rows.device.index, _width(row_bytes, host.data_ptr(), dev_rows.data_ptr()))
+    width, _, group = _shape(host, dev_rows)
+    _kernel_pair(dev_rows.device.index, width, group)
 
 
 def _launch(op: str, host: torch.Tensor, idx: torch.Tensor, dev_rows: torch.Tensor) -> None:
@@ -181,26 +257,28 @@ def _launch(op: str, host: torch.Tensor, idx: torch.Tensor, dev_rows: torch.Tens
     n = idx.shape[0]
     if n == 0:
         return
-    row_bytes = host.shape[1] * host.element_size()
-    width = _width(row_bytes, host.data_ptr(), dev_rows.data_ptr())
+    width, vpr, group = _shape(host, dev_rows)
+    if vpr >= 1 << 31:
+        raise ValueError(f"UVA engine: rows of {vpr} vectors are too long for one kernel")
     device = dev_rows.device.index
-    gather, scatter = _kernel_pair(device, width)
-    vpr = row_bytes // width
-    n_vec = n * vpr
-    blocks = min(-(-n_vec // (THREADS * UNROLL)), _sm_count[device] * 16)
+    gather, scatter = _kernel_pair(device, width, group)
+    threads = THREADS
+    need = -(-n * group // (threads * UNROLL))
+    blocks = max(1, min(need, _sm_count[device] * BLOCKS_PER_SM))
     args = (cupy.uint64(host.data_ptr()), cupy.uint64(idx.data_ptr()), cupy.uint64(dev_rows.data_ptr()),
-            cupy.int64(n_vec), cupy.int64(vpr))
+            cupy.int64(n), cupy.int32(vpr), cupy.int64(host.shape[0]), cupy.uint64(_bad[device].data_ptr()))
     with cupy.cuda.Device(device):
         stream = _cupy_stream(device, torch.cuda.current_stream(dev_rows.device).cuda_stream)
         with stream:
-            (gather if op == "gather" else scatter)((blocks,), (THREADS,), args)
+            (gather if op == "gather" else scatter)((blocks,), (threads,), args)
     _launches[op] += 1
 
 
 def gather_rows(host: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
     """``out[i] = host[idx[i]]`` by a kernel reading page-locked ``host`` over PCIe (stream-ordered).
 
-    ``idx`` must already be bounds-checked: the kernel does not check it.
+    Rows whose index is out of range are skipped (``out[i]`` is left as it was) and flagged: check the
+    indices before (the tables do), or call :func:`take_bad_position` after.
     """
     _launch("gather", host, idx, out)
 
@@ -208,6 +286,25 @@ def gather_rows(host: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> Non
 def scatter_rows(host: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
     """``host[idx[i]] = src[i]`` by a kernel writing page-locked ``host`` over PCIe (stream-ordered).
 
-    ``idx`` must be bounds-checked and free of duplicates.
+    ``idx`` must be free of duplicates (which of two writes to one row lands is unspecified). Rows whose
+    index is out of range are skipped and flagged, as for :func:`gather_rows`.
     """
     _launch("scatter", host, idx, src)
+
+
+def take_bad_position(device: torch.device | int | None = None) -> int | None:
+    """The smallest position ``i`` whose index a UVA kernel on ``device`` refused as out of range since the
+    last call (``None`` if none), and reset the flag. Synchronises with the device."""
+    if device is None:
+        index = torch.cuda.current_device()
+    elif isinstance(device, int):
+        index = device
+    else:
+        index = torch.device(device).index
+        index = torch.cuda.current_device() if index is None else index
+    flag = _bad.get(index)
+    if flag is None:
+        return None
+    got = int(flag.item())
+    flag.fill_(_NO_BAD)
+    return None if got == _NO_BAD else got

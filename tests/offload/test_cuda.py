@@ -135,3 +135,85 @@ def test_embedding_training_identical_on_both_engines(cache_rows):
     # SparseAdam divides eps by sqrt(bias_correction2), Adam does not: the hottest rows (touched every step,
     # large gradients) drift apart by a few 1e-5 over 12 steps at lr 0.01 (seen on an H200).
     torch.testing.assert_close(tables["uva"][0], ref.weight.detach().cpu(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("threads,unroll,load,store", [(256, 4, "plain", "plain"), (32, 1, "cs", "cs"),
+                                                       (1024, 8, "nc", "wt"), (128, 3, "plain", "cs")])
+@pytest.mark.parametrize("dtype,dim", [(torch.float32, 128), (torch.float32, 3), (torch.uint8, 13),
+                                       (torch.float32, 1000), (torch.float16, 40)])
+def test_uva_kernel_variants_match_indexing(monkeypatch, threads, unroll, load, store, dtype, dim):
+    """Every launch shape and cache policy the benchmark can pick copies exactly the rows asked for."""
+    pytest.importorskip("cupy")
+    from offload import _uva
+
+    for name, value in (("THREADS", threads), ("UNROLL", unroll), ("LOAD", load), ("STORE", store),
+                        ("BLOCKS_PER_SM", 1)):
+        monkeypatch.setattr(_uva, name, value)
+    g = torch.Generator().manual_seed(dim)
+    rows = 3001
+    src = (torch.randn(rows, dim, generator=g) * 50).to(dtype)
+    host = src.clone().pin_memory()
+    idx = torch.randperm(rows, generator=g)[:1777]
+    out = torch.full((1777, dim), 7, dtype=dtype, device="cuda")
+    _uva.gather_rows(host, idx.cuda(), out)
+    assert torch.equal(out.cpu(), src[idx])
+    vals = (torch.randn(1777, dim, generator=g) * 50).to(dtype)
+    _uva.scatter_rows(host, idx.cuda(), vals.cuda())
+    torch.cuda.synchronize()
+    expected = src.clone()
+    expected[idx] = vals
+    assert torch.equal(host, expected)
+    assert _uva.take_bad_position("cuda") is None
+
+
+def test_uva_kernel_refuses_out_of_range_indices():
+    """Indices that slip past the host check are skipped by the kernel itself and flagged: the rows just
+    outside the table (guard rows of the same pinned buffer) are neither read nor written."""
+    pytest.importorskip("cupy")
+    from offload import _uva
+
+    big = torch.randn(120, 16).pin_memory()
+    host = big[10:110]  # the table: 100 rows with 10 guard rows on each side
+    big[:10] = float("nan")  # a read of a guard row would show up as NaN
+    big[110:] = float("nan")
+    before = big.clone()
+    idx = torch.tensor([5, 100, 7, -1, 99, 1 << 40], device="cuda")
+    out = torch.zeros(6, 16, device="cuda")
+    _uva.gather_rows(host, idx, out)
+    assert _uva.take_bad_position("cuda") == 1
+    got = out.cpu()
+    assert torch.equal(got[[0, 2, 4]], host[[5, 7, 99]]) and torch.equal(got[[1, 3, 5]], torch.zeros(3, 16))
+    assert _uva.take_bad_position("cuda") is None  # the flag was reset
+    _uva.scatter_rows(host, idx[3:], torch.ones(3, 16, device="cuda"))
+    torch.cuda.synchronize()
+    assert _uva.take_bad_position("cuda") == 0
+    after = before.clone()
+    after[10 + 99] = 1.0
+    assert torch.equal(big.isnan(), after.isnan()) and torch.equal(big.nan_to_num(), after.nan_to_num())
+
+
+def test_cpu_engine_staging_rotation_wraps(monkeypatch):
+    """The CPU engine with tiny staging pieces: many chunks, the rotation wraps around many times, and
+    scatter's queue of pending pieces drains in order."""
+    from offload import _table
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    monkeypatch.setattr(_table._Staging, "BYTES", 64 << 10)
+    monkeypatch.setattr(_table._Staging, "CHUNK_BYTES", 4 << 10)
+    old = _table._staging.pop(dev.index, None)
+    try:
+        g = torch.Generator().manual_seed(3)
+        src = torch.randn(20_000, 128, generator=g)
+        t = offload.HostTable.from_tensor(src, device=dev, engine="cpu")
+        idx = torch.randperm(20_000, generator=g)[:5003]
+        assert torch.equal(t.gather(idx.cuda(), unique=True).cpu(), src[idx])
+        vals = torch.randn(5003, 128, generator=g)
+        t.scatter(idx.cuda(), vals.cuda(), unique=True)
+        expected = src.clone()
+        expected[idx] = vals
+        assert torch.equal(t.data, expected)
+        assert len(_table._staging[dev.index].events) == 16
+    finally:  # later users get staging of the default size again
+        _table._staging.pop(dev.index, None)
+        if old is not None:
+            _table._staging[dev.index] = old

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -156,3 +158,57 @@ def test_host_array_and_batches(device, tmp_path):
     assert sum(1 for _ in offload.batches(xs, batch_size=5, drop_last=True)) == 4
     with pytest.raises(ValueError, match="arrays differ in length"):
         next(offload.batches(xs, offload.HostArray(torch.zeros(3)), batch_size=2))
+
+
+def _advised_huge(ptr: int) -> bool:
+    """Whether the mapping holding ``ptr`` carries the MADV_HUGEPAGE advice ("hg" in /proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= ptr < hi
+            elif inside and head == "VmFlags:":
+                return "hg" in line.split()[1:]
+    return False
+
+
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
+                    reason="needs Linux transparent huge pages")
+@pytest.mark.parametrize("huge", [True, False])
+def test_large_tables_are_usable_with_and_without_huge_pages(monkeypatch, huge):
+    """A table above the huge-page threshold lives in an anonymous map advised for huge pages; it behaves
+    like any other table, and its memory stays valid while any tensor viewing it lives."""
+    from offload import _memory
+
+    monkeypatch.setattr(_memory, "HUGE_PAGES", huge)
+    monkeypatch.setattr(_memory, "HUGE_PAGE_MIN", 1 << 20)
+    g = torch.Generator().manual_seed(0)
+    src = torch.randn(4096, 96, generator=g)  # 1.5 MiB
+    t = offload.HostTable.from_tensor(src, device="cpu", pin=False)
+    assert torch.equal(t.data, src) and t.data.is_contiguous()
+    assert _advised_huge(t.data.data_ptr()) == huge
+    idx = torch.randperm(4096, generator=g)[:700]
+    vals = torch.randn(700, 96, generator=g)
+    t.scatter(idx, vals)
+    expected = src.clone()
+    expected[idx] = vals
+    view = t.data[100:200]
+    del t
+    assert torch.equal(view, expected[100:200])  # the map outlives the table while a view holds it
+    z = offload.HostTable(3000, 128, fill=0.0, device="cpu", pin=False)
+    assert not z.data.any()
+
+
+def test_wide_views_keep_the_bytes():
+    from offload._table import _wide
+
+    x = torch.randn(10, 12)  # 48-byte rows: complex128 (16 bytes)
+    assert _wide(x).dtype == torch.complex128 and _wide(x).shape == (10, 3)
+    assert torch.equal(_wide(x).view(torch.float32), x)
+    assert _wide(torch.zeros(4, 3, dtype=torch.int16)).dtype == torch.int16  # 6-byte rows
+    assert _wide(torch.zeros(4, 5, dtype=torch.uint8)).dtype == torch.uint8
+    assert _wide(x[1:]).dtype == torch.complex128  # row offsets of 48 bytes stay 16-byte aligned
+    y = torch.randn(10, 2)[1:]  # 8-byte rows at an 8-byte offset
+    assert _wide(y).dtype == torch.int64 and torch.equal(_wide(y).view(torch.float32), y)

@@ -1,0 +1,375 @@
+"""HostTable gather / scatter bandwidth (GPU): part A of bench_offload.py, plus the levers behind it.
+
+Default: exactly bench_offload.py's part A (10M x 128 fp32 table of torch.empty + normal_, pinned in place;
+131,072 rows; the same generator seeds, indices and timing), each figure against a pinned contiguous copy
+of the same bytes measured in the same run.
+
+``--explore`` adds the measurements that locate the limits: UVA kernel shapes and cache policies, the
+access pattern (contiguous rows, a small window, the whole table, sorted or not), a huge-page table, the
+CPU engine's staging chunk and CPU indexing alone, hybrid splits, the host-side work (dedup, bounds
+check, syncs), UVA traffic concurrent with a DMA copy, and the ceiling of a device-side gather plus one
+contiguous copy.
+
+    PYTHONPATH=. python3 tests/benchmarks/bench_host_table.py --out host_table.json [--explore]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+
+import torch
+
+import offload
+from offload import _memory, _table, _uva
+
+T0 = time.perf_counter()
+RESULTS: list[dict] = []
+dev = torch.device("cuda")
+
+
+def emit(**kw):
+    kw["t"] = round(time.perf_counter() - T0, 1)
+    RESULTS.append(kw)
+    print(json.dumps(kw), flush=True)
+
+
+def cuda_time(fn, iters=10, warmup=2, repeats=3):
+    """Median over ``repeats`` of the mean time of ``iters`` back-to-back calls (as bench_offload.py)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    means = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+        means.append((time.perf_counter() - t0) / iters)
+    return sorted(means)[len(means) // 2]
+
+
+def meminfo(key):
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def setup():
+    rows, dim, n = 10_000_000, 128, 131_072
+    t0 = time.perf_counter()
+    data = torch.empty(rows, dim)
+    data.normal_()
+    t_fill = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    table = offload.HostTable.from_tensor(data, device=dev, copy=False, pin=True)
+    emit(part="A", note="10M x 128 fp32 table", fill_s=t_fill, pin_s=time.perf_counter() - t0,
+         anon_huge_gib=(meminfo("AnonHugePages") or 0) / 2**30)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    idx = torch.randint(0, rows, (n,), device=dev, generator=gen)
+    uniq = torch.randperm(rows, device=dev, generator=gen)[:n]
+    return dict(rows=rows, dim=dim, n=n, data=data, table=table, idx=idx, idx_cpu=idx.cpu(), uniq=uniq,
+                uniq_sorted=uniq.sort().values, nbytes=n * dim * 4)
+
+
+def anchors(s):
+    n, dim, nbytes = s["n"], s["dim"], s["nbytes"]
+    buf = torch.empty(n, dim, pin_memory=True)
+    dbuf = torch.empty(n, dim, device=dev)
+    h2d = cuda_time(lambda: dbuf.copy_(buf, non_blocking=True), 20)
+    d2h = cuda_time(lambda: buf.copy_(dbuf, non_blocking=True), 20)
+    emit(part="A", op="gather", impl="anchor: pinned contiguous H2D copy", ms=h2d * 1e3, GBps=nbytes / h2d / 1e9)
+    emit(part="A", op="scatter", impl="anchor: pinned contiguous D2H copy", ms=d2h * 1e3, GBps=nbytes / d2h / 1e9)
+    s.update(h2d=h2d, d2h=d2h, buf=buf, dbuf=dbuf)
+
+
+def part_a(s):
+    data, table, idx, idx_cpu, uniq, uniq_sorted = (s[k] for k in ("data", "table", "idx", "idx_cpu", "uniq",
+                                                                    "uniq_sorted"))
+    n, dim, nbytes, h2d, d2h, buf, dbuf = (s[k] for k in ("n", "dim", "nbytes", "h2d", "d2h", "buf", "dbuf"))
+
+    def torch_staged():
+        torch.index_select(data, 0, idx_cpu, out=buf)
+        dbuf.copy_(buf, non_blocking=True)
+        torch.cuda.current_stream().synchronize()  # buf is reused: no overlap with the next call
+
+    t = cuda_time(torch_staged, 5)
+    emit(part="A", op="gather", impl="anchor: torch index_select -> pinned buffer -> copy", ms=t * 1e3,
+         GBps=nbytes / t / 1e9, ratio=h2d / t)
+    t = cuda_time(lambda: data[idx_cpu].to(dev), 3, 1, 1)
+    emit(part="A", op="gather", impl="anchor: host[idx].cuda()", ms=t * 1e3, GBps=nbytes / t / 1e9, ratio=h2d / t)
+
+    for engine in ("uva", "cpu", "hybrid"):
+        table.engine = engine
+        try:
+            got = table.gather(idx)
+            torch.cuda.synchronize()
+            ok = torch.equal(got.cpu(), data[idx_cpu])
+            for label, fn in [("gather(idx) [dedup + bounds check]", lambda: table.gather(idx)),
+                              ("gather(unique sorted idx, unique=True)",
+                               lambda: table.gather(uniq_sorted, unique=True, out=dbuf))]:
+                t = cuda_time(fn, 10)
+                emit(part="A", op="gather", impl=f"offload {engine}: {label}", ms=t * 1e3, GBps=nbytes / t / 1e9,
+                     ratio=h2d / t, correct=ok)
+            src = torch.randn(n, dim, device=dev)
+            table.scatter(uniq, src, unique=True)
+            torch.cuda.synchronize()
+            ok = torch.equal(table.data[uniq.cpu()], src.cpu())
+            for label, fn in [("scatter(idx) [distinct check]", lambda src=src: table.scatter(uniq, src)),
+                              ("scatter(idx, unique=True)",
+                               lambda src=src: table.scatter(uniq, src, unique=True))]:
+                t = cuda_time(fn, 10)
+                emit(part="A", op="scatter", impl=f"offload {engine}: {label}", ms=t * 1e3, GBps=nbytes / t / 1e9,
+                     ratio=d2h / t, correct=ok)
+        except Exception as e:  # report and go on
+            emit(part="A", impl=f"offload {engine}", error=repr(e)[:400])
+    table.engine = None
+    emit(part="A", note="auto engine choice", choice=offload.engine_choice(dev))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Exploration
+
+
+def _set(**kw):
+    old = {k: getattr(_uva, k) for k in kw}
+    for k, v in kw.items():
+        setattr(_uva, k, v)
+    return old
+
+
+def kernel_variants(s, host, tag):
+    """Raw UVA kernels (no table overhead) over several index patterns and launch shapes."""
+    n, dim, h2d, d2h, dbuf = (s[k] for k in ("n", "dim", "h2d", "d2h", "dbuf"))
+    g = torch.Generator(device=dev).manual_seed(5)
+    patterns = {
+        "contiguous rows 0..n-1": torch.arange(n, device=dev),
+        "window 4n rows, sorted": torch.randperm(4 * n, device=dev, generator=g)[:n].sort().values,
+        "whole table, sorted": s["uniq_sorted"],
+        "whole table, random order": s["uniq"],
+    }
+    src = torch.randn(n, dim, device=dev)
+    shapes = [(256, 4, 8)]
+    if tag == "main":
+        shapes = [(256, 1, 8), (256, 2, 8), (256, 4, 8), (256, 8, 8), (256, 16, 8), (512, 4, 4), (1024, 4, 2),
+                  (1024, 8, 2), (256, 4, 16), (256, 4, 32), (128, 8, 16)]
+    for threads, unroll, bps in shapes:
+        old = _set(THREADS=threads, UNROLL=unroll, BLOCKS_PER_SM=bps)
+        pats = patterns if (threads, unroll, bps) == (256, 4, 8) else {"whole table, sorted": s["uniq_sorted"]}
+        for pname, p in pats.items():
+            tg = cuda_time(lambda p=p: _uva.gather_rows(host, p, dbuf), 10)
+            ts = cuda_time(lambda p=p: _uva.scatter_rows(host, p, src), 10)
+            emit(part="X", what=f"{tag} raw kernel", threads=threads, unroll=unroll, blocks_per_sm=bps, pattern=pname,
+                 gather_ms=tg * 1e3, gather_ratio=h2d / tg, scatter_ms=ts * 1e3, scatter_ratio=d2h / ts)
+        _set(**old)
+    if tag != "main":
+        return
+    p = s["uniq_sorted"]
+    for load in ("cs", "nc"):
+        old = _set(LOAD=load)
+        tg = cuda_time(lambda: _uva.gather_rows(host, p, dbuf), 10)
+        emit(part="X", what="raw gather, load policy", load=load, gather_ms=tg * 1e3, gather_ratio=h2d / tg)
+        _set(**old)
+    for store in ("cs", "wt"):
+        old = _set(STORE=store)
+        for pname in ("contiguous rows 0..n-1", "whole table, sorted"):
+            q = patterns[pname]
+            ts = cuda_time(lambda q=q: _uva.scatter_rows(host, q, src), 10)
+            emit(part="X", what="raw scatter, store policy", store=store, pattern=pname, scatter_ms=ts * 1e3,
+                 scatter_ratio=d2h / ts)
+        _set(**old)
+    # correctness of the default variant on this table
+    _uva.gather_rows(host, p, dbuf)
+    torch.cuda.synchronize()
+    emit(part="X", what="raw gather correct", ok=bool(torch.equal(dbuf.cpu(), host[p.cpu()])))
+
+
+def concurrency(s):
+    """The UVA kernel on half the rows while a DMA copy moves the other half's bytes: does the link carry both?"""
+    n, h2d, d2h, buf, dbuf, host = (s[k] for k in ("n", "h2d", "d2h", "buf", "dbuf", "data"))
+    half = n // 2
+    p = s["uniq_sorted"][:half]
+    side = torch.cuda.Stream()
+    out = dbuf[:half]
+    for op in ("gather", "scatter"):
+        def kern(op=op):
+            if op == "gather":
+                _uva.gather_rows(host, p, out)
+            else:
+                _uva.scatter_rows(host, p, out)
+
+        def dma(op=op):
+            if op == "gather":
+                dbuf[half:].copy_(buf[half:], non_blocking=True)
+            else:
+                buf[half:].copy_(dbuf[half:], non_blocking=True)
+
+        def both():
+            side.wait_stream(torch.cuda.current_stream())
+            kern()
+            with torch.cuda.stream(side):
+                dma()
+            torch.cuda.current_stream().wait_stream(side)
+
+        tk, td, tb = cuda_time(kern, 10), cuda_time(dma, 10), cuda_time(both, 10)
+        anchor = h2d if op == "gather" else d2h
+        emit(part="X", what=f"concurrency {op}: UVA half + DMA half", kernel_ms=tk * 1e3, dma_ms=td * 1e3,
+             both_ms=tb * 1e3, both_ratio=anchor / tb)
+
+
+def host_side(s):
+    table, idx, n = s["table"], s["idx"], s["n"]
+    t = cuda_time(lambda: torch.unique(idx, sorted=True, return_inverse=True), 10)
+    emit(part="X", what="torch.unique(idx, return_inverse) on GPU", ms=t * 1e3)
+    t = cuda_time(lambda: torch.sort(idx), 10)
+    emit(part="X", what="torch.sort(idx) on GPU", ms=t * 1e3)
+    t = cuda_time(lambda: torch.stack(torch.aminmax(idx)).tolist(), 10)
+    emit(part="X", what="aminmax + tolist (sync)", ms=t * 1e3)
+    t = cuda_time(lambda: table.prepare(idx), 10)
+    emit(part="X", what="table.prepare(idx) (dedup + bounds check)", ms=t * 1e3)
+    t = cuda_time(lambda: table.prepare(s["uniq_sorted"], unique=True), 10)
+    emit(part="X", what="table.prepare(uniq, unique=True)", ms=t * 1e3)
+    t = cuda_time(lambda: s["uniq_sorted"].cpu(), 10)
+    emit(part="X", what="indices to host (.cpu())", ms=t * 1e3)
+    t = cuda_time(lambda: torch.empty(n, s["dim"], device=dev), 10)
+    emit(part="X", what="torch.empty rows on GPU", ms=t * 1e3)
+
+
+def cpu_side(s):
+    data, n, dim, nbytes = s["data"], s["n"], s["dim"], s["nbytes"]
+    ic = s["uniq_sorted"].cpu()
+    pin = torch.empty(n, dim, pin_memory=True)
+    src = torch.randn(n, dim).pin_memory()
+    w_data, w_pin, w_src = _table._wide(data), _table._wide(pin), _table._wide(src)
+    for label, fn in [("index_select fp32", lambda: torch.index_select(data, 0, ic, out=pin)),
+                      ("index_select wide", lambda: torch.index_select(w_data, 0, ic, out=w_pin)),
+                      ("index_copy_ fp32", lambda: data.index_copy_(0, ic, src)),
+                      ("index_copy_ wide", lambda: w_data.index_copy_(0, ic, w_src))]:
+        t = cuda_time(fn, 5)
+        emit(part="X", what=f"CPU alone: {label}, {torch.get_num_threads()} threads", ms=t * 1e3,
+             GBps=nbytes / t / 1e9)
+
+
+def cpu_engine_chunks(s):
+    table, dbuf, h2d, d2h, uniq_sorted = (s[k] for k in ("table", "dbuf", "h2d", "d2h", "uniq_sorted"))
+    src = torch.randn(s["n"], s["dim"], device=dev)
+    table.engine = "cpu"
+    old = _table._Staging.CHUNK_BYTES
+    for mib in (1, 2, 4, 8, 16):
+        _table._Staging.CHUNK_BYTES = mib << 20
+        tg = cuda_time(lambda: table.gather(uniq_sorted, unique=True, out=dbuf), 10)
+        ts = cuda_time(lambda: table.scatter(uniq_sorted, src, unique=True), 10)
+        emit(part="X", what="cpu engine chunk", chunk_mib=mib, gather_ms=tg * 1e3, gather_ratio=h2d / tg,
+             scatter_ms=ts * 1e3, scatter_ratio=d2h / ts)
+    _table._Staging.CHUNK_BYTES = old
+    table.engine = None
+
+
+def hybrid_split(s):
+    table, dbuf, h2d, d2h, uniq_sorted = (s[k] for k in ("table", "dbuf", "h2d", "d2h", "uniq_sorted"))
+    src = torch.randn(s["n"], s["dim"], device=dev)
+    offload.engine_choice(dev)
+    saved = dict(_table._fractions)
+    emit(part="X", what="measured hybrid fractions (uva share)", fractions={str(k): v for k, v in saved.items()})
+    table.engine = "hybrid"
+    for f in (0.2, 0.35, 0.5, 0.65, 0.8):
+        _table._fractions[(dev.index or 0, "gather")] = f
+        _table._fractions[(dev.index or 0, "scatter")] = f
+        tg = cuda_time(lambda: table.gather(uniq_sorted, unique=True, out=dbuf), 10)
+        ts = cuda_time(lambda: table.scatter(uniq_sorted, src, unique=True), 10)
+        emit(part="X", what="hybrid split", uva_share=f, gather_ms=tg * 1e3, gather_ratio=h2d / tg,
+             scatter_ms=ts * 1e3, scatter_ratio=d2h / ts)
+    _table._fractions.update(saved)
+    table.engine = None
+
+
+def ceiling(s):
+    """A device-side gather from a GPU-resident table plus one contiguous H2D copy of the same bytes."""
+    gpu_table = s["data"].to(dev)
+    dbuf, h2d, buf = s["dbuf"], s["h2d"], s["buf"]
+    out = torch.empty_like(dbuf)
+    t_g = cuda_time(lambda: torch.index_select(gpu_table, 0, s["uniq_sorted"], out=out), 10)
+
+    def both():
+        dbuf.copy_(buf, non_blocking=True)
+        torch.index_select(gpu_table, 0, s["uniq_sorted"], out=out)
+
+    t_b = cuda_time(both, 10)
+    emit(part="X", what="ceiling: GPU-resident gather + contiguous H2D", gpu_gather_ms=t_g * 1e3,
+         both_ms=t_b * 1e3, ratio=h2d / t_b)
+    gpu_table = None
+    torch.cuda.empty_cache()
+
+
+def huge_table(s):
+    t0 = time.perf_counter()
+    before = meminfo("AnonHugePages") or 0
+    ht = offload.HostTable.from_tensor(s["data"], device=dev, pin=True)  # allocate_host: huge-page advised
+    emit(part="X", what="huge-page table (copy of the data)", s=time.perf_counter() - t0,
+         anon_huge_gib_added=((meminfo("AnonHugePages") or 0) - before) / 2**30, huge_pages=_memory.HUGE_PAGES)
+    kernel_variants(s, ht._data, "huge-page table")
+    ht.engine = "cpu"
+    tg = cuda_time(lambda: ht.gather(s["uniq_sorted"], unique=True, out=s["dbuf"]), 10)
+    emit(part="X", what="huge-page table, cpu engine gather", ms=tg * 1e3, ratio=s["h2d"] / tg)
+    ht.close()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "host_table.json"))
+    ap.add_argument("--explore", action="store_true")
+    ap.add_argument("--ncu", action="store_true", help="a few kernels on a 1 GiB table, for ncu")
+    args = ap.parse_args()
+    if args.ncu:
+        data = torch.randn(2_000_000, 128)
+        table = offload.HostTable.from_tensor(data, device=dev, copy=False, pin=True, engine="uva")
+        p = torch.randperm(2_000_000, device=dev)[:131_072].sort().values
+        rows = table.gather(p, unique=True)
+        table.scatter(p, rows, unique=True)
+        table.gather(torch.arange(131_072, device=dev), unique=True)
+        table.scatter(torch.arange(131_072, device=dev), rows, unique=True)
+        torch.cuda.synchronize()
+        return
+    try:
+        thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()
+    except OSError:
+        thp = None
+    try:
+        link = subprocess.run(["nvidia-smi", "--query-gpu=pcie.link.gen.current,pcie.link.width.current,"
+                               "pcie.link.gen.max", "--format=csv,noheader"], capture_output=True, text=True,
+                              timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        link = None
+    emit(note="env", torch=torch.__version__, gpu=torch.cuda.get_device_name(), threads=torch.get_num_threads(),
+         cupy=_uva.cupy.__version__ if _uva.cupy is not None else None, thp=thp, pcie=link,
+         uva=dict(threads=_uva.THREADS, unroll=_uva.UNROLL, blocks_per_sm=_uva.BLOCKS_PER_SM, load=_uva.LOAD,
+                  store=_uva.STORE), chunk_mib=_table._Staging.CHUNK_BYTES >> 20)
+    s = setup()
+    anchors(s)
+    steps = [part_a]
+    if args.explore:
+        steps = [lambda s: kernel_variants(s, s["data"], "main"), concurrency, host_side, cpu_side,
+                 cpu_engine_chunks, hybrid_split, ceiling, part_a, huge_table]
+    for step in steps:
+        try:
+            step(s)
+        except Exception as e:
+            import traceback
+
+            emit(error=repr(e)[:400], tb=traceback.format_exc()[-1500:])
+        with open(args.out, "w") as f:
+            json.dump(RESULTS, f, indent=1)
+    print("\n| what | ms | GB/s | share of the contiguous copy |")
+    for r in RESULTS:
+        if r.get("part") == "A" and "impl" in r and "ms" in r:
+            print(f"| {r['op']}: {r['impl']} | {r['ms']:.3f} | {r['GBps']:.1f} | "
+                  f"{r.get('ratio', 1.0):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
