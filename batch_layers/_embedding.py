@@ -58,7 +58,8 @@ def check_indices(device: torch.device | str | None = None) -> None:
 
 
 def _use_kernels(weight: Tensor) -> bool:
-    if not _cuda.use_kernels(weight.device):
+    """Whether a CUDA ``weight`` is looked up by the kernels (backend switch, CuPy, dtype)."""
+    if get_backend() == "torch" or not _cuda.use_kernels(weight.device):
         return False
     if weight.dtype not in _KERNEL_DTYPES:
         if get_backend() == "cupy":
@@ -110,41 +111,60 @@ def _positions(idx: Tensor, tables: int, num: int, per: int) -> tuple[Tensor, Te
 
 
 class _LookupFn(torch.autograd.Function):
-    """Row lookup in ``tables`` tables of ``num`` rows (``weight`` holds ``tables * num`` rows)."""
+    """Row lookup in ``tables`` tables of ``num`` rows (``weight`` holds ``tables * num`` rows).
+
+    ``meta`` is ``(tables, num, per, pad, freq, kernels, weight shape, weight dtype, output shape)``, one
+    argument so that ``apply`` has little to walk; the output has its final shape (no view node).
+    """
 
     @staticmethod
-    def forward(ctx, weight, idx, tables, num, per, pad, freq, kernels):
-        dim = weight.shape[-1]
-        flat = weight.view(tables * num, dim)
+    def forward(ctx, weight, idx, meta):
+        tables, num, per, _, _, kernels, shape, _, out_shape = meta
         if kernels:
-            out = _cuda.gather(flat, idx, tables, num, per)
+            out = _cuda.gather(weight, idx, tables, num, per, out_shape)
         else:
+            flat = weight.view(tables * num, shape[-1])
             local, key = _positions(idx, tables, num, per)
-            valid = (local >= 0) & (local < num)
             if weight.is_cuda:
+                valid = (local >= 0) & (local < num)
                 if idx.numel():
                     _cuda.record_bad_indices(idx, num)
                 out = flat.index_select(0, torch.where(valid, key, 0)).masked_fill_(~valid.unsqueeze(1), 0)
             else:
                 out = flat.index_select(0, key)  # indices were validated by the caller
+            out = out.view(out_shape)
         ctx.save_for_backward(idx)
-        ctx.meta = (tables, num, per, pad, freq, kernels, weight.shape, weight.dtype)
+        ctx.meta = meta
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad):
-        if not ctx.needs_input_grad[0]:
-            return (None,) * 8
-        (idx,) = ctx.saved_tensors
-        tables, num, per, pad, freq, kernels, shape, dtype = ctx.meta
-        grad = grad.contiguous()
-        if kernels and not torch.are_deterministic_algorithms_enabled():
-            counts = _cuda.counts(idx, tables, num, per) if freq else None
-            gw = _cuda.scatter(grad, idx, tuple(shape), tables, num, per, pad, counts)
-        else:
-            gw = _reference_scatter(grad, idx, tables, num, per, pad, freq, shape, dtype)
-        return (gw if gw.dtype == dtype else gw.to(dtype)), None, None, None, None, None, None, None
+        if torch.is_grad_enabled():  # create_graph=True: refuse a second derivative, as once_differentiable
+            return _lookup_backward_once(ctx, grad)
+        return _lookup_backward(ctx, grad)
+
+
+def _lookup_backward(ctx, grad):
+    if not ctx.needs_input_grad[0]:
+        return None, None, None
+    (idx,) = ctx.saved_tensors
+    tables, num, per, pad, freq, kernels, shape, dtype, _ = ctx.meta
+    if kernels and not torch.are_deterministic_algorithms_enabled():
+        if not grad.is_contiguous():
+            grad = grad.contiguous()
+        counts = _cuda.counts(idx, tables, num, per) if freq else None
+        gw = _cuda.scatter(grad, idx, shape, tables, num, per, pad, counts)
+    else:
+        gw = _reference_scatter(grad.reshape(-1, shape[-1]), idx.reshape(-1), tables, num, per, pad, freq, shape, dtype)
+    return (gw if gw.dtype == dtype else gw.to(dtype)), None, None
+
+
+_lookup_backward_once = once_differentiable(_lookup_backward)
+_functorch_active = torch._C._are_functorch_transforms_active
+try:  # the C++ apply without Function.apply's Python wrapper (used when no functorch transform is active)
+    _lookup_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _LookupFn)
+except (AttributeError, KeyError, TypeError):  # pragma: no cover - depends on the torch version
+    _lookup_apply = _LookupFn.apply
 
 
 def _reference_scatter(grad, idx, tables, num, per, pad, freq, shape, dtype) -> Tensor:
@@ -200,38 +220,46 @@ def batched_embedding(
     """
     if sparse:
         raise ValueError(_SPARSE_MSG)
-    if weight.dim() not in (2, 3):
+    wdim = weight.dim()
+    if wdim != 3 and wdim != 2:
         raise ValueError(f"weight must be (B, num_embeddings, dim) or (num_embeddings, dim), got {tuple(weight.shape)}")
     _check_index_tensor(input, weight)
-    tables = weight.shape[0] if weight.dim() == 3 else 1
-    num, dim = weight.shape[-2], weight.shape[-1]
-    pad = _normalize_padding(padding_idx, num)
+    shape = weight.shape
+    tables = shape[0] if wdim == 3 else 1
+    num, dim = shape[-2], shape[-1]
+    pad = -1 if padding_idx is None else _normalize_padding(padding_idx, num)
     if weight.is_cuda:
-        _cuda.raise_pending(weight.device)
+        _cuda.raise_pending(weight.get_device())
         kernels = _use_kernels(weight)
     else:
         kernels = False
-    idx = input.reshape(-1)
-    if not idx.is_contiguous():
-        idx = idx.contiguous()
+    n = input.numel()
     if shared:
-        per = idx.numel()
+        per = n
         out_shape = (tables * input.shape[0], *input.shape[1:], dim) if input.dim() else (tables, dim)
     else:
-        if idx.numel() % tables:
+        if n % tables:
             raise ValueError(
                 f"expected the indices to hold {tables} models' lookups (numel divisible by B = {tables}), "
                 f"got shape {tuple(input.shape)}"
             )
-        per = idx.numel() // tables
+        per = n // tables
         out_shape = (*input.shape, dim)
-    if not weight.is_cuda:
-        _raise_bad_now(idx, num)
-    if max_norm is not None:
-        _renorm_(weight, idx, tables, num, per, max_norm, norm_type)
+    if kernels and max_norm is None:  # the hot path: the kernels read the indices in place
+        idx = input if input.is_contiguous() else input.contiguous()
+    else:
+        idx = input.reshape(-1)
+        if not idx.is_contiguous():
+            idx = idx.contiguous()
+        if not weight.is_cuda:
+            _raise_bad_now(idx, num)
+        if max_norm is not None:
+            _renorm_(weight, idx, tables, num, per, max_norm, norm_type)
     w = weight if weight.is_contiguous() else weight.contiguous()
-    out = _LookupFn.apply(w, idx, tables, num, per, -1 if pad is None else pad, bool(scale_grad_by_freq), kernels)
-    return out.view(out_shape)
+    meta = (tables, num, per, pad, bool(scale_grad_by_freq), kernels, shape, weight.dtype, out_shape)
+    if _functorch_active():
+        return _LookupFn.apply(w, idx, meta)
+    return _lookup_apply(w, idx, meta)
 
 
 _SHARED_DOC = """

@@ -30,6 +30,8 @@ the next forward, and :func:`check` synchronises and raises at once.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import struct
 import threading
 import warnings
 from collections import Counter
@@ -49,6 +51,8 @@ else:
 
 __all__ = [
     "LAUNCHES",
+    "LAUNCH_MODE",
+    "SLOW_LAUNCHES",
     "check",
     "cupy_available",
     "raise_pending",
@@ -58,6 +62,9 @@ __all__ = [
 
 #: Kernel launches per kernel name since import; tests use it to prove the CuPy path ran.
 LAUNCHES: Counter[str] = Counter()
+#: The launches among those that took the slower ``cupy.cuda.Function`` call instead of the direct
+#: ``cuLaunchKernel`` (see :data:`LAUNCH_MODE`).
+SLOW_LAUNCHES: Counter[str] = Counter()
 
 _LOCK = threading.Lock()
 _KERNELS: dict[tuple, object] = {}
@@ -334,12 +341,20 @@ class _StreamProtocol:
         return (0, self.ptr)
 
 
-def _stream_ptr(index: int) -> int:
-    """The raw ``cudaStream_t`` of torch's current stream on device ``index``."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return raw(index)
+def _stream_ptr_slow(index: int) -> int:
     return torch.cuda.current_stream(index).cuda_stream
+
+
+#: ``_stream_ptr(index)``: the raw ``cudaStream_t`` of torch's current stream on device ``index``.
+_stream_ptr = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _stream_ptr_slow
+
+
+def _current_device_slow() -> int:
+    return torch.cuda.current_device()
+
+
+#: ``_current_device()``: the calling thread's current CUDA device index (no lazy-init check).
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or _current_device_slow
 
 
 def _external_stream(ptr: int, index: int):
@@ -357,9 +372,25 @@ def _external_stream(ptr: int, index: int):
     return stream
 
 
-def _compile(kind: str, source: str, name: str, defines: dict[str, object], device: torch.device):
-    """``(function, raw_kernel)`` compiled once per (kind, device, defines) and cached."""
-    index = _index(device)
+class _Kernel:
+    """A compiled kernel of one device: the CuPy ``Function`` and ``RawKernel``, the raw ``CUfunction``
+    (0 where CuPy does not expose it) and how its arguments are packed for ``cuLaunchKernel``."""
+
+    __slots__ = ("function", "index", "name", "pack_into", "ptr", "raw")
+
+    def __init__(self, raw, function, name: str, index: int, fmt: str) -> None:
+        self.raw = raw
+        self.function = function
+        self.name = name
+        self.index = index
+        ptr = getattr(function, "ptr", 0) if function is not None else 0
+        self.ptr = ptr if isinstance(ptr, int) else 0
+        self.pack_into = struct.Struct("<" + fmt).pack_into  # every argument is 8 bytes (pointers, long longs)
+
+
+def _compile(kind: str, source: str, name: str, defines: dict[str, object], index: int, fmt: str) -> _Kernel:
+    """The kernel compiled once per (kind, device, defines) and cached. ``fmt`` is the ``struct`` code of
+    its arguments (``Q`` a pointer, ``q`` a long long), in order."""
     key = (kind, index, *defines.values())
     entry = _KERNELS.get(key)
     if entry is None:
@@ -374,51 +405,115 @@ def _compile(kind: str, source: str, name: str, defines: dict[str, object], devi
                         function = raw.kernel  # the loaded cupy.cuda.Function of this device
                     except Exception:  # pragma: no cover - depends on the CuPy version
                         function = None
-                entry = (function, raw)
+                entry = _Kernel(raw, function, name, index, fmt)
                 _KERNELS[key] = entry
     return entry
 
 
-_DIRECT_LAUNCH = [True]
+_MAX_ARGS = 16
 
 
-def _launch(entry, name: str, grid: int, block: int, args: tuple, device: torch.device) -> None:
-    """Launch on torch's current stream of ``device``: ``Function(..., stream=)`` directly where CuPy
-    accepts it (no stream object, no context managers), else through a cached CuPy external stream."""
-    function, raw = entry
-    index = _index(device)
-    ptr = _stream_ptr(index)
-    switch = index != torch.cuda.current_device()
+class _ArgBuffer(threading.local):
+    """Per-thread ``cuLaunchKernel`` argument storage: ``_MAX_ARGS`` 8-byte slots and the ``void*[]`` that
+    points at them. Per thread because the launch releases the GIL (the autograd engine runs backward
+    passes on its own threads)."""
+
+    def __init__(self) -> None:
+        self.values = (ctypes.c_int64 * _MAX_ARGS)()
+        base = ctypes.addressof(self.values)
+        self.pointers = (ctypes.c_void_p * _MAX_ARGS)(*(base + 8 * k for k in range(_MAX_ARGS)))
+        self.params = ctypes.addressof(self.pointers)
+        self.ready: set[int] = set()  # devices whose context this thread has made current
+
+
+_ARGS = _ArgBuffer()
+#: How kernels are launched: ``"driver"`` packs the arguments into a per-thread buffer and calls
+#: ``cuLaunchKernel`` once (a few hundred ns of Python); ``"cupy"`` calls ``cupy.cuda.Function``,
+#: which converts every argument on each call. Tests and the benchmark flip it.
+LAUNCH_MODE = ["driver" if cupy is not None and hasattr(getattr(cupy.cuda, "driver", None), "launchKernel")
+               else "cupy"]
+
+
+def _make_context_current(buf: _ArgBuffer, index: int) -> None:
+    """Once per thread and device: make sure a CUDA context is current before a driver-API launch (torch's
+    threads have one once they ran CUDA work; a fresh thread may not)."""
+    get = getattr(cupy.cuda.driver, "ctxGetCurrent", None)
+    if get is None or get() == 0:
+        cupy.cuda.runtime.free(0)  # the runtime makes the current device's primary context current
+    buf.ready.add(index)
+
+
+def _launch(kernel: _Kernel, grid: int, block: int, args: tuple) -> None:
+    """Launch ``kernel`` on torch's current stream of its device.
+
+    Fast path (``LAUNCH_MODE == "driver"``, the kernel's device current): the arguments go into this
+    thread's packed buffer and one ``cuLaunchKernel`` call (through CuPy's driver binding, which checks
+    the result and raises ``CUDADriverError``). Otherwise ``cupy.cuda.Function.__call__`` under the
+    kernel's device (or, without it, the ``RawKernel`` inside a CuPy external stream).
+    """
+    index = kernel.index
+    stream = _stream_ptr(index)
+    if kernel.ptr and LAUNCH_MODE[0] == "driver":
+        if _current_device() == index:
+            buf = _ARGS
+            if index not in buf.ready:
+                _make_context_current(buf, index)
+            kernel.pack_into(buf.values, 0, *args)
+            _DRIVER_LAUNCH(kernel.ptr, grid, 1, 1, block, 1, 1, 0, stream, buf.params, 0)
+        else:
+            with cupy.cuda.Device(index):
+                buf = _ARGS
+                if index not in buf.ready:
+                    _make_context_current(buf, index)
+                kernel.pack_into(buf.values, 0, *args)
+                _DRIVER_LAUNCH(kernel.ptr, grid, 1, 1, block, 1, 1, 0, stream, buf.params, 0)
+        LAUNCHES[kernel.name] += 1
+        return
+    _launch_cupy(kernel, grid, block, args, stream)
+
+
+def _launch_cupy(kernel: _Kernel, grid: int, block: int, args: tuple, stream: int) -> None:
+    index = kernel.index
+    switch = index != _current_device()
     with cupy.cuda.Device(index) if switch else contextlib.nullcontext():
-        if function is not None and _DIRECT_LAUNCH[0]:
+        if kernel.function is not None and _DIRECT_LAUNCH[0]:
             try:
-                function((grid,), (block,), args, stream=_RawStream(ptr))
+                kernel.function((grid,), (block,), args, stream=_RawStream(stream))
             except (TypeError, AttributeError):  # pragma: no cover - a CuPy without duck-typed streams
                 _DIRECT_LAUNCH[0] = False
             else:
-                LAUNCHES[name] += 1
+                LAUNCHES[kernel.name] += 1
+                SLOW_LAUNCHES[kernel.name] += 1
                 return
-        with _external_stream(ptr, index):
-            raw((grid,), (block,), args)
-    LAUNCHES[name] += 1
+        with _external_stream(stream, index):
+            kernel.raw((grid,), (block,), args)
+    LAUNCHES[kernel.name] += 1
+    SLOW_LAUNCHES[kernel.name] += 1
 
+
+_DIRECT_LAUNCH = [True]
+_DRIVER_LAUNCH = cupy.cuda.driver.launchKernel if LAUNCH_MODE[0] == "driver" else None
 
 _SMS: dict[int, int] = {}
 
 
-def _grid(work: int, block: int, device: torch.device) -> int:
-    index = _index(device)
+def _max_grid(index: int) -> int:
+    """Grid cap of a grid-stride kernel: 32 blocks per multiprocessor."""
     sms = _SMS.get(index)
     if sms is None:
         sms = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return max(1, min((work + block - 1) // block, sms * 32))
+    return sms * 32
 
 
-def _check_operand(t: Tensor, what: str, device: torch.device, dtypes: tuple[torch.dtype, ...]) -> None:
-    if t.device != device:
-        raise ValueError(f"{what} must be on {device}, got {t.device}")
+def _grid(work: int, block: int, index: int) -> int:
+    return max(1, min((work + block - 1) // block, _max_grid(index)))
+
+
+def _check_operand(t: Tensor, what: str, index: int, dtypes) -> None:
+    if t.get_device() != index or not t.is_cuda:
+        raise ValueError(f"{what} must be on cuda:{index}, got {t.device}")
     if t.dtype not in dtypes:
-        raise TypeError(f"{what} must have dtype in {dtypes}, got {t.dtype}")
+        raise TypeError(f"{what} must have dtype in {tuple(dtypes)}, got {t.dtype}")
     if not t.is_contiguous():
         raise ValueError(f"{what} must be contiguous before its data_ptr() reaches a kernel")
 
@@ -435,8 +530,16 @@ def _log2_lanes(chunks: int) -> int:
 # bad-index record
 
 
-def _record(device: torch.device) -> tuple[Tensor, Tensor, object]:
-    index = device.index if device.index is not None else torch.cuda.current_device()
+def _device_index(device: torch.device | str | int | None) -> int:
+    """The CUDA device index of ``device`` (the current device for ``None`` or a bare ``"cuda"``)."""
+    if isinstance(device, int):
+        return device
+    index = None if device is None else torch.device(device).index
+    return _current_device() if index is None else index
+
+
+def _record(index: int) -> tuple[Tensor, Tensor, object]:
+    """The bad-index record of device ``index``: ``(device int64[4], pinned host int64[4], its numpy view)``."""
     rec = _RECORDS.get(index)
     if rec is None:
         with _LOCK:
@@ -461,11 +564,12 @@ def _raise_from(device_index: int, host_view) -> None:
     )
 
 
-def raise_pending(device: torch.device | None = None) -> None:
-    """Raise the ``IndexError`` of a bad index seen by an earlier kernel on ``device``, if the report has
-    already reached the host. Costs no synchronisation; every forward calls it."""
+def raise_pending(device: torch.device | int | None = None) -> None:
+    """Raise the ``IndexError`` of a bad index seen by an earlier kernel on ``device`` (a ``torch.device``
+    or a CUDA device index; every device with a record if ``None``), if the report has already reached
+    the host. Costs no synchronisation; every forward calls it."""
     if device is not None:
-        index = device.index if device.index is not None else 0
+        index = device if isinstance(device, int) else _device_index(device)
         rec = _RECORDS.get(index)
         if rec is not None and rec[2][0] != 0:
             _raise_from(index, rec[2])
@@ -480,7 +584,7 @@ def check(device: torch.device | str | None = None) -> None:
     ``IndexError`` of any bad embedding index looked up so far."""
     if not torch.cuda.is_available():
         return
-    devices = list(_RECORDS) if device is None else [torch.device(device).index or 0]
+    devices = list(_RECORDS) if device is None else [_device_index(device)]
     for index in devices:
         if index in _RECORDS:
             torch.cuda.synchronize(index)
@@ -496,7 +600,7 @@ def record_bad_indices(idx: Tensor, num: Tensor | int) -> None:
 
     ``num`` is the table size, a Python int or a tensor broadcastable to ``idx`` (one size per table).
     """
-    dev_rec, host, _ = _record(idx.device)
+    dev_rec, host, _ = _record(idx.get_device())
     full = idx.long()
     nums = (num.to(full.device).expand_as(full) if isinstance(num, Tensor) else torch.full_like(full, num))
     flat, nums = full.reshape(-1), nums.reshape(-1)
@@ -510,130 +614,173 @@ def record_bad_indices(idx: Tensor, num: Tensor | int) -> None:
 
 # --------------------------------------------------------------------------------------------------
 # launches
+#
+# The hot path (one lookup = one gather launch forward, one zero-fill and one scatter launch backward)
+# is built to cost little host time: a per-call *plan* cached by (device, dtypes, dim, alignment)
+# holds the compiled kernel and everything derived from those keys, the argument checks are the few
+# that guard a data_ptr(), and the launch packs its arguments into a per-thread buffer for one
+# cuLaunchKernel. Small lookups are bound by this host time, not by the GPU.
 
 
-def gather(weight: Tensor, idx: Tensor, tables: int, num: int, per: int) -> Tensor:
-    """``(tables * per, dim)`` rows of ``weight`` (``tables * num`` rows of ``dim``, contiguous) for the
-    merged positions of ``idx`` (position ``i`` reads table ``i // per``)."""
-    device = weight.device
+class _GatherPlan:
+    __slots__ = ("kernel", "log2g", "max_grid", "mirror", "rec", "rows_per_block", "words")
+
+    def __init__(self, index: int, word: int, words: int, idx_dtype: torch.dtype) -> None:
+        self.kernel = _compile("gather", _GATHER, "emb_gather", {"WORD": _WORDS[word], "IDX": _IDX[idx_dtype]}, index,
+                               "QQQqqqqqqQQ")
+        self.words = words
+        self.log2g = _log2_lanes(words)
+        self.rows_per_block = _BLOCK // 32 * (32 >> self.log2g)
+        self.max_grid = _max_grid(index)
+        dev_rec, host, _ = _record(index)
+        self.rec, self.mirror = dev_rec.data_ptr(), host.data_ptr()
+
+
+class _ScatterPlan:
+    __slots__ = ("kernel", "log2g", "max_grid")
+
+    def __init__(self, index: int, gt: int, vec: int, dim: int, idx_dtype: torch.dtype) -> None:
+        defines = {"GT": gt, "VEC": vec, "IDX": _IDX[idx_dtype], "VECRED": int(index not in _VECRED_BROKEN)}
+        try:
+            kernel = _compile("scatter", _SCATTER, "emb_scatter", defines, index, "QQQQqqqqqqq")
+        except Exception:  # the vector `red` needs PTX 8.1 (CUDA 12.1+); fall back to scalar atomics
+            if not defines["VECRED"]:
+                raise
+            _VECRED_BROKEN.add(index)
+            defines["VECRED"] = 0
+            kernel = _compile("scatter", _SCATTER, "emb_scatter", defines, index, "QQQQqqqqqqq")
+        self.kernel = kernel
+        self.log2g = _log2_lanes(dim // vec)
+        self.max_grid = _max_grid(index)
+
+
+_BLOCK = 256
+_GATHER_PLANS: dict[tuple, _GatherPlan] = {}
+_SCATTER_PLANS: dict[tuple, _ScatterPlan] = {}
+
+
+def gather(weight: Tensor, idx: Tensor, tables: int, num: int, per: int, out_shape=None) -> Tensor:
+    """Rows of ``weight`` (``tables * num`` rows of ``dim``, contiguous, on CUDA) for the ``tables * per``
+    merged positions of ``idx`` (position ``i`` reads table ``i // per``, index ``idx.flatten()[i %
+    idx.numel()]``), as a new ``out_shape`` tensor (default ``(tables * per, dim)``)."""
     dim = weight.shape[-1]
     M = tables * per
-    out = torch.empty(M, dim, dtype=weight.dtype, device=device)
+    out = weight.new_empty((M, dim) if out_shape is None else out_shape)
     if M == 0 or dim == 0:
         return out
-    _check_operand(idx, "indices", device, tuple(_IDX))
-    if not weight.is_contiguous():
-        raise ValueError("weight must be contiguous before its data_ptr() reaches a kernel")
+    index = weight.get_device()
+    if index < 0 or not weight.is_contiguous():
+        raise ValueError(f"weight must be a contiguous CUDA tensor before its data_ptr() reaches a kernel, "
+                         f"got {weight.device}{'' if weight.is_contiguous() else ' (not contiguous)'}")
+    if idx.get_device() != index or idx.dtype not in _IDX or not idx.is_contiguous():
+        _check_operand(idx, "indices", index, _IDX)
+    if out.numel() != M * dim:
+        raise ValueError(f"out_shape {tuple(out_shape)} does not hold {M} rows of {dim}")
+    wptr = weight.data_ptr()
     row_bytes = dim * weight.element_size()
-    word = 16
-    while word > 1 and (row_bytes % word or weight.data_ptr() % word):
-        word //= 2
-    words = row_bytes // word
-    log2g = _log2_lanes(words)
-    kernel = _compile("gather", _GATHER, "emb_gather", {"WORD": _WORDS[word], "IDX": _IDX[idx.dtype]}, device)
-    dev_rec, _, _ = _record(device)
-    block = 256
-    rows_per_block = block // 32 * (32 >> log2g)
-    grid = _grid(M * block // rows_per_block, block, device)
-    _launch(kernel, "emb_gather", grid, block, (
-        weight.data_ptr(), idx.data_ptr(), out.data_ptr(), M, words, per, idx.numel(), num, log2g,
-        dev_rec.data_ptr(), _RECORDS[_index(device)][1].data_ptr(),
-    ), device)
+    word = row_bytes | wptr | 16
+    word &= -word  # the widest word (<= 16 bytes) that divides the row size and the weight's address
+    key = (index, word, row_bytes, idx.dtype)
+    plan = _GATHER_PLANS.get(key)
+    if plan is None:
+        plan = _GATHER_PLANS.setdefault(key, _GatherPlan(index, word, row_bytes // word, idx.dtype))
+    grid = min(-(-M // plan.rows_per_block), plan.max_grid)
+    _launch(plan.kernel, grid, _BLOCK, (
+        wptr, idx.data_ptr(), out.data_ptr(), M, plan.words, per, idx.numel(), num, plan.log2g, plan.rec, plan.mirror,
+    ))
     return out
-
-
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def counts(idx: Tensor, tables: int, num: int, per: int) -> Tensor:
     """``(tables * num,)`` int32 occurrence counts of each row among the merged positions."""
-    device = idx.device
-    out = torch.zeros(tables * num, dtype=torch.int32, device=device)
+    out = torch.zeros(tables * num, dtype=torch.int32, device=idx.device)
     M = tables * per
     if M == 0:
         return out
-    kernel = _compile("count", _COUNT, "emb_count", {"IDX": _IDX[idx.dtype]}, device)
-    block = 256
-    _launch(kernel, "emb_count", _grid(M, block, device), block,
-            (idx.data_ptr(), out.data_ptr(), M, per, idx.numel(), num), device)
+    index = idx.get_device()
+    _check_operand(idx, "indices", index, _IDX)
+    kernel = _compile("count", _COUNT, "emb_count", {"IDX": _IDX[idx.dtype]}, index, "QQqqqq")
+    _launch(kernel, _grid(M, _BLOCK, index), _BLOCK, (idx.data_ptr(), out.data_ptr(), M, per, idx.numel(), num))
     return out
 
 
 def scatter(grad: Tensor, idx: Tensor, shape: tuple[int, ...], tables: int, num: int, per: int,
             pad: int, freq: Tensor | None) -> Tensor:
-    """fp32 weight gradient of ``shape`` (``tables * num * dim`` elements): atomically summed ``grad``
-    rows (``(M, dim)`` contiguous, fp32/fp16/bf16) at the merged positions of ``idx``."""
-    device = grad.device
-    dim = grad.shape[-1]
-    gw = torch.zeros(shape, dtype=torch.float32, device=device)
-    M = grad.shape[0]
+    """fp32 weight gradient of ``shape`` (``tables * num * dim`` elements): the ``tables * per`` rows of
+    ``grad`` (contiguous, fp32/fp16/bf16, any shape ending in ``dim``) atomically summed at the merged
+    positions of ``idx``; ``pad`` (or -1) is a row that gets nothing; ``freq``, if given, the int32
+    counts each row's sum is divided by."""
+    dim = shape[-1]
+    gw = grad.new_zeros(shape, dtype=torch.float32)
+    M = tables * per
     if M == 0 or dim == 0:
         return gw
-    _check_operand(grad, "grad_output", device, tuple(_GT))
-    _check_operand(idx, "indices", device, tuple(_IDX))
-    vec = 4
+    index = grad.get_device()
+    gt = _GT.get(grad.dtype)
+    if gt is None or index < 0 or not grad.is_contiguous():
+        _check_operand(grad, "grad_output", index, _GT)
+    if idx.get_device() != index or idx.dtype not in _IDX or not idx.is_contiguous():
+        _check_operand(idx, "indices", index, _IDX)
+    if grad.numel() != M * dim:
+        raise ValueError(f"grad_output must hold {M} rows of {dim}, got shape {tuple(grad.shape)}")
+    if freq is not None:
+        _check_operand(freq, "counts", index, (torch.int32,))
+    gptr = grad.data_ptr()
+    vec = dim | 4
+    vec &= -vec  # the widest chunk (<= 4 elements) that divides dim and fits the gradient's alignment
     esize = grad.element_size()
-    while vec > 1 and (dim % vec or grad.data_ptr() % (vec * esize)):
+    while vec > 1 and gptr % (vec * esize):
         vec //= 2
-    log2g = _log2_lanes(dim // vec)
-    index = _index(device)
-    defines = {"GT": _GT[grad.dtype], "VEC": vec, "IDX": _IDX[idx.dtype], "VECRED": int(index not in _VECRED_BROKEN)}
-    try:
-        kernel = _compile("scatter", _SCATTER, "emb_scatter", defines, device)
-    except Exception:  # the vector `red` needs PTX 8.1 (CUDA 12.1+); fall back to scalar atomics
-        if not defines["VECRED"]:
-            raise
-        _VECRED_BROKEN.add(index)
-        defines["VECRED"] = 0
-        kernel = _compile("scatter", _SCATTER, "emb_scatter", defines, device)
-    block = 256
-    grid = _grid(M, block, device)  # one warp a tile of 32 positions
-    _launch(kernel, "emb_scatter", grid, block, (
-        grad.data_ptr(), idx.data_ptr(), gw.data_ptr(), 0 if freq is None else freq.data_ptr(),
-        M, dim, per, idx.numel(), num, pad, log2g,
-    ), device)
+    key = (index, grad.dtype, dim, idx.dtype, vec)
+    plan = _SCATTER_PLANS.get(key)
+    if plan is None:
+        plan = _SCATTER_PLANS.setdefault(key, _ScatterPlan(index, gt, vec, dim, idx.dtype))
+    grid = min(-(-M // _BLOCK), plan.max_grid)  # one warp a tile of 32 positions
+    _launch(plan.kernel, grid, _BLOCK, (
+        gptr, idx.data_ptr(), gw.data_ptr(), 0 if freq is None else freq.data_ptr(),
+        M, dim, per, idx.numel(), num, pad, plan.log2g,
+    ))
     return gw
 
 
 def multi_gather(weight: Tensor, idx: Tensor, meta: dict[str, Tensor], per: int, samples: int) -> Tensor:
     """MultiEmbedding forward: ``(samples, D)`` from ``weight`` ``(B, total)`` and ``idx`` ``(*, T)``."""
-    device = weight.device
     D = meta["col_table"].numel()
     T = meta["rows"].numel()
-    out = torch.empty(samples, D, dtype=weight.dtype, device=device)
+    out = weight.new_empty((samples, D))
     if samples == 0 or D == 0:
         return out
-    _check_operand(idx, "indices", device, tuple(_IDX))
-    if not weight.is_contiguous():
-        raise ValueError("weight must be contiguous before its data_ptr() reaches a kernel")
+    index = weight.get_device()
+    _check_operand(idx, "indices", index, _IDX)
+    _check_operand(weight, "weight", index, (weight.dtype,))
+    for name in ("rows", "woff", "dims", "col_start"):
+        _check_operand(meta[name], name, index, (torch.int64,))
+    _check_operand(meta["col_table"], "col_table", index, (torch.int32,))
     kernel = _compile("mgather", _MULTI_GATHER, "memb_gather",
-                      {"ELEM": _ELEM[weight.element_size()], "IDX": _IDX[idx.dtype]}, device)
-    dev_rec, host, _ = _record(device)
-    block = 256
-    _launch(kernel, "memb_gather", _grid(samples * D, block, device), block, (
+                      {"ELEM": _ELEM[weight.element_size()], "IDX": _IDX[idx.dtype]}, index, "QQQQQQQQqqqqqqQQ")
+    dev_rec, host, _ = _record(index)
+    _launch(kernel, _grid(samples * D, _BLOCK, index), _BLOCK, (
         weight.data_ptr(), idx.data_ptr(), out.data_ptr(), meta["rows"].data_ptr(), meta["woff"].data_ptr(),
         meta["dims"].data_ptr(), meta["col_start"].data_ptr(), meta["col_table"].data_ptr(),
         samples, T, D, per, idx.numel(), weight.shape[-1], dev_rec.data_ptr(), host.data_ptr(),
-    ), device)
+    ))
     return out
 
 
 def multi_scatter(grad: Tensor, idx: Tensor, meta: dict[str, Tensor], shape: tuple[int, ...], per: int) -> Tensor:
     """MultiEmbedding backward: fp32 ``(B, total)`` gradient."""
-    device = grad.device
-    gw = torch.zeros(shape, dtype=torch.float32, device=device)
+    gw = grad.new_zeros(shape, dtype=torch.float32)
     samples, D = grad.shape
     if samples == 0 or D == 0:
         return gw
-    _check_operand(grad, "grad_output", device, tuple(_GT))
-    _check_operand(idx, "indices", device, tuple(_IDX))
+    index = grad.get_device()
+    _check_operand(grad, "grad_output", index, _GT)
+    _check_operand(idx, "indices", index, _IDX)
     kernel = _compile("mscatter", _MULTI_SCATTER, "memb_scatter",
-                      {"GT": _GT[grad.dtype], "IDX": _IDX[idx.dtype]}, device)
-    block = 256
-    _launch(kernel, "memb_scatter", _grid(samples * D, block, device), block, (
+                      {"GT": _GT[grad.dtype], "IDX": _IDX[idx.dtype]}, index, "QQQQQQQQqqqqqq")
+    _launch(kernel, _grid(samples * D, _BLOCK, index), _BLOCK, (
         grad.data_ptr(), idx.data_ptr(), gw.data_ptr(), meta["rows"].data_ptr(), meta["woff"].data_ptr(),
         meta["dims"].data_ptr(), meta["col_start"].data_ptr(), meta["col_table"].data_ptr(),
         samples, meta["rows"].numel(), D, per, idx.numel(), shape[-1],
-    ), device)
+    ))
     return gw

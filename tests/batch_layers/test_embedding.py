@@ -176,6 +176,42 @@ def test_fast_embedding_is_a_drop_in() -> None:
     torch.testing.assert_close(pre.weight, ref_pre.weight)
 
 
+def test_second_derivative_is_refused() -> None:
+    # the backward is first-order only (as once_differentiable): create_graph=True must not give a silent zero
+    emb = batch_layers.Embedding(6, 3, batch=2)
+    x = torch.randint(0, 6, (2 * N, 4))
+    (gw,) = torch.autograd.grad(emb(x).pow(2).sum(), emb.weight, create_graph=True)
+    ref = nn.Embedding(6, 3)
+    with torch.no_grad():
+        ref.weight.copy_(emb.weight[0])
+    (gr,) = torch.autograd.grad(ref(x[:N]).pow(2).sum(), ref.weight)
+    torch.testing.assert_close(gw[0], gr)  # the first derivative is still right
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gw.sum().backward()
+
+
+def test_functional_lookup_shapes_cpu() -> None:
+    # one table with any index shape, and B tables with the merged axis; both against F.embedding
+    torch.manual_seed(14)
+    w = torch.randn(9, 4, requires_grad=True)
+    x = torch.randint(0, 9, (2, 3, 5))
+    y = batch_layers.batched_embedding(x, w, padding_idx=2)
+    w_ref = w.detach().clone().requires_grad_()
+    y_ref = torch.nn.functional.embedding(x, w_ref, padding_idx=2)
+    assert y.shape == (2, 3, 5, 4)
+    g = torch.randn(y.shape)
+    y.backward(g)
+    y_ref.backward(g)
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+    torch.testing.assert_close(w.grad, w_ref.grad)
+    with pytest.raises(ValueError, match=r"weight must be \(B, num_embeddings, dim\) or \(num_embeddings, dim\)"):
+        batch_layers.batched_embedding(x, torch.randn(9))
+    with pytest.raises(ValueError, match=r"numel divisible by B = 3"):
+        batch_layers.batched_embedding(torch.zeros(4, dtype=torch.long), torch.randn(3, 9, 4))
+    with pytest.raises(TypeError, match="must be a tensor of indices, got list"):
+        batch_layers.batched_embedding([1, 2], w)
+
+
 def _bag_case(mode: str, device: str, *, two_d: bool, include_last: bool = False, psw: bool = False,
               padding_idx: int | None = None, dtype=torch.float32, atol=1e-5) -> None:
     torch.manual_seed(5)
@@ -593,3 +629,132 @@ def test_float64_weights_use_reference_or_are_refused() -> None:
         emb(x).sum().backward()
     with batch_layers.use_cupy(), pytest.raises(TypeError, match="CuPy embedding kernels support"):
         emb(x)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["driver", "cupy"])
+def test_launch_modes_agree_and_the_fast_one_runs(kernels, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # "driver" packs the arguments for one cuLaunchKernel; "cupy" goes through cupy.cuda.Function
+    if mode == "driver" and ecuda.LAUNCH_MODE[0] != "driver":
+        pytest.skip("this CuPy has no driver.launchKernel binding")
+    monkeypatch.setitem(ecuda.LAUNCH_MODE, 0, mode)
+    torch.manual_seed(15)
+    before, slow = dict(kernels), dict(ecuda.SLOW_LAUNCHES)
+    _compare_embedding({"padding_idx": 2, "scale_grad_by_freq": True}, "cuda", num=50, dim=12, seq=9, high=20,
+                       atol=1e-5)
+    ran = {k: kernels[k] - before.get(k, 0) for k in ("emb_gather", "emb_count", "emb_scatter")}
+    assert all(v == 2 for v in ran.values())  # two steps
+    slow_ran = {k: ecuda.SLOW_LAUNCHES[k] - slow.get(k, 0) for k in ran}
+    if mode == "cupy":
+        assert slow_ran == ran
+    elif all(k.ptr for k in ecuda._KERNELS.values() if k.name in ran):
+        assert set(slow_ran.values()) == {0}
+
+
+@pytest.mark.cuda
+def test_kernels_from_a_fresh_thread_and_a_side_stream(kernels) -> None:
+    # the driver launch needs a current context in the calling thread, and must use torch's current stream
+    import threading
+
+    torch.manual_seed(16)
+    ref = nn.Embedding(300, 8).cuda()
+    fast = batch_layers.FastEmbedding(300, 8).cuda()
+    fast.load_state_dict(ref.state_dict())
+    x = torch.randint(0, 300, (64, 7), device="cuda")
+    g = torch.randn(64, 7, 8, device="cuda")
+    out = {}
+
+    def work():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.default_stream())
+        with torch.cuda.stream(side):
+            y = fast(x)
+            y.backward(g)
+            out["y"] = y.clone()
+        side.synchronize()
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    torch.cuda.synchronize()
+    ref(x).backward(g)
+    torch.testing.assert_close(out["y"], ref(x), rtol=0, atol=0)
+    torch.testing.assert_close(fast.weight.grad, ref.weight.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.cuda
+def test_kernels_on_a_device_that_is_not_current(kernels) -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    torch.manual_seed(17)
+    ref = nn.Embedding(100, 16).to("cuda:1")
+    fast = batch_layers.FastEmbedding(100, 16).to("cuda:1")
+    fast.load_state_dict(ref.state_dict())
+    x = torch.randint(0, 100, (40,), device="cuda:1")
+    with torch.cuda.device(0):
+        y = fast(x)
+        y.sum().backward()
+    ref(x).sum().backward()
+    torch.testing.assert_close(y, ref(x), rtol=0, atol=0)
+    torch.testing.assert_close(fast.weight.grad, ref.weight.grad)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("offset", [0, 1, 2, 3])
+@pytest.mark.parametrize("dim", [4, 6, 16])
+def test_gather_and_scatter_at_every_alignment(kernels, offset: int, dim: int) -> None:
+    # tensors that start 4, 8 or 12 bytes past a 16-byte boundary take narrower words and chunks
+    torch.manual_seed(18)
+    num, M = 37, 300
+    base = torch.randn(num * dim + offset, device="cuda")
+    w = base[offset:].view(num, dim)
+    idx = torch.randint(0, num, (M,), device="cuda", dtype=torch.int32)
+    torch.testing.assert_close(ecuda.gather(w, idx, 1, num, M), w[idx.long()], rtol=0, atol=0)
+    gbase = torch.randn(M * dim + offset, device="cuda")
+    g = gbase[offset:].view(M, dim)
+    gw = ecuda.scatter(g, idx, (num, dim), 1, num, M, 5, None)
+    ref = torch.zeros(num, dim, device="cuda").index_add_(0, idx.long(), g)
+    ref[5] = 0
+    torch.testing.assert_close(gw, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.cuda
+def test_kernel_operands_are_checked(kernels) -> None:
+    w = torch.randn(10, 4, device="cuda")
+    idx = torch.randint(0, 10, (6,), device="cuda")
+    with pytest.raises(ValueError, match=r"indices must be on cuda:0, got cpu"):
+        ecuda.gather(w, idx.cpu(), 1, 10, 6)
+    with pytest.raises(TypeError, match=r"indices must have dtype in .*int64.*got torch\.int16"):
+        ecuda.gather(w, idx.to(torch.int16), 1, 10, 6)
+    with pytest.raises(ValueError, match="indices must be contiguous"):
+        ecuda.gather(w, torch.randint(0, 10, (6, 2), device="cuda").t(), 1, 10, 12)
+    with pytest.raises(ValueError, match="weight must be a contiguous CUDA tensor"):
+        ecuda.gather(torch.randn(4, 10, device="cuda").t(), idx, 1, 10, 6)
+    g = torch.randn(6, 4, device="cuda")
+    with pytest.raises(TypeError, match=r"grad_output must have dtype in .*got torch\.float64"):
+        ecuda.scatter(g.double(), idx, (10, 4), 1, 10, 6, -1, None)
+    with pytest.raises(ValueError, match="grad_output must be contiguous"):
+        ecuda.scatter(torch.randn(4, 6, device="cuda").t(), idx, (10, 4), 1, 10, 6, -1, None)
+    with pytest.raises(ValueError, match=r"grad_output must hold 6 rows of 4, got shape \(5, 4\)"):
+        ecuda.scatter(g[:5], idx, (10, 4), 1, 10, 6, -1, None)
+
+
+@pytest.mark.cuda
+def test_kernels_shared_and_non_contiguous_indices(kernels) -> None:
+    torch.manual_seed(19)
+    emb = batch_layers.Embedding(30, 8, padding_idx=0, batch=B, device="cuda")
+    x = torch.randint(0, 30, (6, N), device="cuda").t()  # (N, 6), not contiguous
+    before = kernels["emb_gather"]
+    with forward_context(ForwardContext(B, N, shared=True)):
+        y = emb(x)
+    assert kernels["emb_gather"] == before + 1 and y.shape == (B * N, 6, 8)
+    g = torch.randn(y.shape, device="cuda")
+    y.backward(g)
+    for i in range(B):
+        ref = nn.Embedding(30, 8, padding_idx=0).cuda()
+        with torch.no_grad():
+            ref.weight.copy_(emb.weight[i])
+        yi = ref(x)
+        yi.backward(g[i * N:(i + 1) * N])
+        torch.testing.assert_close(y[i * N:(i + 1) * N], yi, rtol=0, atol=0)
+        torch.testing.assert_close(emb.weight.grad[i], ref.weight.grad, atol=1e-5, rtol=1e-5)

@@ -193,6 +193,109 @@ def part_graph() -> None:
             torch.cuda.empty_cache()
 
 
+def host_time(fn, iters: int = 1000, repeats: int = 5) -> float:
+    """Median seconds per call of ``fn`` when the GPU is not the bottleneck (tiny work; one synchronize
+    per ``iters`` calls), i.e. the host time: Python, torch dispatch, autograd and launch overhead."""
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / iters)
+    return statistics.median(times)
+
+
+def part_host() -> None:
+    """Host time of one eager step (and of its pieces) on a tiny table, where the GPU idles: what bounds
+    the small-dim steps of part 1. Also writes a cProfile of torchmb's step to ``profile_host.txt``."""
+    import cProfile
+    import io
+    import pstats
+
+    rows, dim, nidx = 1000, 16, 256
+    gen = torch.Generator(device=dev).manual_seed(5)
+    idx = torch.randint(0, rows, (nidx,), device=dev, generator=gen)
+    g = torch.randn(nidx, dim, device=dev, generator=gen)
+    ref = nn.Embedding(rows, dim).to(dev)
+    fast = batch_layers.FastEmbedding(rows, dim).to(dev)
+    batched = batch_layers.Embedding(rows, dim, batch=4, device=dev)
+    bidx, bg = idx.view(4, -1).reshape(-1), g
+
+    def run_ref():
+        ref.weight.grad = None
+        ref(idx).backward(g)
+
+    def run_index_add():
+        ref.weight.grad = None
+        IndexAddEmbedding.apply(ref.weight, idx).backward(g)
+
+    def run_fast():
+        fast.weight.grad = None
+        fast(idx).backward(g)
+
+    def run_batched():
+        batched.weight.grad = None
+        batched(bidx).backward(bg)
+
+    def fwd(layer, x):
+        def run():
+            with torch.no_grad():
+                layer(x)
+        return run
+
+    t = {}
+    for mode in ("driver", "cupy"):
+        old = ecuda.LAUNCH_MODE[0]
+        if mode == "driver" and old != "driver":
+            continue
+        ecuda.LAUNCH_MODE[0] = mode
+        try:
+            t[f"torchmb_step_{mode}"] = host_time(run_fast)
+            t[f"torchmb_B4_step_{mode}"] = host_time(run_batched)
+            t[f"torchmb_fwd_{mode}"] = host_time(fwd(fast, idx))
+        finally:
+            ecuda.LAUNCH_MODE[0] = old
+    t["nn_embedding_step"] = host_time(run_ref)
+    t["index_add_step"] = host_time(run_index_add)
+    t["nn_embedding_fwd"] = host_time(fwd(ref, idx))
+    w = fast.weight.detach()
+    # the pieces
+    for mode in ("driver", "cupy"):
+        old = ecuda.LAUNCH_MODE[0]
+        if mode == "driver" and old != "driver":
+            continue
+        ecuda.LAUNCH_MODE[0] = mode
+        try:
+            t[f"gather_call_{mode}"] = host_time(lambda: ecuda.gather(w, idx, 1, rows, nidx))
+            t[f"scatter_call_{mode}"] = host_time(lambda: ecuda.scatter(g, idx, (rows, dim), 1, rows, nidx, -1, None))
+        finally:
+            ecuda.LAUNCH_MODE[0] = old
+    t["new_empty"] = host_time(lambda: w.new_empty((nidx, dim)))
+    t["new_zeros_table"] = host_time(lambda: w.new_zeros((rows, dim)))
+    t["index_select"] = host_time(lambda: w.index_select(0, idx))
+    t["stream_ptr"] = host_time(lambda: ecuda._stream_ptr(0))
+    t["current_device"] = host_time(ecuda._current_device)
+    t["torch.cuda.current_device"] = host_time(torch.cuda.current_device)
+    emit(part="host", rows=rows, dim=dim, indices=nidx, launch_mode=ecuda.LAUNCH_MODE[0],
+         **{f"{k}_us": v * 1e6 for k, v in t.items()})
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(300):
+        run_fast()
+    torch.cuda.synchronize()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+    if OUT_FILE:
+        with open(os.path.join(os.path.dirname(OUT_FILE[0]), "profile_host.txt"), "w") as f:
+            f.write(text.getvalue())
+    print("\n".join(text.getvalue().splitlines()[:40]), flush=True)
+
+
 def part2() -> None:
     gen = torch.Generator(device=dev).manual_seed(1)
     for dist in ("uniform", "zipf"):
@@ -274,7 +377,7 @@ def part3() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--parts", default="123g")
+    parser.add_argument("--parts", default="123gh")
     args = parser.parse_args()
     OUT_FILE.append(os.path.join(args.out, "bench_embedding.jsonl"))
     open(OUT_FILE[0], "w").close()
@@ -285,8 +388,9 @@ def main() -> None:
     emit(part=0, device=torch.cuda.get_device_name(dev), sms=props.multi_processor_count, torch=torch.__version__,
          cupy=cupy.__version__, cuda=torch.version.cuda)
     for p in args.parts:
-        {"1": part1, "2": part2, "3": part3, "g": part_graph}[p]()
-    emit(part=9, launches=dict(ecuda.LAUNCHES), scalar_atomics_fallback=sorted(ecuda._VECRED_BROKEN))
+        {"1": part1, "2": part2, "3": part3, "g": part_graph, "h": part_host}[p]()
+    emit(part=9, launches=dict(ecuda.LAUNCHES), slow_launches=dict(ecuda.SLOW_LAUNCHES),
+         launch_mode=ecuda.LAUNCH_MODE[0], scalar_atomics_fallback=sorted(ecuda._VECRED_BROKEN))
     print(f"\n{RESULTS[0]['device']}, torch {torch.__version__}, CuPy {cupy.__version__}")
     print("| indices | dim | nn.Embedding ms | index_add_ ms | torchmb ms | vs nn.Embedding | vs index_add_ |")
     print("|---|---|---|---|---|---|---|")
@@ -310,6 +414,12 @@ def main() -> None:
             print(f"| {r['dist']} | {r['dim']} | {fmt(r['nn_embedding_ms'], '.3f')} | "
                   f"{fmt(r['index_add_ms'], '.3f')} | {fmt(r['torchmb_ms'], '.3f')} | "
                   f"{fmt(r['vs_nn_embedding'], '.2f')}x | {fmt(r['vs_index_add'], '.2f')}x |")
+    for r in RESULTS:
+        if r["part"] == "host":
+            print(f"\nHost time, {r['rows']} x {r['dim']} table, {r['indices']} indices (GPU idle), us per call:")
+            for k, v in r.items():
+                if k.endswith("_us"):
+                    print(f"  {k[:-3]}: {v:.1f}")
     for r in RESULTS:
         if r["part"] == 3:
             print(f"\nMultiEmbedding {r['tables']} tables, {r['samples']:,} samples: {r['multi_ms']:.3f} ms vs "
