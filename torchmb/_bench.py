@@ -16,6 +16,7 @@ the limit, peak device memory.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import time
@@ -96,30 +97,62 @@ def _summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, samples: 
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum") / samples
 
 
+def _channels_last(x: torch.Tensor) -> torch.Tensor:
+    """``(*lead, C, H, W)`` images with each image stored channels-last (the view keeps its shape)."""
+    images = x.reshape(-1, *x.shape[-3:]).contiguous(memory_format=torch.channels_last)
+    return images.view(x.shape)
+
+
 def _step_functions(
-    workload: Workload, batch: int, samples: int, device: torch.device, implementations: tuple[str, ...]
+    workload: Workload,
+    batch: int,
+    samples: int,
+    device: torch.device,
+    implementations: tuple[str, ...],
+    precision: str = "fp32",
+    channels_last: bool = False,
 ):
-    """name -> (step callable, holder of the parameters) for every implementation that applies."""
+    """name -> step callable for every implementation that applies.
+
+    ``precision="bf16"`` runs every forward and loss under bf16 autocast; ``channels_last`` stores the
+    images and the plain models' convolution weights channels-last (image workloads only).
+    """
     x_models = workload.make_input((batch, samples), device)
     x_shared = workload.make_input((samples,), device)
+    channels_last = channels_last and x_models.dim() == 5
+    if channels_last:
+        x_models, x_shared = _channels_last(x_models), _channels_last(x_shared)
     y = torch.randint(0, workload.classes, (batch, samples), device=device)
-    plain = [workload.make().to(device) for _ in range(batch)]
+
+    def make() -> nn.Module:
+        model = workload.make().to(device)
+        return model.to(memory_format=torch.channels_last) if channels_last else model
+
+    def amp() -> contextlib.AbstractContextManager:
+        if precision == "bf16":
+            return torch.autocast(device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    plain = [make() for _ in range(batch)]
     steps: dict[str, Callable[[], object]] = {}
 
-    batched = BatchModule(workload.make().to(device), batch)
+    batched = BatchModule(make(), batch)
     batched.load_state_dicts([m.state_dict() for m in plain])
     batched_opt = torch.optim.SGD(batched.parameters(), lr=0.01)
 
     def torchmb_step(shared_input: bool = False) -> None:
         batched_opt.zero_grad(set_to_none=True)
-        out = batched(x_shared if shared_input else x_models, shared_input=shared_input)
-        _summed_cross_entropy(out, y, samples).backward()
+        with amp():
+            out = batched(x_shared if shared_input else x_models, shared_input=shared_input)
+            loss = _summed_cross_entropy(out, y, samples)
+        loss.backward()
         batched_opt.step()
 
     steps["torchmb"] = torchmb_step
 
     def torchmb_body(x, targets):
-        loss = _summed_cross_entropy(batched(x), targets, samples)
+        with amp():
+            loss = _summed_cross_entropy(batched(x), targets, samples)
         loss.backward()
         batched_opt.step()
         return loss
@@ -143,7 +176,9 @@ def _step_functions(
 
     def vmap_step(shared_input: bool = False, loss_fn=vmap_loss) -> None:
         vmap_opt.zero_grad(set_to_none=True)
-        loss_fn(params, buffers, x_shared if shared_input else x_models, shared_input).backward()
+        with amp():
+            loss = loss_fn(params, buffers, x_shared if shared_input else x_models, shared_input)
+        loss.backward()
         vmap_opt.step()
 
     steps["vmap"] = vmap_step
@@ -159,24 +194,29 @@ def _step_functions(
         def loop_step() -> None:
             for i, (model, opt) in enumerate(zip(plain, loop_opts)):
                 opt.zero_grad(set_to_none=True)
-                F.cross_entropy(model(x_models[i]), y[i]).backward()
+                with amp():
+                    loss = F.cross_entropy(model(x_models[i]), y[i])
+                loss.backward()
                 opt.step()
 
         steps["loop"] = loop_step
 
-    one = workload.make().to(device)
+    one = make()
     one_opt = torch.optim.SGD(one.parameters(), lr=0.01)
     x_flat, y_flat = x_models.reshape(-1, *x_models.shape[2:]), y.reshape(-1)
 
     def limit_step() -> None:
         one_opt.zero_grad(set_to_none=True)
-        F.cross_entropy(one(x_flat), y_flat).backward()
+        with amp():
+            loss = F.cross_entropy(one(x_flat), y_flat)
+        loss.backward()
         one_opt.step()
 
     steps["limit"] = limit_step
 
     def limit_body(x, targets):
-        loss = F.cross_entropy(one(x), targets)
+        with amp():
+            loss = F.cross_entropy(one(x), targets)
         loss.backward()
         one_opt.step()
         return loss
@@ -209,25 +249,33 @@ def run(
     iters: int = 20,
     warmup: int = 3,
     log: Callable[[str], None] = print,
+    precision: str = "fp32",
+    channels_last: bool = False,
 ) -> list[dict]:
+    """Time every implementation; peak memory is the steady state's (a first step, which compiles,
+    captures or autotunes cuDNN, runs before the peak is reset and is reported on its own)."""
     timer = Timer(device)
     rows: list[dict] = []
     for name in workloads:
         workload = WORKLOADS[name]
         for batch in batches:
             torch.manual_seed(0)
-            steps = _step_functions(workload, batch, samples, device, implementations)
+            steps = _step_functions(workload, batch, samples, device, implementations, precision, channels_last)
             for impl in implementations:
                 if impl not in steps:
                     continue
-                row = {"workload": name, "B": batch, "n": samples, "impl": impl}
+                row = {"workload": name, "B": batch, "n": samples, "impl": impl, "precision": precision,
+                       "channels_last": channels_last}
                 try:
+                    if device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats(device)
+                    start = time.perf_counter()
+                    steps[impl]()
+                    timer.sync()
                     if impl == "vmap+compile":
-                        start = time.perf_counter()
-                        steps[impl]()
-                        timer.sync()
                         row["compile_s"] = time.perf_counter() - start
                     if device.type == "cuda":
+                        row["first_step_peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
                         torch.cuda.reset_peak_memory_stats(device)
                     seconds = timer.seconds_per_call(steps[impl], warmup, iters)
                     row.update(ms_per_step=seconds * 1e3, model_steps_per_s=batch / seconds)
@@ -313,18 +361,19 @@ def _add_ratios(rows: list[dict]) -> None:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| workload | B | impl | model-steps/s | vs eager vmap | vs limit | peak MiB | compile s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| workload | B | impl | model-steps/s | vs eager vmap | vs limit | peak MiB | first-step peak MiB | compile s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['workload']} | {r['B']} | {r['impl']} | {r['error']} | | | | |")
+            lines.append(f"| {r['workload']} | {r['B']} | {r['impl']} | {r['error']} | | | | | |")
             continue
         cells = [
             f"{r['model_steps_per_s']:,.0f}",
             f"{r['vs_vmap']:.2f}" if "vs_vmap" in r else "",
             f"{r['vs_limit']:.2f}" if "vs_limit" in r else "",
             f"{r['peak_mib']:,.0f}" if "peak_mib" in r else "",
+            f"{r['first_step_peak_mib']:,.0f}" if "first_step_peak_mib" in r else "",
             f"{r['compile_s']:.1f}" if "compile_s" in r else "",
         ]
         lines.append(f"| {r['workload']} | {r['B']} | {r['impl']} | " + " | ".join(cells) + " |")
@@ -341,6 +390,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=128, help="samples per model n (default 128)")
     parser.add_argument("--impls", default=",".join(IMPLEMENTATIONS), help="comma-separated subset of implementations")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument(
+        "--precision", choices=("fp32", "bf16"), default="fp32", help="bf16: forward and loss under bf16 autocast"
+    )
+    parser.add_argument(
+        "--channels-last", action="store_true", help="images and plain conv weights stored channels-last"
+    )
     parser.add_argument("--json", help="write the rows and the environment to this file")
     parser.add_argument(
         "--max-batch",
@@ -376,7 +431,10 @@ def main(args: argparse.Namespace) -> list[dict]:
         workloads = [w for w in workloads if w in ("mlp", "lenet")] or ["mlp"]
         batches, samples, iters = [1, 4], 16, 3
         impls = tuple(i for i in impls if i != "vmap+compile")
-    rows = run(workloads, batches, samples, device, impls, iters=iters, warmup=1 if args.quick else 3)
+    rows = run(
+        workloads, batches, samples, device, impls, iters=iters, warmup=1 if args.quick else 3,
+        precision=args.precision, channels_last=args.channels_last,
+    )
     print(table(rows))
     if args.json:
         environment = {"torch": torch.__version__, "device": _device_name(device)}

@@ -55,3 +55,22 @@ def test_largest_batches_runs_both_searches_up_to_the_cap(capsys) -> None:
     assert [(r["impl"], r["largest_B"]) for r in rows] == [("torchmb", 3), ("vmap", 3)]
     with pytest.raises(SystemExit, match="--max-batch measures device memory"):
         main(["bench", "--device", "cpu", "--max-batch", "8"])
+
+
+def test_bf16_channels_last_run_trains_every_implementation(tmp_path) -> None:
+    out = tmp_path / "bench.json"
+    main(["bench", "--device", "cpu", "--quick", "--workloads", "lenet", "--impls", "torchmb,vmap,limit",
+          "--precision", "bf16", "--channels-last", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["B"], r["impl"]) for r in rows} == {(b, i) for b in (1, 4) for i in ("torchmb", "vmap", "limit")}
+    for row in rows:
+        assert "error" not in row, row
+        assert (row["precision"], row["channels_last"]) == ("bf16", True)
+        assert row["model_steps_per_s"] > 0
+
+
+def test_channels_last_inputs_keep_their_values_and_layout() -> None:
+    x = torch.randn(2, 3, 4, 5, 6)
+    stored = _bench._channels_last(x)
+    torch.testing.assert_close(stored, x, rtol=0, atol=0)
+    assert stored[0].is_contiguous(memory_format=torch.channels_last)
