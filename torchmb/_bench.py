@@ -361,7 +361,8 @@ def _add_ratios(rows: list[dict]) -> None:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| workload | B | impl | model-steps/s | vs eager vmap | vs limit | peak MiB | first-step peak MiB | compile s |",
+        "| workload | B | impl | model-steps/s | vs eager vmap | vs limit | peak MiB | first-step peak MiB "
+        "| compile s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

@@ -59,8 +59,8 @@ def test_largest_batches_runs_both_searches_up_to_the_cap(capsys) -> None:
 
 def test_bf16_channels_last_run_trains_every_implementation(tmp_path) -> None:
     out = tmp_path / "bench.json"
-    main(["bench", "--device", "cpu", "--quick", "--workloads", "lenet", "--impls", "torchmb,vmap,limit",
-          "--precision", "bf16", "--channels-last", "--json", str(out)])
+    flags = "--device cpu --quick --workloads lenet --impls torchmb,vmap,limit --precision bf16 --channels-last"
+    main(["bench", *flags.split(), "--json", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert {(r["B"], r["impl"]) for r in rows} == {(b, i) for b in (1, 4) for i in ("torchmb", "vmap", "limit")}
     for row in rows:
