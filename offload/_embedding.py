@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from . import _uva
 from ._optim import row_state_spec
-from ._table import HostTable, Prefetch, _check_bounds
+from ._table import HostTable, Prefetch, _as_index, _check_bounds
 
 __all__ = ["OffloadedEmbedding", "attach", "detach"]
 
@@ -89,29 +89,50 @@ def _commit(ids: Tensor, writes: list[tuple[HostTable, Tensor]]) -> None:
 
 
 class _Cache:
-    """GPU-resident copies of hot rows (weight and per-row optimizer state), written back on eviction."""
+    """GPU-resident copies of hot rows (weight and per-row optimizer state), written back on eviction.
+
+    Everything a lookup needs is a device tensor (``slot_of``: row id -> slot), so a hit costs no host work.
+    Every array has one row more than there are slots: row ``capacity`` is a scratch row that absorbs the
+    reads and writes of rows that are not cached, so no step needs the number of cached rows on the host.
+    """
 
     def __init__(self, capacity: int, num_rows: int, dim: int, dtype: torch.dtype, device: torch.device):
         self.capacity = capacity
-        self.weight = torch.empty(capacity, dim, dtype=dtype, device=device)
+        self.weight = torch.empty(capacity + 1, dim, dtype=dtype, device=device)
         self.states: dict[str, Tensor] = {}
         self.slot_of = torch.full((num_rows,), -1, dtype=torch.int32, device=device)
-        self.ids = torch.full((capacity,), -1, dtype=torch.int64, device=device)
-        self.last_use = torch.full((capacity,), -1, dtype=torch.int64, device=device)
-        self.dirty = torch.zeros(capacity, dtype=torch.bool, device=device)
+        self.ids = torch.full((capacity + 1,), -1, dtype=torch.int64, device=device)
+        self.last_use = torch.full((capacity + 1,), -1, dtype=torch.int64, device=device)
+        self.dirty = torch.zeros(capacity + 1, dtype=torch.bool, device=device)
+        self.fresh = torch.zeros(capacity + 1, dtype=torch.bool, device=device)  # admitted by prefetch, unused
         self.clock = 0
+        self.filled = 0  # slots holding a row: they fill in order (empty slots are evicted first), never empty
+        self.protected = 0  # upper bound on the slots the current step uses (they are not evicted)
+        self.reserved = 0  # slots admitted by prefetch for the next step
         self.hits = 0
         self.misses = 0
+        self.prefetch_hits = torch.zeros((), dtype=torch.int64, device=device)  # hits on rows prefetched
+        self.stream: torch.cuda.Stream | None = None  # side stream of prefetch admissions
+        self.ready = None  # event: the last prefetch admission is complete
+
+    def slot_index(self, slots: Tensor) -> Tensor:
+        """``slots`` with -1 (not cached) replaced by the scratch row."""
+        return torch.where(slots < 0, self.capacity, slots)
 
 
 @dataclass
 class _Chunk:
-    ids: Tensor  # distinct row ids (device)
-    slots: Tensor | None  # cache slot per row, -1 = not cached (bypass)
-    states: dict[str, Prefetch] = field(default_factory=dict)  # rows of the state tables being gathered
-    admit: Tensor | None = None  # positions (into ids) of rows admitted to the cache this chunk
+    ids: Tensor  # distinct row ids (device), sorted
+    slots: Tensor | None  # cache slot per row (int64), -1 = not cached (bypass); None without a cache
+    states: dict[str, Prefetch] = field(default_factory=dict)  # state rows of the misses being gathered
+    miss_pos: Tensor | None = None  # positions (into ids) of the rows that came from the host
+    n_admit: int = 0  # the first n_admit of them were admitted to the cache (slots admit_slots)
     admit_slots: Tensor | None = None
     leaf: Tensor | None = None  # the rows as the autograd leaf of the lookups (chunks > 0 are folded in before step)
+
+    @property
+    def n_bypass(self) -> int:
+        return 0 if self.miss_pos is None else self.miss_pos.numel() - self.n_admit
 
 
 @dataclass
@@ -125,6 +146,20 @@ class _Work:
     state_rows: dict[str, Tensor] = field(default_factory=dict)
     pad: tuple | None = None
 
+
+def _compact(mask: Tensor, count: int) -> Tensor:
+    """Positions of the ``count`` true entries of ``mask``, in order, without asking the device for the count
+    (the caller knows it)."""
+    pos = torch.cumsum(mask, 0)
+    pos -= 1
+    dest = torch.where(mask, pos, count)
+    out = torch.empty(count + 1, dtype=torch.int64, device=mask.device)
+    out.scatter_(0, dest, torch.arange(mask.numel(), device=mask.device))
+    return out[:count]
+
+
+def _stream_ctx(stream):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 class OffloadedEmbedding(nn.Module):
     r"""A drop-in for :class:`torch.nn.Embedding` whose table lives in page-locked host memory.
@@ -230,6 +265,8 @@ class OffloadedEmbedding(nn.Module):
         self._optimizer: weakref.ref | None = None
         self._work: _Work | None = None
         self._cache: _Cache | None = None
+        self._wb_stream: torch.cuda.Stream | None = None  # write-backs of evicted rows (UVA engine)
+        self._wb_event = None
         self._pending: tuple[Tensor, dict[str, Prefetch]] | None = None
         self._loaded: dict | None = None
         if fresh:
@@ -240,7 +277,7 @@ class OffloadedEmbedding(nn.Module):
     def reset_parameters(self) -> None:
         """Fill the table from N(0, 1), the padding row with zeros (as ``nn.Embedding``); clears the cache."""
         self._require_idle("reset_parameters")
-        self._cache = None
+        self._drop_cache()
         data = self.table.data
         data.normal_()
         if self.padding_idx is not None:
@@ -265,7 +302,7 @@ class OffloadedEmbedding(nn.Module):
             return
         self._require_idle("load_state_dict")
         self.flush()
-        self._cache = None
+        self._drop_cache()
         with torch.no_grad():
             self.table.data.copy_(value)
 
@@ -305,7 +342,7 @@ class OffloadedEmbedding(nn.Module):
         if self.table.device != dev:
             self._require_idle("moving to another device")
             self.flush()
-            self._cache = None
+            self._drop_cache()
             self.table.device = dev
             for t in self._state_tables.values():
                 t.device = dev
@@ -328,31 +365,85 @@ class OffloadedEmbedding(nn.Module):
         if cap <= 0:
             return None
         if self._cache is None:
-            self._cache = _Cache(cap, self.num_embeddings, self.embedding_dim, self.table.dtype, self.table.device)
+            self._cache = _Cache(cap, self.table.num_rows, self.embedding_dim, self.table.dtype, self.table.device)
             for key in self._spec:
                 self._cache.states[key] = torch.empty_like(self._cache.weight)
         return self._cache
 
-    def cache_stats(self) -> dict[str, int]:
-        """``{"capacity", "hits", "misses"}`` counted over row lookups at switch-in."""
-        c = self._cache
-        return {"capacity": self._cache_capacity(), "hits": c.hits if c else 0, "misses": c.misses if c else 0}
+    def _drop_cache(self) -> None:
+        self._join()
+        self._cache = None
 
-    def _evict_write_back(self, cache: _Cache, slots: Tensor) -> None:
-        ids = cache.ids[slots]
-        keep = (ids >= 0) & cache.dirty[slots]
-        if bool(keep.any()):
-            s = slots[keep]
-            writes = [(self.table, cache.weight[s])]
-            writes += [(self._state_tables[k], cache.states[k][s]) for k in self._spec]
-            _commit(ids[keep], writes)
-        valid = ids >= 0
-        cache.slot_of[ids[valid]] = -1
-        cache.ids[slots] = -1
+    def cache_stats(self) -> dict[str, int]:
+        """``{"capacity", "hits", "misses"}`` counted over distinct rows: a miss is a row that had to come from
+        the host (at switch-in, or earlier by :meth:`prefetch`), a hit one that was in the cache already."""
+        c = self._cache
+        if c is None:
+            return {"capacity": self._cache_capacity(), "hits": 0, "misses": 0}
+        return {"capacity": self._cache_capacity(), "hits": c.hits - int(c.prefetch_hits), "misses": c.misses}
+
+    def _join(self) -> None:
+        """Make the current stream wait for this module's side-stream work (prefetch admissions into the cache,
+        write-backs of evicted rows)."""
+        if self.table.device.type != "cuda":
+            return
+        stream = torch.cuda.current_stream(self.table.device)
+        c = self._cache
+        if c is not None and c.ready is not None:
+            stream.wait_event(c.ready)
+            c.ready = None
+        if self._wb_event is not None:
+            stream.wait_event(self._wb_event)
+            self._wb_event = None
+
+    def _write_back(self, ids: Tensor, writes: list[tuple[HostTable, Tensor]]) -> None:
+        """Commit evicted rows to the host tables; with the UVA engine on a side stream, so the write-back of
+        one step's evictions overlaps its compute (the next host read waits for it, see :meth:`_join`)."""
+        if ids.numel() == 0:
+            return
+        if ids.device.type != "cuda" or not all(t.resolved_engine("scatter") == "uva" for t, _ in writes):
+            _commit(ids, writes)
+            return
+        if self._wb_stream is None:
+            self._wb_stream = torch.cuda.Stream(ids.device)
+        wb = self._wb_stream
+        wb.wait_stream(torch.cuda.current_stream(ids.device))
+        with torch.cuda.stream(wb):
+            _commit(ids, writes)
+            ev = torch.cuda.Event()
+            ev.record(wb)
+        for t in [ids] + [r for _, r in writes]:
+            t.record_stream(wb)
+        self._wb_event = ev
+
+    def _evict(self, cache: _Cache, k: int, protect_from: int) -> Tensor:
+        """``k`` slots for new rows: empty ones first, then the least recently used among the slots not used
+        since ``protect_from``; the rows they held (and their optimizer state) are written back to the host."""
+        key = cache.last_use[: cache.capacity]
+        key = torch.where(key >= protect_from, _INT64_MAX, key)
+        victims = torch.topk(key, k, largest=False, sorted=True).indices  # empty slots (last_use -1) first
+        n_empty = min(k, cache.capacity - cache.filled)
+        cache.filled += n_empty
+        old = victims[n_empty:]
+        if old.numel():
+            old_ids = cache.ids.index_select(0, old)
+            writes = [(self.table, cache.weight.index_select(0, old))]
+            writes += [(self._state_tables[s], cache.states[s].index_select(0, old)) for s in self._spec]
+            self._write_back(old_ids, writes)
+            cache.slot_of[old_ids] = -1
+        return victims
+
+    @staticmethod
+    def _install(cache: _Cache, slots: Tensor, ids: Tensor, rows: Tensor, use: int) -> None:
+        cache.weight.index_copy_(0, slots, rows)
+        cache.ids.index_copy_(0, slots, ids)
+        cache.slot_of[ids] = slots.to(torch.int32)
+        cache.last_use[slots] = use
         cache.dirty[slots] = False
 
     def flush(self) -> None:
         """Write every dirty cached row (and its optimizer state) back to the host tables."""
+        self._join()
         c = self._cache
         if c is None:
             return
@@ -364,66 +455,108 @@ class OffloadedEmbedding(nn.Module):
             c.dirty[slots] = False
 
     # -- fetching rows ---------------------------------------------------------------------------------------
-    def _fetch(self, ids: Tensor) -> tuple[_Chunk, Tensor]:
-        """Rows ``ids`` (distinct, checked) for a new chunk of the working set: from the cache, a pending
-        :meth:`prefetch`, or the host tables; per-row state starts gathering on a side stream."""
-        cache = self._get_cache()
+    def _distinct(self, flat: Tensor, cache: _Cache | None = None, exclude: Tensor | None = None):
+        """Deduplicate and bounds-check ``flat`` with one host synchronisation.
+
+        Returns ``(ids, inverse, slots, miss, n_miss)``: the distinct ids (sorted), ``ids[inverse] == flat``,
+        and with a cache each row's slot (-1 if not cached), the mask of rows to fetch from the host (not
+        cached, and not in the sorted ``exclude``) and their number. The one value read back also carries the
+        smallest and largest index, so no index out of range reaches a kernel that touches host memory.
+        """
+        n_flat = flat.numel()
+        if cache is not None:
+            self._join()  # a prefetch admission may still be writing the slot map
+        if n_flat == 0:
+            empty = flat.new_empty(0)
+            none = None if cache is None else empty
+            return empty, empty, none, (None if cache is None else empty.bool()), 0
+        sorted_flat, order = torch.sort(flat)
+        first = torch.ones(n_flat, dtype=torch.bool, device=flat.device)
+        torch.ne(sorted_flat[1:], sorted_flat[:-1], out=first[1:])
+        seg = torch.cumsum(first, 0)
+        seg -= 1
+        inverse = torch.empty_like(seg).scatter_(0, order, seg)
+        stats = [seg[-1:] + 1, sorted_flat[:1], sorted_flat[-1:]]
+        if cache is not None:
+            num_rows = self.table.num_rows
+            slot_flat = cache.slot_of[sorted_flat.clamp(0, num_rows - 1)].long()
+            miss_flat = slot_flat < 0
+            if exclude is not None and exclude.numel():
+                at = torch.searchsorted(exclude, sorted_flat).clamp_(max=exclude.numel() - 1)
+                miss_flat &= exclude[at] != sorted_flat
+            stats.append((miss_flat & first).sum().view(1))
+        vals = torch.cat(stats).tolist()  # the one host synchronisation
+        _check_bounds(vals[1], vals[2], self.table.num_rows)
+        n = vals[0]
+        ids = torch.empty(n, dtype=torch.int64, device=flat.device).scatter_(0, seg, sorted_flat)
+        if cache is None:
+            return ids, inverse, None, None, 0
+        slots = torch.empty(n, dtype=torch.int64, device=flat.device).scatter_(0, seg, slot_flat)
+        miss = torch.empty(n, dtype=torch.bool, device=flat.device).scatter_(0, seg, miss_flat)
+        return ids, inverse, slots, miss, vals[3]
+
+    def _fetch(self, ids: Tensor, slots: Tensor | None = None, miss: Tensor | None = None,
+               n_miss: int = 0) -> tuple[_Chunk, Tensor]:
+        """Rows ``ids`` (distinct, checked; with a cache, their ``slots`` and the ``n_miss`` rows not cached as
+        ``miss``, from :meth:`_distinct`) for a new chunk of the working set: from the cache, a pending
+        :meth:`prefetch`, or the host tables; per-row state starts gathering on a side stream. Rows from the
+        host are admitted to the cache (evicting the least recently used rows) as far as it has room."""
+        self._join()
+        cache = self._cache
+        if cache is None:
+            return self._fetch_uncached(ids)
+        n = ids.numel()
+        chunk = _Chunk(ids=ids, slots=slots)
+        hit_slots = torch.where(miss, cache.capacity, slots)
+        cache.last_use[hit_slots] = cache.clock  # this step's cached rows are not evicted for its misses
+        cache.prefetch_hits += cache.fresh[hit_slots].sum()
+        cache.fresh[hit_slots] = False
+        cache.hits += n - n_miss
+        cache.misses += n_miss
+        cache.protected += n - n_miss
+        if n_miss == 0:
+            chunk.miss_pos = ids.new_empty(0)
+            return chunk, cache.weight.index_select(0, slots)
+        miss_pos = _compact(miss, n_miss)
+        miss_ids = ids.index_select(0, miss_pos)
+        miss_rows = torch.empty(n_miss, self.embedding_dim, dtype=self.table.dtype, device=self.table.device)
+        self.table._gather_unique(miss_ids, None, miss_rows, self.table.resolved_engine("gather"))
+        chunk.miss_pos = miss_pos
+        n_admit = max(0, min(n_miss, cache.capacity - cache.protected))
+        if n_admit:
+            # (evicted before the state gathers start: the write-back then does not hold them up)
+            victims = self._evict(cache, n_admit, protect_from=cache.clock)
+            self._install(cache, victims, miss_ids[:n_admit], miss_rows[:n_admit], cache.clock)
+            slots.index_copy_(0, miss_pos[:n_admit], victims)
+            chunk.n_admit, chunk.admit_slots = n_admit, victims
+            cache.protected += n_admit
+        chunk.states = {k: self._state_tables[k].prefetch(miss_ids, _checked=True) for k in self._spec}
+        rows = cache.weight.index_select(0, cache.slot_index(slots))
+        if n_admit < n_miss:
+            rows.index_copy_(0, miss_pos[n_admit:], miss_rows[n_admit:])
+        return chunk, rows
+
+    def _fetch_uncached(self, ids: Tensor) -> tuple[_Chunk, Tensor]:
         chunk = _Chunk(ids=ids, slots=None)
         pending, self._pending = self._pending, None
-        if cache is None:
-            miss_ids, miss_pos = ids, None
-        else:
-            slots = cache.slot_of[ids].long()
-            miss = slots < 0
-            miss_pos = torch.nonzero(miss).squeeze(1)
-            miss_ids = ids[miss_pos]
-            cache.misses += miss_ids.numel()
-            cache.hits += ids.numel() - miss_ids.numel()
-            chunk.slots = slots
-        # rows not in the cache: from the prefetch when it holds exactly them, else from the host
-        use_pending = (pending is not None and pending[0].numel() == miss_ids.numel()
-                       and bool(torch.equal(pending[0], miss_ids)))
+        # from the prefetch when it holds exactly these rows, else from the host
+        use_pending = (pending is not None and pending[0].numel() == ids.numel()
+                       and bool(torch.equal(pending[0], ids)))
         if use_pending:
-            miss_rows = pending[1]["weight"].rows()
-            state_pf = {k: pending[1][k] for k in self._spec if k in pending[1]}
+            rows = pending[1]["weight"].rows()
+            states = {k: pending[1][k] for k in self._spec if k in pending[1]}
             pending[1]["weight"].release()
         else:
             if pending is not None:
                 for p in pending[1].values():
                     p.release()
-            miss_rows = torch.empty(miss_ids.numel(), self.embedding_dim, dtype=self.table.dtype,
-                                    device=self.table.device)
-            self.table._gather_unique(miss_ids, None, miss_rows, self.table.resolved_engine("gather"))
-            state_pf = {}
+            rows = torch.empty(ids.numel(), self.embedding_dim, dtype=self.table.dtype, device=self.table.device)
+            self.table._gather_unique(ids, None, rows, self.table.resolved_engine("gather"))
+            states = {}
         for k in self._spec:
-            if k not in state_pf:
-                state_pf[k] = self._state_tables[k].prefetch(miss_ids, _checked=True)
-        chunk.states = state_pf
-        if cache is None:
-            return chunk, miss_rows
-        n_miss = miss_ids.numel()
-        hit = chunk.slots >= 0
-        cache.last_use[chunk.slots[hit]] = cache.clock  # this step's cached rows are not evicted for its misses
-        if n_miss:
-            key = torch.where(cache.last_use == cache.clock, torch.full_like(cache.last_use, _INT64_MAX),
-                              cache.last_use)
-            n_free = int((key != _INT64_MAX).sum())
-            n_admit = min(n_miss, n_free)
-            if n_admit:
-                victims = torch.topk(key, n_admit, largest=False).indices
-                self._evict_write_back(cache, victims)
-                admit_ids = miss_ids[:n_admit]
-                cache.weight[victims] = miss_rows[:n_admit]
-                cache.ids[victims] = admit_ids
-                cache.slot_of[admit_ids] = victims.to(torch.int32)
-                cache.dirty[victims] = False
-                chunk.slots[miss_pos[:n_admit]] = victims
-                chunk.admit = miss_pos[:n_admit]
-                chunk.admit_slots = victims
-                cache.last_use[victims] = cache.clock
-        rows = cache.weight.index_select(0, chunk.slots.clamp(min=0))
-        if n_miss:
-            rows[miss_pos] = miss_rows
+            if k not in states:
+                states[k] = self._state_tables[k].prefetch(ids, _checked=True)
+        chunk.states = states
         return chunk, rows
 
     def _resolve_states(self, chunk: _Chunk) -> dict[str, Tensor]:
@@ -432,46 +565,79 @@ class OffloadedEmbedding(nn.Module):
         out = {}
         cache = self._cache
         for k in self._spec:
-            p = chunk.states[k]
-            miss_rows = p.rows()
-            p.release()
+            p = chunk.states.get(k)
+            host_rows = None
+            if p is not None:
+                host_rows = p.rows()
+                p.release()
             if chunk.slots is None:
-                out[k] = miss_rows
+                out[k] = host_rows
                 continue
-            if chunk.admit is not None and chunk.admit.numel():
-                cache.states[k][chunk.admit_slots] = miss_rows[: chunk.admit.numel()]
-            rows = cache.states[k].index_select(0, chunk.slots.clamp(min=0))
-            miss_pos = torch.nonzero(self._miss_mask(chunk)).squeeze(1)
-            if miss_pos.numel():
-                rows[miss_pos] = miss_rows
+            if chunk.n_admit:
+                cache.states[k].index_copy_(0, chunk.admit_slots, host_rows[: chunk.n_admit])
+            rows = cache.states[k].index_select(0, cache.slot_index(chunk.slots))
+            if chunk.n_bypass:
+                rows.index_copy_(0, chunk.miss_pos[chunk.n_admit:], host_rows[chunk.n_admit:])
             out[k] = rows
         chunk.states = {}
-        chunk.admit = chunk.admit_slots = None
+        chunk.n_admit, chunk.admit_slots = 0, None
         return out
 
-    @staticmethod
-    def _miss_mask(chunk: _Chunk) -> Tensor:
-        """Rows of the chunk that came from the host (admitted or bypassing), in ``ids`` order."""
-        mask = chunk.slots < 0
-        if chunk.admit is not None:
-            mask[chunk.admit] = True
-        return mask
-
     def prefetch(self, indices: Tensor) -> None:
-        """Start gathering the rows (and their optimizer state) that the next step will look up, on a side
-        stream, while the current step computes. The next switch-in uses them when its rows not in the cache
-        are exactly these; rows written back in between are patched in, so they are never stale."""
-        ids, _ = self.table.prepare(indices)
-        cache = self._cache
-        if cache is not None:
-            ids = ids[cache.slot_of[ids] < 0]
-        if self._pending is not None:
-            for p in self._pending[1].values():
-                p.release()
-        handles = {"weight": self.table.prefetch(ids, _checked=True)}
-        for k in self._spec:
-            handles[k] = self._state_tables[k].prefetch(ids, _checked=True)
-        self._pending = (ids, handles)
+        """Start moving the rows (and their optimizer state) that the next step will look up to the GPU, on a
+        side stream, while the current step computes.
+
+        With a cache, the rows not cached are admitted to it now (the least recently used rows not needed by
+        the current step make room), so the next step finds them as hits. Without one, the next switch-in
+        uses them when they are exactly its rows; rows written back in between are patched in, so they are
+        never stale.
+        """
+        self._sync_device()
+        flat = _as_index(indices, self.table.device)
+        cache = self._get_cache()
+        if cache is None:
+            ids = self._distinct(flat)[0]
+            if self._pending is not None:
+                for p in self._pending[1].values():
+                    p.release()
+            handles = {"weight": self.table.prefetch(ids, _checked=True)}
+            for k in self._spec:
+                handles[k] = self._state_tables[k].prefetch(ids, _checked=True)
+            self._pending = (ids, handles)
+            return
+        self._join()
+        work = self._work
+        # rows of the step in progress are cached already or will be written to the host after it: skip them
+        exclude = work.sorted_ids if work is not None else None
+        ids, _, _, miss, n_miss = self._distinct(flat, cache, exclude)
+        n_admit = max(0, min(n_miss, cache.capacity - cache.protected - cache.reserved))
+        if n_admit == 0:
+            return
+        device = self.table.device
+        side = None
+        if device.type == "cuda":
+            if cache.stream is None:
+                cache.stream = torch.cuda.Stream(device)
+            side = cache.stream
+            side.wait_stream(torch.cuda.current_stream(device))
+            for t in (ids, miss):
+                t.record_stream(side)
+        with _stream_ctx(side):
+            miss_ids = ids.index_select(0, _compact(miss, n_miss)[:n_admit])
+            victims = self._evict(cache, n_admit, protect_from=cache.clock)
+            rows = torch.empty(n_admit, self.embedding_dim, dtype=self.table.dtype, device=device)
+            self.table._gather_unique(miss_ids, None, rows, self.table.resolved_engine("gather"))
+            self._install(cache, victims, miss_ids, rows, cache.clock + 1)
+            for k in self._spec:
+                t = self._state_tables[k]
+                t._gather_unique(miss_ids, None, rows, t.resolved_engine("gather"))
+                cache.states[k].index_copy_(0, victims, rows)
+            cache.fresh[victims] = True
+            if side is not None:
+                cache.ready = torch.cuda.Event()
+                cache.ready.record(side)
+        cache.misses += n_admit
+        cache.reserved += n_admit
 
     # -- the working set -------------------------------------------------------------------------------------
     def _renorm(self, rows: Tensor) -> None:
@@ -489,14 +655,17 @@ class OffloadedEmbedding(nn.Module):
         self._sync_device()
         if self._work is not None:
             self._end_work(check=True)
-        self._begin(indices)
+        self._begin(_as_index(indices, self.table.device))
 
-    def _begin(self, indices: Tensor) -> None:
-        ids, _ = self.table.prepare(indices)
+    def _begin(self, flat: Tensor) -> Tensor:
+        """Start a step's working set with the rows of ``flat``; returns each index's working row."""
         cache = self._get_cache()
         if cache is not None:
+            self._join()
             cache.clock += 1
-        chunk, rows = self._fetch(ids)
+            cache.protected, cache.reserved = cache.reserved, 0
+        ids, inverse, slots, miss, n_miss = self._distinct(flat, cache)
+        chunk, rows = self._fetch(ids, slots, miss, n_miss)
         if self.max_norm is not None:
             self._renorm(rows)
         self.weight.data = rows
@@ -510,6 +679,7 @@ class OffloadedEmbedding(nn.Module):
         self._work = _Work(chunks=[chunk], sorted_ids=ids, perm=torch.arange(ids.numel(), device=ids.device),
                            renormed=self.max_norm is not None)
         self._work.version = self.weight._version
+        return inverse
 
     def _locate(self, flat: Tensor) -> Tensor:
         work = self._work
@@ -524,12 +694,12 @@ class OffloadedEmbedding(nn.Module):
             all_found = False
         if not all_found:
             new = flat if not n else flat[~found]
-            new_ids = torch.unique(new)
-            lo, hi = torch.stack([new_ids[0], new_ids[-1]]).tolist()
-            _check_bounds(lo, hi, self.num_embeddings)
             if work.folded:
+                # (checked first: an index out of range is still reported as such)
+                self._distinct(new)
                 raise RuntimeError("OffloadedEmbedding: new rows looked up after the optimizer's step began")
-            chunk, rows = self._fetch(new_ids)
+            new_ids, _, slots, miss, n_miss = self._distinct(new, self._cache)
+            chunk, rows = self._fetch(new_ids, slots, miss, n_miss)
             if self.max_norm is not None:
                 self._renorm(rows)
             chunk.leaf = rows.requires_grad_(True)
@@ -550,8 +720,9 @@ class OffloadedEmbedding(nn.Module):
         if self._work is not None and self._optimizer is None:
             self._end_work(check=True)  # nothing will step these rows: start afresh
         if self._work is None:
-            self._begin(flat)
-        local = self._locate(flat).view(input.shape)
+            local = self._begin(flat).view(input.shape)
+        else:
+            local = self._locate(flat).view(input.shape)
         work = self._work
         table = work.chunks[0].leaf if len(work.chunks) == 1 else torch.cat([c.leaf for c in work.chunks])
         pad = None
@@ -565,6 +736,7 @@ class OffloadedEmbedding(nn.Module):
     def _lookup_no_grad(self, input: Tensor) -> Tensor:
         """A lookup that trains nothing: rows from the working set, the cache or the host."""
         flat = input.reshape(-1).to(self.weight.device, torch.int64)
+        self._join()
         with torch.no_grad():
             ids, inverse = self.table.prepare(flat)
             cache = self._cache
@@ -573,7 +745,7 @@ class OffloadedEmbedding(nn.Module):
                 self.table._gather_unique(ids, None, rows, self.table.resolved_engine("gather"))
             else:
                 slots = cache.slot_of[ids].long()
-                rows = cache.weight.index_select(0, slots.clamp(min=0))
+                rows = cache.weight.index_select(0, cache.slot_index(slots))
                 miss = torch.nonzero(slots < 0).squeeze(1)
                 if miss.numel():
                     host = torch.empty(miss.numel(), self.embedding_dim, dtype=self.table.dtype,
@@ -601,6 +773,7 @@ class OffloadedEmbedding(nn.Module):
 
     def _write_rows(self, ids: Tensor, rows: Tensor) -> None:
         """Weight rows only (renormalisation outside a step): into the cache where cached, else the host."""
+        self._join()
         cache = self._cache
         if cache is not None:
             slots = cache.slot_of[ids].long()
@@ -686,14 +859,21 @@ class OffloadedEmbedding(nn.Module):
         if cache is None or work.chunks[0].slots is None:
             _commit(ids, [(self.table, weight_rows)] + [(self._state_tables[k], state_rows[k]) for k in self._spec])
             return
+        self._join()
         slots = torch.cat([c.slots for c in work.chunks]) if len(work.chunks) > 1 else work.chunks[0].slots
-        cached = slots >= 0
-        cs = slots[cached]
-        cache.weight[cs] = weight_rows[cached]
+        dest = cache.slot_index(slots)  # rows not cached land in the scratch row
+        cache.weight.index_copy_(0, dest, weight_rows)
         for k in self._spec:
-            cache.states[k][cs] = state_rows[k][cached]
-        cache.dirty[cs] = True
-        sel = torch.nonzero(~cached).squeeze(1)
+            cache.states[k].index_copy_(0, dest, state_rows[k])
+        cache.dirty[dest] = True
+        if not any(c.n_bypass for c in work.chunks):
+            return
+        offsets, bypass = 0, []
+        for c in work.chunks:
+            if c.n_bypass:
+                bypass.append(c.miss_pos[c.n_admit:] + offsets)
+            offsets += c.ids.numel()
+        sel = torch.cat(bypass)
         _commit(ids[sel], [(self.table, weight_rows[sel])] + [(self._state_tables[k], state_rows[k][sel])
                                                               for k in self._spec])
 
@@ -736,7 +916,7 @@ class OffloadedEmbedding(nn.Module):
         spec, self_init = row_state_spec(optimizer, group)
         self._require_idle("attach")
         self.flush()
-        self._cache = None
+        self._drop_cache()
         loaded, self._loaded = self._loaded, None
         tables: dict[str, HostTable] = {}
         if loaded is not None:
@@ -825,7 +1005,7 @@ class OffloadedEmbedding(nn.Module):
                                    device=self.weight.device, pin=pin, engine=self._engine)
         self.table.close()
         self.table = table
-        self._cache = None
+        self._drop_cache()
         self._state_tables = {}
         self._spec = {}
         self._pending = None

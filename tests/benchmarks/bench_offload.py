@@ -134,6 +134,10 @@ def part_a(state):
 
 
 def part_b(state):
+    if "table" not in state:  # (part A not run)
+        data = torch.empty(10_000_000, 128)
+        data.normal_()
+        state["table"] = offload.HostTable.from_tensor(data, device=dev, copy=False, pin=True)
     table = state["table"]
     rows, dim, n = table.num_rows, table.dim, 131_072
     gen = torch.Generator(device=dev).manual_seed(1)
@@ -190,16 +194,59 @@ class SkipGram(nn.Module):
         return -F.logsigmoid(s * sign).sum(1).mean()
 
 
-def part_c(state):
+def count_syncs(fn, steps=5):
+    """Host synchronisations per call of ``fn`` (torch's sync debug mode, warnings counted)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    where = {}
+    for w in got:
+        msg = str(w.message)
+        if "synchroniz" in msg:
+            key = f"{os.path.basename(w.filename)}:{w.lineno}"
+            where[key] = where.get(key, 0) + 1
+    return sum(where.values()) / steps, {k: v / steps for k, v in sorted(where.items())}
+
+
+def profile_steps(step, label, steps=5):
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60)
+    print(f"--- profile: {label} ({steps} steps) ---\n{table}", flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, f"profile-{len(RESULTS)}.txt"), "w") as f:
+            f.write(label + "\n" + table + "\n")
+            f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=60))
+        prof.export_chrome_trace(os.path.join(out, f"trace-{len(RESULTS)}.json"))
+
+
+def part_c(state, profile=False):
     vocab, dim, batch, neg = 4_000_000, 128, 16_384, 5
     gen = torch.Generator(device=dev).manual_seed(2)
     perm = torch.randperm(vocab, device=dev, generator=gen)
+    # a fresh batch every step (a short repeating pool would let a cache hold every row): no run below takes
+    # more steps than the pool holds
     data = [(zipf_like(batch, vocab, gen, perm), zipf_like(batch * (1 + neg), vocab, gen, perm).view(batch, 1 + neg))
-            for _ in range(16)]
+            for _ in range(128)]
     table_state_bytes = 2 * vocab * dim * 4 * 3
     res = {}
 
-    def run(model, opt, label, prefetch=False, steps=20):
+    def make_step(model, opt, prefetch=False):
         k = [0]
 
         def step():
@@ -214,20 +261,29 @@ def part_c(state):
             loss.backward()
             opt.step()
 
+        return step, k
+
+    def run(model, opt, label, prefetch=False, warmup=3):
+        step, k = make_step(model, opt, prefetch)
         torch.cuda.reset_peak_memory_stats()
-        t = cuda_time(step, steps, 3, 3)
+        t = cuda_time(step, 20, warmup, 3)
         res[label] = 1 / t
+        extra = {}
+        if hasattr(model.inp, "cache_stats"):
+            extra = {"cache_" + name: m.cache_stats() for name, m in (("inp", model.inp), ("out", model.out))}
         emit(part="C", impl=label, steps_per_s=1 / t, ms_per_step=t * 1e3,
-             peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30)
+             peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30, steps_run=k[0], **extra)
 
     torch.manual_seed(0)
     dense = SkipGram(vocab, dim, lambda v, d: nn.Embedding(v, d)).to(dev)
     run(dense, torch.optim.Adam(dense.parameters(), lr=1e-3), "GPU: dense nn.Embedding + Adam (no cap)")
     del dense
     sparse = SkipGram(vocab, dim, lambda v, d: nn.Embedding(v, d, sparse=True)).to(dev)
-    run(sparse, torch.optim.SparseAdam(list(sparse.parameters()), lr=1e-3),
-        "GPU: nn.Embedding(sparse=True) + SparseAdam (no cap)")
-    del sparse
+    sopt = torch.optim.SparseAdam(list(sparse.parameters()), lr=1e-3)
+    run(sparse, sopt, "GPU: nn.Embedding(sparse=True) + SparseAdam (no cap)")
+    if profile:
+        profile_steps(make_step(sparse, sopt)[0], "SparseAdam on the GPU")
+    del sparse, sopt
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -240,14 +296,27 @@ def part_c(state):
         model = SkipGram(vocab, dim, lambda v, d: offload.OffloadedEmbedding(v, d)).to(dev)
         opt = offload.attach(torch.optim.Adam(model.parameters(), lr=1e-3))
         emit(part="C", note="offloaded tables + Adam state created and pinned", s=time.perf_counter() - t0)
-        for cache_rows, prefetch in ((0, False), (0, True), (1 << 18, True)):
-            for m in (model.inp, model.out):
+        # cache sizes in bytes (weight + Adam state per row): the context table sees 6x the lookups
+        configs = [((0, 0), False), ((0, 0), True), ((512 << 20, 1 << 30), False), ((512 << 20, 1 << 30), True)]
+        for (inp_bytes, out_bytes), prefetch in configs:
+            for m, b in ((model.inp, inp_bytes), (model.out, out_bytes)):
                 m.flush()
-                m._cache = None
-                m.cache_rows = cache_rows
-            run(model, opt, f"offload: cache_rows={cache_rows}, prefetch={prefetch} (capped)", prefetch)
+                m._drop_cache()
+                m.cache_bytes = b
+            cap_rows = model.out._cache_capacity()
+            # a cached run is timed only once the caches are full (their first misses cost no write-back)
+            warm = 3 if not cap_rows else 45
+            label = (f"offload: cache {inp_bytes >> 20} + {out_bytes >> 20} MiB "
+                     f"({model.inp._cache_capacity()} + {cap_rows} rows), prefetch={prefetch} (capped)")
+            run(model, opt, label, prefetch, warmup=warm)
+            if profile and cap_rows and prefetch:
+                step = make_step(model, opt, prefetch)[0]
+                per_step, where = count_syncs(step)
+                emit(part="C", impl_sync=label, syncs_per_step=per_step, where=where)
+                profile_steps(step, label)
         offload.detach(opt)
         model.inp.table = model.out.table = None
+        del model, opt
         gc.collect()
         torch.cuda.empty_cache()
     finally:
@@ -300,6 +369,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench.json"))
     ap.add_argument("--budget", type=float, default=280.0)
     ap.add_argument("--parts", default="ABCD")
+    ap.add_argument("--profile", action="store_true", help="profile part C's steps and count host syncs")
     args = ap.parse_args()
     emit(note="env", torch=torch.__version__, gpu=torch.cuda.get_device_name(), threads=torch.get_num_threads(),
          cupy=offload._uva.cupy.__version__ if offload._uva.cupy is not None else None)
@@ -313,8 +383,10 @@ def main():
             elif p == "C":
                 state.pop("table", None)
                 gc.collect()
-                part_c(state)
+                part_c(state, args.profile)
             elif p == "D":
+                state.clear()
+                gc.collect()
                 part_d(state, args.budget - (time.perf_counter() - T0))
         except Exception as e:
             import traceback
