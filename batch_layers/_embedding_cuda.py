@@ -493,6 +493,25 @@ def _launch_cupy(kernel: _Kernel, grid: int, block: int, args: tuple, stream: in
 
 _DIRECT_LAUNCH = [True]
 _DRIVER_LAUNCH = cupy.cuda.driver.launchKernel if LAUNCH_MODE[0] == "driver" else None
+_MEMSET = getattr(cupy.cuda.runtime, "memsetAsync", None) if cupy is not None else None
+
+
+def _zeros(like: Tensor, shape, dtype: torch.dtype) -> Tensor:
+    """A zero-filled CUDA tensor on ``like``'s device: ``new_empty`` plus one ``cudaMemsetAsync`` on torch's
+    current stream in the fast launch mode (less host time than ``new_zeros``' fill kernel), else
+    ``new_zeros``."""
+    if _MEMSET is None or LAUNCH_MODE[0] != "driver":
+        return like.new_zeros(shape, dtype=dtype)
+    out = like.new_empty(shape, dtype=dtype)
+    nbytes = out.numel() * out.element_size()
+    if nbytes:
+        index = out.get_device()
+        if _current_device() == index:
+            _MEMSET(out.data_ptr(), 0, nbytes, _stream_ptr(index))
+        else:
+            with cupy.cuda.Device(index):
+                _MEMSET(out.data_ptr(), 0, nbytes, _stream_ptr(index))
+    return out
 
 _SMS: dict[int, int] = {}
 
@@ -693,7 +712,7 @@ def gather(weight: Tensor, idx: Tensor, tables: int, num: int, per: int, out_sha
 
 def counts(idx: Tensor, tables: int, num: int, per: int) -> Tensor:
     """``(tables * num,)`` int32 occurrence counts of each row among the merged positions."""
-    out = torch.zeros(tables * num, dtype=torch.int32, device=idx.device)
+    out = _zeros(idx, (tables * num,), torch.int32)
     M = tables * per
     if M == 0:
         return out
@@ -711,7 +730,7 @@ def scatter(grad: Tensor, idx: Tensor, shape: tuple[int, ...], tables: int, num:
     positions of ``idx``; ``pad`` (or -1) is a row that gets nothing; ``freq``, if given, the int32
     counts each row's sum is divided by."""
     dim = shape[-1]
-    gw = grad.new_zeros(shape, dtype=torch.float32)
+    gw = _zeros(grad, shape, torch.float32)
     M = tables * per
     if M == 0 or dim == 0:
         return gw
@@ -769,7 +788,7 @@ def multi_gather(weight: Tensor, idx: Tensor, meta: dict[str, Tensor], per: int,
 
 def multi_scatter(grad: Tensor, idx: Tensor, meta: dict[str, Tensor], shape: tuple[int, ...], per: int) -> Tensor:
     """MultiEmbedding backward: fp32 ``(B, total)`` gradient."""
-    gw = grad.new_zeros(shape, dtype=torch.float32)
+    gw = _zeros(grad, shape, torch.float32)
     samples, D = grad.shape
     if samples == 0 or D == 0:
         return gw

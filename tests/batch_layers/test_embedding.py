@@ -637,7 +637,7 @@ def test_launch_modes_agree_and_the_fast_one_runs(kernels, mode: str, monkeypatc
     # "driver" packs the arguments for one cuLaunchKernel; "cupy" goes through cupy.cuda.Function
     if mode == "driver" and ecuda.LAUNCH_MODE[0] != "driver":
         pytest.skip("this CuPy has no driver.launchKernel binding")
-    monkeypatch.setitem(ecuda.LAUNCH_MODE, 0, mode)
+    monkeypatch.setattr(ecuda, "LAUNCH_MODE", [mode])
     torch.manual_seed(15)
     before, slow = dict(kernels), dict(ecuda.SLOW_LAUNCHES)
     _compare_embedding({"padding_idx": 2, "scale_grad_by_freq": True}, "cuda", num=50, dim=12, seq=9, high=20,
@@ -758,3 +758,24 @@ def test_kernels_shared_and_non_contiguous_indices(kernels) -> None:
         yi.backward(g[i * N:(i + 1) * N])
         torch.testing.assert_close(y[i * N:(i + 1) * N], yi, rtol=0, atol=0)
         torch.testing.assert_close(emb.weight.grad[i], ref.weight.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.cuda
+def test_gradient_starts_from_zero_on_reused_memory(kernels) -> None:
+    # the gradient buffer is an uninitialised allocation zeroed by a memset: fill the allocator's cache
+    # with NaN first, so a missing or short zero-fill shows
+    torch.manual_seed(20)
+    num, dim = 64, 24
+    ref = nn.Embedding(num, dim, padding_idx=3).cuda()
+    fast = batch_layers.FastEmbedding(num, dim, padding_idx=3).cuda()
+    fast.load_state_dict(ref.state_dict())
+    x = torch.randint(0, 8, (50,), device="cuda")  # most rows get no gradient and must read exactly 0
+    g = torch.randn(50, dim, device="cuda")
+    for _ in range(3):
+        poison = torch.full((num, dim), float("nan"), device="cuda")
+        del poison
+        fast.weight.grad = None
+        fast(x).backward(g)
+        assert torch.isfinite(fast.weight.grad).all()
+    ref(x).backward(g)
+    torch.testing.assert_close(fast.weight.grad, ref.weight.grad, atol=1e-5, rtol=1e-5)

@@ -8,6 +8,10 @@ Part 2 (B=16 tables of 100k x 64, 16,384 indices per model): batch_layers.Embedd
     and one nn.Embedding over the stacked tables with offset indices.
 Part 3 (26 tables of mixed sizes and dims 4..64, 65,536 samples): MultiEmbedding against a loop of
     nn.Embedding + torch.cat.
+Part g: part 1's steps captured in CUDA graphs (GPU time, no launch overhead).
+Part h: host time (a 1,000 x 16 table, 256 indices, the GPU idle) of the steps and of their pieces,
+    with the fast ``cuLaunchKernel`` launch and with ``cupy.cuda.Function`` (interleaved rounds), and a
+    cProfile of torchmb's step (``profile_host.txt``).
 
 Every step is ``weight.grad = None; out = layer(idx); out.backward(g)`` in eager mode, timed by the
 wall clock around 20 steps after a synchronize (so CPU launch overhead counts, as in training), the
@@ -124,9 +128,15 @@ def single_table(dist: str, idx: torch.Tensor, unique: int, rows: int, dim: int,
     err = float((fast.weight.grad - ref.weight.grad).abs().max())
     scale = float(ref.weight.grad.abs().max())
     t_ref, t_add, t_fast = step_time(run_ref), step_time(run_index_add), step_time(run_fast)
+    old = ecuda.LAUNCH_MODE[0]
+    ecuda.LAUNCH_MODE[0] = "cupy"  # the same step through cupy.cuda.Function launches (the slower host path)
+    try:
+        t_cupy = step_time(run_fast)
+    finally:
+        ecuda.LAUNCH_MODE[0] = old
     emit(part=1, dist=dist, unique=unique, dim=dim, nn_embedding_ms=t_ref * 1e3, index_add_ms=t_add * 1e3,
          torchmb_ms=t_fast * 1e3, vs_nn_embedding=t_ref / t_fast, vs_index_add=t_add / t_fast,
-         max_abs_grad_err=err, max_abs_grad=scale)
+         torchmb_cupy_launch_ms=t_cupy * 1e3, max_abs_grad_err=err, max_abs_grad=scale)
 
 
 def graph_time(fn, replays: int = 20, repeats: int = 7) -> float | None:
@@ -247,33 +257,30 @@ def part_host() -> None:
                 layer(x)
         return run
 
-    t = {}
-    for mode in ("driver", "cupy"):
-        old = ecuda.LAUNCH_MODE[0]
-        if mode == "driver" and old != "driver":
-            continue
-        ecuda.LAUNCH_MODE[0] = mode
-        try:
-            t[f"torchmb_step_{mode}"] = host_time(run_fast)
-            t[f"torchmb_B4_step_{mode}"] = host_time(run_batched)
-            t[f"torchmb_fwd_{mode}"] = host_time(fwd(fast, idx))
-        finally:
-            ecuda.LAUNCH_MODE[0] = old
-    t["nn_embedding_step"] = host_time(run_ref)
-    t["index_add_step"] = host_time(run_index_add)
-    t["nn_embedding_fwd"] = host_time(fwd(ref, idx))
+    modes = ["driver", "cupy"] if ecuda.LAUNCH_MODE[0] == "driver" else ["cupy"]
     w = fast.weight.detach()
-    # the pieces
-    for mode in ("driver", "cupy"):
-        old = ecuda.LAUNCH_MODE[0]
-        if mode == "driver" and old != "driver":
-            continue
-        ecuda.LAUNCH_MODE[0] = mode
-        try:
-            t[f"gather_call_{mode}"] = host_time(lambda: ecuda.gather(w, idx, 1, rows, nidx))
-            t[f"scatter_call_{mode}"] = host_time(lambda: ecuda.scatter(g, idx, (rows, dim), 1, rows, nidx, -1, None))
-        finally:
-            ecuda.LAUNCH_MODE[0] = old
+    cases = {
+        "torchmb_step": run_fast,
+        "torchmb_B4_step": run_batched,
+        "torchmb_fwd": fwd(fast, idx),
+        "gather_call": lambda: ecuda.gather(w, idx, 1, rows, nidx),
+        "scatter_call": lambda: ecuda.scatter(g, idx, (rows, dim), 1, rows, nidx, -1, None),
+        "zero_grad_alloc": lambda: ecuda._zeros(w, (rows, dim), torch.float32),
+    }
+    samples: dict[str, list[float]] = {}
+    old = ecuda.LAUNCH_MODE[0]
+    try:
+        for _ in range(3):  # interleaved rounds, so drift of the host's speed hits every variant alike
+            for mode in modes:
+                ecuda.LAUNCH_MODE[0] = mode
+                for name, fn in cases.items():
+                    samples.setdefault(f"{name}_{mode}", []).append(host_time(fn, iters=500, repeats=3))
+            samples.setdefault("nn_embedding_step", []).append(host_time(run_ref, iters=500, repeats=3))
+            samples.setdefault("index_add_step", []).append(host_time(run_index_add, iters=500, repeats=3))
+            samples.setdefault("nn_embedding_fwd", []).append(host_time(fwd(ref, idx), iters=500, repeats=3))
+    finally:
+        ecuda.LAUNCH_MODE[0] = old
+    t = {k: statistics.median(v) for k, v in samples.items()}
     t["new_empty"] = host_time(lambda: w.new_empty((nidx, dim)))
     t["new_zeros_table"] = host_time(lambda: w.new_zeros((rows, dim)))
     t["index_select"] = host_time(lambda: w.index_select(0, idx))
