@@ -53,11 +53,14 @@ class _GroupedConv(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, batch, stride, padding, dilation, groups):
         dtype = autocast_dtype(x.device.type)
-        if dtype is not None:  # autocast does not reach a custom backward: cast here, once
+        conv = _CONV[len(stride)]
+        if dtype is None:
+            y = conv(_to_grouped(x, batch), weight, bias, stride, padding, dilation, groups)
+        else:  # autocast does not reach a custom backward: cast here, once
             x, weight = x.to(dtype), weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
-        with torch.autocast(x.device.type, enabled=False):
-            y = _CONV[len(stride)](_to_grouped(x, batch), weight, bias, stride, padding, dilation, groups)
+            with torch.autocast(x.device.type, enabled=False):
+                y = conv(_to_grouped(x, batch), weight, bias, stride, padding, dilation, groups)
         ctx.save_for_backward(x, weight)
         ctx.config = (batch, stride, padding, dilation, groups, bias is not None)
         return _to_models(y, batch)

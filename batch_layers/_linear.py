@@ -12,6 +12,11 @@ from ._base import AbstractBatchModule, autocast_dtype, copy_into_every_model
 __all__ = ["Linear"]
 
 
+def _product(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    weight_t = weight.transpose(1, 2)
+    return torch.bmm(rows, weight_t) if bias is None else torch.baddbmm(bias.unsqueeze(1), rows, weight_t)
+
+
 class _BatchedLinear(torch.autograd.Function):
     """``y[b] = x[b] @ W[b].T + bias[b]`` with a backward that writes each gradient in its own layout.
 
@@ -24,12 +29,13 @@ class _BatchedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         dtype = autocast_dtype(rows.device.type)
-        if dtype is not None:  # autocast does not reach a custom backward: cast here, once
+        if dtype is None:
+            y = _product(rows, weight, bias)
+        else:  # autocast does not reach a custom backward: cast here, once
             rows, weight = rows.to(dtype), weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
-        with torch.autocast(rows.device.type, enabled=False):
-            weight_t = weight.transpose(1, 2)
-            y = torch.bmm(rows, weight_t) if bias is None else torch.baddbmm(bias.unsqueeze(1), rows, weight_t)
+            with torch.autocast(rows.device.type, enabled=False):
+                y = _product(rows, weight, bias)
         ctx.save_for_backward(rows, weight)
         ctx.has_bias = bias is not None
         return y
@@ -118,9 +124,12 @@ class Linear(AbstractBatchModule):
     def forward(self, x: Tensor) -> Tensor:
         if self.is_shared(x):
             return self._shared_forward(x)
-        dim = self.merged_dim(x)
-        if dim:  # sequence-first layout: bring the model axis to the front for the batched product
-            return self.forward(x.movedim(dim, 0)).movedim(0, dim)
+        if x.dim() > 2:
+            dim = self.merged_dim(x)
+            if dim:  # sequence-first layout: bring the model axis to the front for the batched product
+                return self.forward(x.movedim(dim, 0)).movedim(0, dim)
+        else:  # the common (B*n, in) case: dim 0 is the only candidate
+            self.check_merged(x)
         rows = x.reshape(self.batch, -1, self.in_features)
         y = _BatchedLinear.apply(rows, self.weight, self.bias)
         return y.view(*x.shape[:-1], self.out_features)

@@ -130,6 +130,8 @@ class BatchModule(nn.Module):
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, *args: Any, shared_input: bool = False, **kwargs: Any) -> Any:
+        if len(args) == 1 and not kwargs and type(args[0]) is Tensor:  # the common call: no pytree walk
+            return self._forward_one(args[0], shared_input)
         leaves, spec = tree_flatten((args, kwargs))
         tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
         if not tensors:
@@ -140,18 +142,34 @@ class BatchModule(nn.Module):
             samples = tensors[0].shape[0]
         else:
             for tensor in tensors:
-                if tensor.dim() < 2 or tensor.shape[0] != self.batch:
-                    raise ValueError(
-                        f"BatchModule(batch={self.batch}) expects every tensor argument as (B={self.batch}, n, ...), "
-                        f"got shape {tuple(tensor.shape)}; pass shared_input=True for one (n, ...) input shared "
-                        "by all models"
-                    )
+                self._check_per_model(tensor)
             samples = tensors[0].shape[1]
             leaves = [leaf.reshape(-1, *leaf.shape[2:]) if isinstance(leaf, Tensor) else leaf for leaf in leaves]
         call_args, call_kwargs = tree_unflatten(leaves, spec)
         with forward_context(ForwardContext(self.batch, samples, shared_input)):
             out = self.module(*call_args, **call_kwargs)
         return tree_map(self._split_output, out)
+
+    def _forward_one(self, x: Tensor, shared_input: bool) -> Any:
+        if shared_input:
+            if x.dim() == 0:
+                raise ValueError("shared_input=True expects tensors of shape (n, ...), got a scalar")
+            samples = x.shape[0]
+        else:
+            self._check_per_model(x)
+            samples = x.shape[1]
+            x = x.reshape(-1, *x.shape[2:])
+        with forward_context(ForwardContext(self.batch, samples, shared_input)):
+            out = self.module(x)
+        return self._split_output(out) if type(out) is Tensor else tree_map(self._split_output, out)
+
+    def _check_per_model(self, tensor: Tensor) -> None:
+        if tensor.dim() < 2 or tensor.shape[0] != self.batch:
+            raise ValueError(
+                f"BatchModule(batch={self.batch}) expects every tensor argument as (B={self.batch}, n, ...), "
+                f"got shape {tuple(tensor.shape)}; pass shared_input=True for one (n, ...) input shared "
+                "by all models"
+            )
 
     def _split_output(self, value: Any) -> Any:
         if not isinstance(value, Tensor):

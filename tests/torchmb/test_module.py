@@ -152,6 +152,19 @@ def test_forward_refuses_input_without_model_axis() -> None:
     batched = BatchModule(MLP(), 3)
     with pytest.raises(ValueError, match=r"expects every tensor argument as \(B=3, n, ...\), got shape \(4, 6, 12\)"):
         batched(torch.randn(4, 6, 12))
+    with pytest.raises(ValueError, match=r"expects every tensor argument as \(B=3, n, ...\), got shape \(4, 6, 12\)"):
+        batched(x=torch.randn(4, 6, 12))  # the keyword path walks the arguments as a tree
+    with pytest.raises(ValueError, match=r"shared_input=True expects tensors of shape \(n, ...\), got a scalar"):
+        batched(torch.tensor(1.0), shared_input=True)
+
+
+def test_single_tensor_and_keyword_calls_agree() -> None:
+    torch.manual_seed(0)
+    batched = BatchModule(MLP(), 3)
+    x = torch.randn(3, 5, 12)
+    torch.testing.assert_close(batched(x), batched(x=x), rtol=0, atol=0)
+    shared = torch.randn(5, 12)
+    torch.testing.assert_close(batched(shared, shared_input=True), batched(x=shared, shared_input=True), rtol=0, atol=0)
 
 
 class SeqFirst(nn.Module):
