@@ -737,6 +737,17 @@ def test_kernel_operands_are_checked(kernels) -> None:
         ecuda.scatter(torch.randn(4, 6, device="cuda").t(), idx, (10, 4), 1, 10, 6, -1, None)
     with pytest.raises(ValueError, match=r"grad_output must hold 6 rows of 4, got shape \(5, 4\)"):
         ecuda.scatter(g[:5], idx, (10, 4), 1, 10, 6, -1, None)
+    # sizes that would read or write outside a tensor
+    with pytest.raises(ValueError, match=r"gather: 2 tables of 10 rows of 4 need a table of 80 .*\(got \(10, 4\)\)"):
+        ecuda.gather(w, idx, 2, 10, 6)
+    with pytest.raises(ValueError, match=r"and 6 or 3 indices \(got 5\)"):
+        ecuda.gather(w, idx[:5], 2, 5, 3)
+    with pytest.raises(ValueError, match=r"scatter: 1 tables of 12 rows of 4 need a table of 48 .*\(got \(10, 4\)\)"):
+        ecuda.scatter(g, idx, (10, 4), 1, 12, 6, -1, None)
+    with pytest.raises(ValueError, match=r"counts must hold 10 rows' counts, got 9"):
+        ecuda.scatter(g, idx, (10, 4), 1, 10, 6, -1, torch.ones(9, dtype=torch.int32, device="cuda"))
+    with pytest.raises(ValueError, match=r"counts: 2 tables of 3 lookups need 6 or 3 indices, got 5"):
+        ecuda.counts(idx[:5], 2, 10, 3)
 
 
 @pytest.mark.cuda

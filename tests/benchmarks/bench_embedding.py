@@ -265,7 +265,6 @@ def part_host() -> None:
         "torchmb_fwd": fwd(fast, idx),
         "gather_call": lambda: ecuda.gather(w, idx, 1, rows, nidx),
         "scatter_call": lambda: ecuda.scatter(g, idx, (rows, dim), 1, rows, nidx, -1, None),
-        "zero_grad_alloc": lambda: ecuda._zeros(w, (rows, dim), torch.float32),
     }
     samples: dict[str, list[float]] = {}
     old = ecuda.LAUNCH_MODE[0]
