@@ -205,3 +205,34 @@ def copy_into_every_model(layer: AbstractBatchModule, module: nn.Module) -> None
 def stack_copies(tensor: Tensor, batch: int) -> Tensor:
     """``(B, *tensor.shape)``: ``batch`` copies of one model's tensor (for ``from_module``)."""
     return tensor.detach().unsqueeze(0).repeat(batch, *([1] * tensor.dim())).clone()
+
+
+def is_channels_last(x: Tensor) -> bool:
+    """Whether a 4-D tensor is stored channels-last (and not also plainly contiguous, as when C == 1)."""
+    return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+
+
+def to_grouped(x: Tensor, batch: int) -> Tensor:
+    """``(B*n, C, *S)`` models-major to ``(n, B*C, *S)``: the models become channel groups.
+
+    A channels-last input gives a channels-last result, ``(n, H, W, B*C)`` in memory, so cuDNN runs its
+    NHWC kernels (often the faster ones for grouped convolutions); any other gives a contiguous one.
+    """
+    n = x.shape[0] // batch
+    if is_channels_last(x):
+        channels, height, width = x.shape[1:]
+        grouped = x.view(batch, n, channels, height, width).permute(1, 3, 4, 0, 2).contiguous()
+        return grouped.view(n, height, width, batch * channels).permute(0, 3, 1, 2)
+    return x.reshape(batch, n, *x.shape[1:]).transpose(0, 1).reshape(n, batch * x.shape[1], *x.shape[2:])
+
+
+def to_models(y: Tensor, batch: int) -> Tensor:
+    """``(n, B*C, *S)`` back to the models-major ``(B*n, C, *S)``, keeping a channels-last layout."""
+    n = y.shape[0]
+    if is_channels_last(y):
+        height, width = y.shape[2:]
+        channels = y.shape[1] // batch
+        models = y.permute(0, 2, 3, 1).view(n, height, width, batch, channels).permute(3, 0, 1, 2, 4).contiguous()
+        return models.view(batch * n, height, width, channels).permute(0, 3, 1, 2)
+    y = y.view(n, batch, -1, *y.shape[2:]).transpose(0, 1)
+    return y.reshape(batch * n, *y.shape[2:])

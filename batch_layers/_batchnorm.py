@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._base import AbstractBatchModule, copy_into_every_model
+from ._base import AbstractBatchModule, copy_into_every_model, is_channels_last, to_grouped, to_models
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d"]  # and _NormBase, shared with instance norm
 
@@ -102,9 +102,14 @@ class _BatchNorm(_NormBase):
 
     def forward(self, x: Tensor) -> Tensor:
         self._check_input_dim(x)
-        models = self.split(x)
-        batch, n = models.shape[:2]
-        channels = models.transpose(0, 1).reshape(n, batch * self.num_features, *models.shape[3:])
+        batch = self.batch
+        if is_channels_last(x) and not self.is_shared(x):  # stays channels-last: cuDNN's NHWC batch norm
+            self.check_merged(x)
+            channels = to_grouped(x, batch)
+        else:
+            models = self.split(x)
+            n = models.shape[1]
+            channels = models.transpose(0, 1).reshape(n, batch * self.num_features, *models.shape[3:])
         use_batch_stats = self.training or not self.track_running_stats
         weight = None if self.weight is None else self.weight.reshape(-1)
         bias = None if self.bias is None else self.bias.reshape(-1)
@@ -123,8 +128,7 @@ class _BatchNorm(_NormBase):
                 0.0 if self.momentum is None else self.momentum,
                 self.eps,
             )
-        y = y.view(n, batch, self.num_features, *y.shape[2:]).transpose(0, 1)
-        return y.reshape(batch * n, *y.shape[2:])
+        return to_models(y, batch)
 
     def _cumulative_average_forward(self, channels: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
         """``momentum=None``: each model averages its running stats over its own batch count."""

@@ -8,25 +8,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.utils import _ntuple, _reverse_repeat_tuple
 
-from ._base import AbstractBatchModule, autocast_dtype, copy_into_every_model
+from ._base import AbstractBatchModule, autocast_dtype, copy_into_every_model, to_grouped, to_models
 
 __all__ = ["Conv1d", "Conv2d", "Conv3d"]
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _INDEX_LIMIT = 2**31 - 1  # elements one convolution kernel may address (cuDNN and ATen use int32 indexing)
-
-
-def _to_grouped(x: Tensor, batch: int) -> Tensor:
-    """``(B*n, C, *S)`` models-major to ``(n, B*C, *S)``: the models become channel groups."""
-    n = x.shape[0] // batch
-    return x.reshape(batch, n, *x.shape[1:]).transpose(0, 1).reshape(n, batch * x.shape[1], *x.shape[2:])
-
-
-def _to_models(y: Tensor, batch: int) -> Tensor:
-    """``(n, B*C, *S)`` back to the models-major ``(B*n, C, *S)``."""
-    n = y.shape[0]
-    y = y.view(n, batch, -1, *y.shape[2:]).transpose(0, 1)
-    return y.reshape(batch * n, *y.shape[2:])
 
 
 def reset_conv_slices(weight: Tensor, bias: Tensor | None, kernel_size: tuple[int, ...]) -> None:
@@ -55,15 +42,15 @@ class _GroupedConv(torch.autograd.Function):
         dtype = autocast_dtype(x.device.type)
         conv = _CONV[len(stride)]
         if dtype is None:
-            y = conv(_to_grouped(x, batch), weight, bias, stride, padding, dilation, groups)
+            y = conv(to_grouped(x, batch), weight, bias, stride, padding, dilation, groups)
         else:  # autocast does not reach a custom backward: cast here, once
             x, weight = x.to(dtype), weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
             with torch.autocast(x.device.type, enabled=False):
-                y = conv(_to_grouped(x, batch), weight, bias, stride, padding, dilation, groups)
+                y = conv(to_grouped(x, batch), weight, bias, stride, padding, dilation, groups)
         ctx.save_for_backward(x, weight)
         ctx.config = (batch, stride, padding, dilation, groups, bias is not None)
-        return _to_models(y, batch)
+        return to_models(y, batch)
 
     @staticmethod
     def backward(ctx, grad):
@@ -71,8 +58,8 @@ class _GroupedConv(torch.autograd.Function):
         batch, stride, padding, dilation, groups, has_bias = ctx.config
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2]]
         grad_x, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
-            _to_grouped(grad.to(x.dtype), batch),
-            _to_grouped(x, batch),
+            to_grouped(grad.to(x.dtype), batch),
+            to_grouped(x, batch),
             weight,
             [weight.shape[0]] if has_bias else None,
             stride,
@@ -83,7 +70,7 @@ class _GroupedConv(torch.autograd.Function):
             groups,
             mask,
         )
-        grad_x = _to_models(grad_x, batch) if mask[0] else None
+        grad_x = to_models(grad_x, batch) if mask[0] else None
         return grad_x, grad_weight if mask[1] else None, grad_bias if mask[2] else None, None, None, None, None, None
 
 
@@ -243,8 +230,8 @@ class _ConvNd(AbstractBatchModule):
 
     def _grouped_forward(self, x: Tensor, weight: Tensor, bias: Tensor | None, batch: int) -> Tensor:
         if self._numeric_padding is None:  # uneven 'same' padding: torch's own conv pads it
-            grouped = _to_grouped(x, batch)
-            return _to_models(self._conv(grouped, weight, bias, batch * self.groups), batch)
+            grouped = to_grouped(x, batch)
+            return to_models(self._conv(grouped, weight, bias, batch * self.groups), batch)
         if self.padding_mode != "zeros":
             x = F.pad(x, self._explicit_padding, mode=self.padding_mode)
         return _GroupedConv.apply(

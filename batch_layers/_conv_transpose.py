@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.utils import _ntuple
 
-from ._base import AbstractBatchModule, autocast_dtype, copy_into_every_model
-from ._conv import _to_grouped, _to_models, reset_conv_slices
+from ._base import AbstractBatchModule, autocast_dtype, copy_into_every_model, to_grouped, to_models
+from ._conv import reset_conv_slices
 
 __all__ = ["ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d"]
 
@@ -32,10 +32,10 @@ class _GroupedConvTranspose(torch.autograd.Function):
             bias = None if bias is None else bias.to(dtype)
         with torch.autocast(x.device.type, enabled=False):
             conv = _CONV_TRANSPOSE[len(stride)]
-            y = conv(_to_grouped(x, batch), weight, bias, stride, padding, output_padding, groups, dilation)
+            y = conv(to_grouped(x, batch), weight, bias, stride, padding, output_padding, groups, dilation)
         ctx.save_for_backward(x, weight)
         ctx.config = (batch, stride, padding, output_padding, groups, dilation, bias is not None)
-        return _to_models(y, batch)
+        return to_models(y, batch)
 
     @staticmethod
     def backward(ctx, grad):
@@ -43,8 +43,8 @@ class _GroupedConvTranspose(torch.autograd.Function):
         batch, stride, padding, output_padding, groups, dilation, has_bias = ctx.config
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2]]
         grad_x, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
-            _to_grouped(grad.to(x.dtype), batch),
-            _to_grouped(x, batch),
+            to_grouped(grad.to(x.dtype), batch),
+            to_grouped(x, batch),
             weight,
             [weight.shape[1] * groups] if has_bias else None,
             stride,
@@ -55,7 +55,7 @@ class _GroupedConvTranspose(torch.autograd.Function):
             groups,
             mask,
         )
-        grad_x = _to_models(grad_x, batch) if mask[0] else None
+        grad_x = to_models(grad_x, batch) if mask[0] else None
         grads = (grad_x, grad_weight if mask[1] else None, grad_bias if mask[2] else None)
         return (*grads, None, None, None, None, None, None)
 

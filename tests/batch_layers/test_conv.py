@@ -8,6 +8,7 @@ from support.layer_cases import LayerCase, run_case
 from torch import nn
 
 import batch_layers
+from batch_layers._base import is_channels_last, to_grouped, to_models
 from batch_layers._conv import _GroupedConv
 from torchmb import BatchModule
 
@@ -106,3 +107,51 @@ def test_channels_last_inputs_give_the_same_results() -> None:
     torch.testing.assert_close(last.grad, dense.grad, atol=1e-5, rtol=0)
     for a, b in zip(batched.parameters(), grads):
         torch.testing.assert_close(a.grad, b, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_channels_last_stays_channels_last_and_matches_plain_models(device: str) -> None:
+    torch.manual_seed(0)
+    batch = 3
+
+    def make() -> nn.Module:
+        return nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 6, 3, stride=2),
+            nn.BatchNorm2d(6), nn.ConvTranspose2d(6, 2, 2, stride=2),
+        ).to(device, memory_format=torch.channels_last)
+
+    plain = [make() for _ in range(batch)]
+    batched = BatchModule(make(), batch)
+    batched.load_state_dicts([m.state_dict() for m in plain])
+    x = torch.randn(batch * 5, 3, 9, 9, device=device).to(memory_format=torch.channels_last)
+    seen = []
+    for layer in batched.module:
+        layer.register_forward_hook(lambda _, args, out: seen.append((args[0], out)))
+    merged = x.detach().requires_grad_()
+    got = batched.module(merged)
+    for layer_input, layer_output in seen:
+        assert is_channels_last(layer_input) and is_channels_last(layer_output), "a copy back to NCHW crept in"
+    got.square().sum().backward()
+    for i, model in enumerate(plain):
+        own = x[i * 5 : (i + 1) * 5].detach().requires_grad_()
+        expected = model(own)
+        expected.square().sum().backward()
+        torch.testing.assert_close(got[i * 5 : (i + 1) * 5], expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(merged.grad[i * 5 : (i + 1) * 5], own.grad, atol=1e-5, rtol=1e-5)
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(batched.module.get_parameter(name).grad[i], param.grad, atol=1e-4, rtol=1e-5)
+        for name, buffer in model.named_buffers():
+            torch.testing.assert_close(batched.module.get_buffer(name)[i], buffer, atol=1e-6, rtol=1e-6)
+
+
+def test_grouped_layouts_round_trip_in_both_memory_formats() -> None:
+    x = torch.randn(2 * 3, 4, 5, 6)
+    for memory_format in (torch.contiguous_format, torch.channels_last):
+        merged = x.contiguous(memory_format=memory_format)
+        grouped = to_grouped(merged, 2)
+        expected = x.view(2, 3, 4, 5, 6).transpose(0, 1).reshape(3, 8, 5, 6)
+        torch.testing.assert_close(grouped, expected, rtol=0, atol=0)
+        assert grouped.is_contiguous(memory_format=memory_format)
+        back = to_models(grouped, 2)
+        torch.testing.assert_close(back, x, rtol=0, atol=0)
+        assert back.is_contiguous(memory_format=memory_format)
