@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from . import _uva
-from ._memory import allocate_host, pin_tensor, unpin_tensor
+from ._memory import allocate_host, host_memory_available, pin_tensor, unpin_tensor
 
 __all__ = [
     "HostArray",
@@ -80,15 +80,25 @@ def use_engine(name: Engine) -> Iterator[None]:
 
 _choice: dict[int, dict[str, str]] = {}
 _fractions: dict[tuple[int, str], float] = {}
+_chunks: dict[tuple[int, str], int] = {}
 _choice_lock = threading.RLock()
+
+MEASURE_BYTES = 2 << 30
+"""Size of the pinned table that :func:`engine_choice` measures on (at most an eighth of the available
+host memory). It must be large: on an H200 the UVA kernel reads random rows of a 256 MiB table at 0.9 of
+the contiguous-copy bandwidth but those of a 5 GB table at 0.7 (address translation), so a small
+measuring table favours the UVA engine."""
 
 
 def engine_choice(device: torch.device | str | int | None = None) -> dict[str, str]:
     """What ``"auto"`` picks on ``device`` for ``"gather"`` and ``"scatter"``: ``"uva"``, ``"cpu"`` or
-    ``"hybrid"`` (both at once on disjoint rows, split in proportion to their measured speeds).
+    ``"hybrid"`` (both at once on disjoint rows).
 
-    Measured once per device and process: a 128 MiB pinned table, 65,536 random rows gathered and
-    scattered by each engine, the fastest kept. Without CuPy or a suitable GPU the answer is ``"cpu"``.
+    Measured once per device and process, on a pinned table of :data:`MEASURE_BYTES` (allocated for the
+    measurement and freed after): 131,072 random rows gathered and scattered by the UVA engine, by the
+    CPU engine with staging pieces of 4, 8 and 16 MiB (the fastest piece size is kept for the CPU engine
+    and the CPU part of the hybrid), and by the hybrid engine at several splits (the fastest split is
+    kept); the fastest engine wins. Without CuPy or a suitable GPU the answer is ``"cpu"``.
     """
     if not torch.cuda.is_available():
         return {"gather": "cpu", "scatter": "cpu"}
@@ -114,20 +124,22 @@ def _hybrid_fraction(device: torch.device, op: str) -> float:
 
 
 def _measure(device: torch.device) -> dict[str, str]:
-    rows, dim, n = 262_144, 128, 65_536
-    table = HostTable(rows, dim, torch.float32, device=device, pin=True, engine="cpu")
+    dim, n = 128, 131_072
+    row_bytes = dim * 4
+    avail = host_memory_available()["available"] or MEASURE_BYTES * 8
+    rows = max(4 * n, min(MEASURE_BYTES, avail // 8) // row_bytes)
+    table = HostTable(rows, dim, torch.float32, device=device, pin=True, engine="cpu", fill=None)
     g = torch.Generator().manual_seed(0)
-    idx = torch.randperm(rows, generator=g)[:n].sort().values
-    idx_dev = idx.to(device)
-    buf = torch.empty(n, dim, device=device)
+    idx_dev = torch.randperm(rows, generator=g)[:n].sort().values.to(device)
+    buf = torch.randn(n, dim, device=device)
     best: dict[str, str] = {}
     with torch.cuda.device(device):
         for op in ("gather", "scatter"):
-            def run(eng, op=op):
+            def run(eng, op=op):  # as gather() / scatter() do it: indices on the device only
                 if op == "gather":
-                    table._gather_unique(idx_dev, idx, buf, eng)
+                    table._gather_unique(idx_dev, None, buf, eng)
                 else:
-                    table._scatter_unique(idx_dev, idx, buf, eng)
+                    table._scatter_unique(idx_dev, None, buf, eng)
 
             def timed(eng):
                 run(eng)
@@ -140,9 +152,21 @@ def _measure(device: torch.device) -> dict[str, str]:
                     samples.append(time.perf_counter() - t0)
                 return sorted(samples)[len(samples) // 2]
 
-            times = {eng: timed(eng) for eng in ("uva", "cpu")}
-            _fractions[(device.index, op)] = times["cpu"] / (times["uva"] + times["cpu"])
-            times["hybrid"] = timed("hybrid")
+            times = {"uva": timed("uva")}
+            by_chunk = {}
+            for mib in (4, 8, 16):
+                _chunks[(device.index, op)] = mib << 20
+                by_chunk[mib << 20] = timed("cpu")
+            chunk = min(by_chunk, key=by_chunk.__getitem__)
+            _chunks[(device.index, op)] = chunk
+            times["cpu"] = by_chunk[chunk]
+            even = times["cpu"] / (times["uva"] + times["cpu"])  # the split if the two added up
+            by_split = {}
+            for f in sorted({round(even, 2), 0.5, 0.65, 0.8}):
+                _fractions[(device.index, op)] = min(0.95, max(0.05, f))
+                by_split[_fractions[(device.index, op)]] = timed("hybrid")
+            _fractions[(device.index, op)] = min(by_split, key=by_split.__getitem__)
+            times["hybrid"] = by_split[_fractions[(device.index, op)]]
             best[op] = min(times, key=times.__getitem__)
     table.close()
     return best
@@ -153,42 +177,52 @@ def _measure(device: torch.device) -> dict[str, str]:
 
 
 class _Staging:
-    """Page-locked staging memory of the CPU engine, shared by the tables on one device: ``BYTES`` bytes cut
-    into pieces of ``CHUNK_BYTES`` used in rotation, each guarded by an event recorded after the copy that
-    last used it. Small pieces let the CPU's indexing of one piece overlap the DMA of the previous ones."""
+    """Page-locked staging memory of the CPU engine, shared by the tables on one device: ``BYTES`` bytes in
+    units of 1 MiB, handed out in rotation as chunks of whole units. Each unit remembers the event recorded
+    after the copy that last used it, and is handed out again only once that copy has finished. Chunks
+    overlap the CPU's indexing of one chunk with the DMA of the previous ones."""
 
     BYTES = 64 << 20
-    CHUNK_BYTES = 4 << 20
+    UNIT = 1 << 20
+    CHUNK_BYTES: int | None = None  # a fixed chunk size; None: as measured by engine_choice, else 8 MiB
+    DEFAULT_CHUNK = 8 << 20
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.nbytes = self.BYTES
+        self.nbytes = max(self.BYTES // self.UNIT, 1) * self.UNIT
+        self.units = self.nbytes // self.UNIT
         self.buf = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
-        self.chunk = 0
         self.lock = threading.RLock()
-        self.events: list[torch.cuda.Event] = []
+        self.events: list[torch.cuda.Event | None] = [None] * self.units
         self.next = 0
 
-    def pieces(self, row_bytes: int) -> int:
-        """Rows per piece for rows of ``row_bytes`` (0: a row does not fit, copy directly)."""
-        chunk = min(max(type(self).CHUNK_BYTES, row_bytes), self.nbytes)
-        if chunk != self.chunk:
-            for ev in self.events:
-                ev.synchronize()
-            self.chunk = chunk
-            self.events = [torch.cuda.Event() for _ in range(self.nbytes // chunk)]
-            for ev in self.events:
-                ev.record(torch.cuda.current_stream(self.device))
-            self.next = 0
-        return self.chunk // row_bytes
+    def rows_per_chunk(self, row_bytes: int, op: str) -> int:
+        """Rows per chunk for rows of ``row_bytes`` (0: a row does not fit, copy directly)."""
+        want = type(self).CHUNK_BYTES or _chunks.get((self.device.index, op), self.DEFAULT_CHUNK)
+        return min(max(want, row_bytes), self.nbytes) // row_bytes
+
+    def max_pending(self, nbytes: int) -> int:
+        """How many chunks of ``nbytes`` a caller may hold (not yet consumed) while taking one more: so
+        many that the next one, after a wrap-around, cannot overlap any of them."""
+        k = -(-nbytes // self.UNIT)
+        return max(0, (self.units - k + 1) // k - 1)
 
     def take(self, nbytes: int) -> tuple[Tensor, torch.cuda.Event]:
-        """The next piece (first ``nbytes`` bytes), once the copy that last used it has finished."""
-        k = self.next
-        self.next = (k + 1) % len(self.events)
-        ev = self.events[k]
-        ev.synchronize()
-        return self.buf[k * self.chunk:k * self.chunk + nbytes], ev
+        """The next ``nbytes`` of staging memory, once the copies that last used them have finished, and the
+        event to record after the copy that uses them now."""
+        k = -(-nbytes // self.UNIT)
+        if self.next + k > self.units:
+            self.next = 0
+        start = self.next
+        self.next = (start + k) % self.units
+        waited = set()
+        for ev in self.events[start:start + k]:
+            if ev is not None and id(ev) not in waited:
+                ev.synchronize()
+                waited.add(id(ev))
+        ev = torch.cuda.Event()
+        self.events[start:start + k] = [ev] * k
+        return self.buf[start * self.UNIT:start * self.UNIT + nbytes], ev
 
 
 _staging: dict[int, _Staging] = {}
@@ -236,13 +270,6 @@ def _check_bounds(lo: int, hi: int, num_rows: int) -> None:
         raise IndexError(f"index {lo} is out of range for a table of {num_rows} rows (valid: 0..{num_rows - 1})")
     if hi >= num_rows:
         raise IndexError(f"index {hi} is out of range for a table of {num_rows} rows (valid: 0..{num_rows - 1})")
-
-
-def _distinct_or_raise(flat: Tensor, uniq: Tensor) -> None:
-    if uniq.numel() != flat.numel():
-        vals, counts = torch.unique(flat, return_counts=True)
-        dup = int(vals[counts > 1][0])
-        raise ValueError(f"scatter needs distinct indices, but index {dup} appears more than once")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -515,7 +542,7 @@ class HostTable:
         stream = torch.cuda.current_stream(self.device)
         row_bytes = self.dim * self._data.element_size()
         with stage.lock:
-            per = stage.pieces(row_bytes)
+            per = stage.rows_per_chunk(row_bytes, "gather")
             if per == 0:  # a row longer than the staging memory: copy directly
                 out.copy_(self._data.index_select(0, uniq_cpu), non_blocking=False)
                 return
@@ -556,7 +583,7 @@ class HostTable:
         stream = torch.cuda.current_stream(self.device)
         row_bytes = self.dim * self._data.element_size()
         with stage.lock:
-            per = stage.pieces(row_bytes)
+            per = stage.rows_per_chunk(row_bytes, "scatter")
             if per == 0:
                 self._data.index_copy_(0, uniq_cpu, rows.cpu())
                 return
@@ -568,9 +595,10 @@ class HostTable:
                 ev.synchronize()
                 dst.index_copy_(0, uniq_cpu[s:e], _wide(view))
 
+            hold = stage.max_pending(per * row_bytes)
             for s in range(0, n, per):
                 e = min(n, s + per)
-                if len(pending) == len(stage.events):
+                while len(pending) > hold:
                     consume()
                 piece, ev = stage.take((e - s) * row_bytes)
                 view = piece.view(self.dtype).view(e - s, self.dim)
@@ -594,13 +622,33 @@ class HostTable:
         if flat.numel() == 0:
             return flat, (None if unique else flat)
         if unique:
-            lo, hi = torch.stack(torch.aminmax(flat)).tolist()
-            _check_bounds(lo, hi, self.num_rows)
+            self._check_unique(flat)
             return flat, None
         uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
         lo, hi = torch.stack([uniq[0], uniq[-1]]).tolist()
         _check_bounds(lo, hi, self.num_rows)
         return uniq, inverse
+
+    def _check_unique(self, flat: Tensor) -> bool:
+        """Bounds-check non-empty indices that the caller promises distinct, with one host sync; returns
+        whether they are ascending."""
+        asc = (flat[1:] >= flat[:-1]).all() if flat.numel() > 1 else torch.ones((), dtype=torch.bool,
+                                                                                  device=flat.device)
+        lo, hi, asc = torch.stack([*torch.aminmax(flat), asc.long()]).tolist()
+        _check_bounds(lo, hi, self.num_rows)
+        return bool(asc)
+
+    def _gather_ordered(self, flat: Tensor, ascending: bool, out: Tensor, engine: str) -> None:
+        """``out[:] = rows[flat]`` for checked, distinct, non-empty ``flat``. Indices out of order are sorted
+        first on a CUDA device: rows read in address order cost far fewer host address translations (the
+        UVA kernel reads sorted random rows of a 5 GB table twice as fast as the same rows unsorted)."""
+        if ascending or self.device.type != "cuda" or flat.numel() < 2:
+            self._gather_unique(flat, None, out, engine)
+            return
+        keys, order = torch.sort(flat)
+        tmp = torch.empty_like(out)
+        self._gather_unique(keys, None, tmp, engine)
+        out.index_copy_(0, order, tmp)
 
     def gather(self, idx, *, unique: bool = False, out: Tensor | None = None) -> Tensor:
         """Rows ``idx`` on :attr:`device`, shaped ``idx.shape + (dim,)``.
@@ -611,22 +659,29 @@ class HostTable:
             out: optional contiguous ``(idx.numel(), dim)`` tensor on :attr:`device` to write into.
         """
         shape = tuple(idx.shape) if isinstance(idx, Tensor) else tuple(np.shape(idx))
-        uniq, inverse = self.prepare(idx, unique=unique)
-        n = uniq.numel()
-        engine = self.resolved_engine("gather")
-        if inverse is None and out is not None:
-            self._check_out(out, n)
-            self._gather_unique(uniq, None, out, engine)
-            return out.view(*shape, self.dim)
-        rows = torch.empty(n, self.dim, dtype=self.dtype, device=self.device)
-        self._gather_unique(uniq, None, rows, engine)
-        if inverse is not None:
+        if unique:
+            flat = _as_index(idx, self.device)
+            n = flat.numel()
+            ascending = self._check_unique(flat) if n else True
+            engine = self.resolved_engine("gather")
             if out is not None:
-                self._check_out(out, inverse.numel())
-                torch.index_select(rows, 0, inverse, out=out)
+                self._check_out(out, n)
                 rows = out
             else:
-                rows = rows.index_select(0, inverse)
+                rows = torch.empty(n, self.dim, dtype=self.dtype, device=self.device)
+            if n:
+                self._gather_ordered(flat, ascending, rows, engine)
+            return rows.view(*shape, self.dim)
+        uniq, inverse = self.prepare(idx)
+        engine = self.resolved_engine("gather")
+        rows = torch.empty(uniq.numel(), self.dim, dtype=self.dtype, device=self.device)
+        self._gather_unique(uniq, None, rows, engine)
+        if out is not None:
+            self._check_out(out, inverse.numel())
+            torch.index_select(rows, 0, inverse, out=out)
+            rows = out
+        else:
+            rows = rows.index_select(0, inverse)
         return rows.view(*shape, self.dim)
 
     def _check_out(self, out: Tensor, n: int) -> None:
@@ -638,7 +693,9 @@ class HostTable:
     def scatter(self, idx, rows: Tensor, *, unique: bool = False) -> None:
         """Write ``rows`` (shaped ``idx.shape + (dim,)``) to rows ``idx`` of the table.
 
-        Indices must be distinct (checked unless ``unique=True``: then the caller promises it).
+        Indices must be distinct (checked unless ``unique=True``: then the caller promises it). They are
+        written in ascending index order (sorted on the device first when they are not), which is what
+        makes writes to a large table fast.
         """
         flat_rows = rows.reshape(-1, self.dim) if rows.dim() >= 1 and rows.shape[-1] == self.dim else None
         n_idx = idx.numel() if isinstance(idx, Tensor) else int(np.size(idx))
@@ -646,13 +703,26 @@ class HostTable:
             raise ValueError(f"scatter: rows must have shape idx.shape + ({self.dim},) = "
                              f"({n_idx}, {self.dim}) after flattening, got {tuple(rows.shape)}")
         flat = _as_index(idx, self.device)
-        if flat.numel() == 0:
+        n = flat.numel()
+        if n == 0:
             return
-        lo, hi = torch.stack(torch.aminmax(flat)).tolist()
-        _check_bounds(lo, hi, self.num_rows)
-        if not unique:
-            _distinct_or_raise(flat, torch.unique(flat))
-        self._scatter_unique(flat, None, flat_rows.to(self.device), self.resolved_engine("scatter"))
+        if unique:
+            if self._check_unique(flat):
+                keys, order = flat, None
+            else:
+                keys, order = torch.sort(flat)
+        else:
+            keys, order = torch.sort(flat)
+            dup = (keys[1:] == keys[:-1]).any() if n > 1 else torch.zeros((), dtype=torch.bool, device=flat.device)
+            lo, hi, dup = torch.stack([keys[0], keys[-1], dup.long()]).tolist()
+            _check_bounds(lo, hi, self.num_rows)
+            if dup:
+                first = int(keys[1:][keys[1:] == keys[:-1]][0])
+                raise ValueError(f"scatter needs distinct indices, but index {first} appears more than once")
+        src = flat_rows.to(self.device)
+        if order is not None:
+            src = src.index_select(0, order)
+        self._scatter_unique(keys, None, src, self.resolved_engine("scatter"))
 
     # -- prefetch ----------------------------------------------------------------------------------------
     def prefetch(self, idx, *, unique: bool = False, _checked: bool = False) -> Prefetch:
@@ -662,24 +732,34 @@ class HostTable:
         into the prefetched copy, so it never goes stale.
         """
         if self.device.type != "cuda":
-            uniq, inverse = (idx, None) if _checked else self.prepare(idx, unique=unique)
+            uniq, inverse, ascending = self._prefetch_indices(idx, unique, _checked)
             buf = torch.empty(uniq.numel() + 1, self.dim, dtype=self.dtype)
-            self._gather_unique(uniq, None, buf[:-1], "cpu")
+            if uniq.numel():
+                self._gather_ordered(uniq, ascending, buf[:-1], "cpu")
             p = Prefetch(self, uniq, inverse, buf, None, sorted_=inverse is not None or _checked)
             self._prefetches.add(p)
             return p
         side = self._side_stream()
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            # ``_checked``: distinct, in-range int64 indices on the device (checked by the caller)
-            uniq, inverse = (idx, None) if _checked else self.prepare(idx, unique=unique)
+            uniq, inverse, ascending = self._prefetch_indices(idx, unique, _checked)
             buf = torch.empty(uniq.numel() + 1, self.dim, dtype=self.dtype, device=self.device)
-            self._gather_unique(uniq, None, buf[:-1], self.resolved_engine("gather"))
+            if uniq.numel():
+                self._gather_ordered(uniq, ascending, buf[:-1], self.resolved_engine("gather"))
             ev = torch.cuda.Event()
             ev.record(side)
         p = Prefetch(self, uniq, inverse, buf, ev, sorted_=inverse is not None or _checked)
         self._prefetches.add(p)
         return p
+
+    def _prefetch_indices(self, idx, unique: bool, checked: bool) -> tuple[Tensor, Tensor | None, bool]:
+        if checked:  # distinct, in-range int64 indices on the device (checked by the caller), used as given
+            return idx, None, True
+        if unique:
+            flat = _as_index(idx, self.device)
+            return flat, None, (self._check_unique(flat) if flat.numel() else True)
+        uniq, inverse = self.prepare(idx)
+        return uniq, inverse, True
 
     def _patch_prefetches(self, idx: Tensor, rows: Tensor) -> None:
         for p in list(self._prefetches):

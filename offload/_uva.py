@@ -33,8 +33,8 @@ _VTYPES = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short", 1: "
 
 # Launch shape and cache policies. Kept as module state so that the benchmark can measure alternatives;
 # every value is part of the compiled kernel's cache key.
-THREADS = 256  # threads per block
-UNROLL = 4  # rows in flight per thread group
+THREADS = 256  # threads per block (fewer where the compiled kernel allows fewer)
+UNROLL = 1  # rows in flight per thread group
 BLOCKS_PER_SM = 8  # grid = multiprocessors * BLOCKS_PER_SM (the grid-stride loop covers the rest)
 LOAD = "plain"  # host reads (gather): "plain", "cs" (__ldcs, evict-first) or "nc" (__ldg)
 STORE = "plain"  # host writes (scatter): "plain", "cs" (__stcs) or "wt" (__stwt, write-through)
@@ -117,6 +117,7 @@ extern "C" __global__ void offload_scatter(V* __restrict__ table, const long lon
 _kernels: dict[tuple, tuple[object, object]] = {}
 _sm_count: dict[int, int] = {}
 _bad: dict[int, torch.Tensor] = {}
+_max_threads: dict[int, int] = {}  # id(kernel) -> the most threads a block of it can have (kernels are kept)
 _lock = threading.Lock()
 _launches: collections.Counter[str] = collections.Counter()
 
@@ -262,7 +263,11 @@ def _launch(op: str, host: torch.Tensor, idx: torch.Tensor, dev_rows: torch.Tens
         raise ValueError(f"UVA engine: rows of {vpr} vectors are too long for one kernel")
     device = dev_rows.device.index
     gather, scatter = _kernel_pair(device, width, group)
-    threads = THREADS
+    kernel = gather if op == "gather" else scatter
+    cap = _max_threads.get(id(kernel))
+    if cap is None:  # registers can cap a block below THREADS
+        cap = _max_threads[id(kernel)] = int(kernel.max_threads_per_block) // 32 * 32
+    threads = min(THREADS, cap)
     need = -(-n * group // (threads * UNROLL))
     blocks = max(1, min(need, _sm_count[device] * BLOCKS_PER_SM))
     args = (cupy.uint64(host.data_ptr()), cupy.uint64(idx.data_ptr()), cupy.uint64(dev_rows.data_ptr()),
@@ -270,7 +275,7 @@ def _launch(op: str, host: torch.Tensor, idx: torch.Tensor, dev_rows: torch.Tens
     with cupy.cuda.Device(device):
         stream = _cupy_stream(device, torch.cuda.current_stream(dev_rows.device).cuda_stream)
         with stream:
-            (gather if op == "gather" else scatter)((blocks,), (threads,), args)
+            kernel((blocks,), (threads,), args)
     _launches[op] += 1
 
 

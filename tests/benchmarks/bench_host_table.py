@@ -129,7 +129,20 @@ def part_a(s):
         except Exception as e:  # report and go on
             emit(part="A", impl=f"offload {engine}", error=repr(e)[:400])
     table.engine = None
-    emit(part="A", note="auto engine choice", choice=offload.engine_choice(dev))
+    src = torch.randn(n, dim, device=dev)
+    t0 = time.perf_counter()
+    choice = offload.engine_choice(dev)
+    emit(part="A", note="auto engine choice", choice=choice, measure_s=time.perf_counter() - t0,
+         uva_share={k[1]: v for k, v in _table._fractions.items()},
+         chunk_mib={k[1]: v >> 20 for k, v in _table._chunks.items()})
+    for label, fn, anchor in [("gather(idx) [dedup + bounds check]", lambda: table.gather(idx), h2d),
+                              ("gather(unique sorted idx, unique=True)",
+                               lambda: table.gather(uniq_sorted, unique=True, out=dbuf), h2d),
+                              ("scatter(idx) [distinct check]", lambda: table.scatter(uniq, src), d2h),
+                              ("scatter(idx, unique=True)", lambda: table.scatter(uniq, src, unique=True), d2h)]:
+        t = cuda_time(fn, 10)
+        emit(part="A", op=label.split("(")[0], impl=f"offload auto: {label}", ms=t * 1e3, GBps=nbytes / t / 1e9,
+             ratio=anchor / t)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -154,35 +167,43 @@ def kernel_variants(s, host, tag):
         "whole table, random order": s["uniq"],
     }
     src = torch.randn(n, dim, device=dev)
-    shapes = [(256, 4, 8)]
+    shapes = [(_uva.THREADS, _uva.UNROLL, _uva.BLOCKS_PER_SM)]
     if tag == "main":
-        shapes = [(256, 1, 8), (256, 2, 8), (256, 4, 8), (256, 8, 8), (256, 16, 8), (512, 4, 4), (1024, 4, 2),
-                  (1024, 8, 2), (256, 4, 16), (256, 4, 32), (128, 8, 16)]
+        shapes = [(256, 1, 8), (256, 1, 4), (256, 1, 2), (256, 1, 1), (256, 2, 8), (256, 4, 8), (256, 16, 8),
+                  (1024, 8, 2)]
+    default = (_uva.THREADS, _uva.UNROLL, _uva.BLOCKS_PER_SM)
     for threads, unroll, bps in shapes:
         old = _set(THREADS=threads, UNROLL=unroll, BLOCKS_PER_SM=bps)
-        pats = patterns if (threads, unroll, bps) == (256, 4, 8) else {"whole table, sorted": s["uniq_sorted"]}
-        for pname, p in pats.items():
-            tg = cuda_time(lambda p=p: _uva.gather_rows(host, p, dbuf), 10)
-            ts = cuda_time(lambda p=p: _uva.scatter_rows(host, p, src), 10)
-            emit(part="X", what=f"{tag} raw kernel", threads=threads, unroll=unroll, blocks_per_sm=bps, pattern=pname,
-                 gather_ms=tg * 1e3, gather_ratio=h2d / tg, scatter_ms=ts * 1e3, scatter_ratio=d2h / ts)
-        _set(**old)
+        try:
+            pats = patterns if (threads, unroll, bps) == default else {"whole table, sorted": s["uniq_sorted"]}
+            for pname, p in pats.items():
+                tg = cuda_time(lambda p=p: _uva.gather_rows(host, p, dbuf), 10)
+                ts = cuda_time(lambda p=p: _uva.scatter_rows(host, p, src), 10)
+                emit(part="X", what=f"{tag} raw kernel", threads=threads, unroll=unroll, blocks_per_sm=bps,
+                     pattern=pname, gather_ms=tg * 1e3, gather_ratio=h2d / tg, scatter_ms=ts * 1e3,
+                     scatter_ratio=d2h / ts)
+        except Exception as e:
+            emit(part="X", what=f"{tag} raw kernel", threads=threads, unroll=unroll, error=repr(e)[:300])
+        finally:
+            _set(**old)
     if tag != "main":
         return
     p = s["uniq_sorted"]
     for load in ("cs", "nc"):
         old = _set(LOAD=load)
-        tg = cuda_time(lambda: _uva.gather_rows(host, p, dbuf), 10)
-        emit(part="X", what="raw gather, load policy", load=load, gather_ms=tg * 1e3, gather_ratio=h2d / tg)
-        _set(**old)
+        try:
+            tg = cuda_time(lambda: _uva.gather_rows(host, p, dbuf), 10)
+            emit(part="X", what="raw gather, load policy", load=load, gather_ms=tg * 1e3, gather_ratio=h2d / tg)
+        finally:
+            _set(**old)
     for store in ("cs", "wt"):
         old = _set(STORE=store)
-        for pname in ("contiguous rows 0..n-1", "whole table, sorted"):
-            q = patterns[pname]
+        try:
+            q = patterns["whole table, sorted"]
             ts = cuda_time(lambda q=q: _uva.scatter_rows(host, q, src), 10)
-            emit(part="X", what="raw scatter, store policy", store=store, pattern=pname, scatter_ms=ts * 1e3,
-                 scatter_ratio=d2h / ts)
-        _set(**old)
+            emit(part="X", what="raw scatter, store policy", store=store, scatter_ms=ts * 1e3, scatter_ratio=d2h / ts)
+        finally:
+            _set(**old)
     # correctness of the default variant on this table
     _uva.gather_rows(host, p, dbuf)
     torch.cuda.synchronize()
@@ -260,7 +281,7 @@ def cpu_engine_chunks(s):
     src = torch.randn(s["n"], s["dim"], device=dev)
     table.engine = "cpu"
     old = _table._Staging.CHUNK_BYTES
-    for mib in (1, 2, 4, 8, 16):
+    for mib in (2, 4, 8, 16, 32):
         _table._Staging.CHUNK_BYTES = mib << 20
         tg = cuda_time(lambda: table.gather(uniq_sorted, unique=True, out=dbuf), 10)
         ts = cuda_time(lambda: table.scatter(uniq_sorted, src, unique=True), 10)
@@ -270,14 +291,69 @@ def cpu_engine_chunks(s):
     table.engine = None
 
 
+def chunk_breakdown(s):
+    """Host-side time of each step of the CPU engine's gather loop, per chunk, for small and large chunks."""
+    data, uniq_sorted = s["data"], s["uniq_sorted"]
+    out = torch.empty(s["n"], s["dim"], device=dev)
+    ic = uniq_sorted.cpu()
+    stage = _table._staging_for(torch.device("cuda", torch.cuda.current_device()))
+    stream = torch.cuda.current_stream()
+    src = _table._wide(data)
+    for mib in (1, 8):
+        per = (mib << 20) // 512
+        acc = dict(take=0.0, index_select=0.0, copy=0.0, record=0.0)
+        torch.cuda.synchronize()
+        t_all = time.perf_counter()
+        for lo in range(0, s["n"], per):
+            hi = min(s["n"], lo + per)
+            t0 = time.perf_counter()
+            piece, ev = stage.take((hi - lo) * 512)
+            t1 = time.perf_counter()
+            view = piece.view(torch.float32).view(hi - lo, s["dim"])
+            torch.index_select(src, 0, ic[lo:hi], out=_table._wide(view))
+            t2 = time.perf_counter()
+            out[lo:hi].copy_(view, non_blocking=True)
+            t3 = time.perf_counter()
+            ev.record(stream)
+            t4 = time.perf_counter()
+            for k, v in zip(acc, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+                acc[k] += v
+        t_host = time.perf_counter() - t_all
+        torch.cuda.synchronize()
+        t_total = time.perf_counter() - t_all
+        chunks = -(-s["n"] // per)
+        emit(part="X", what="cpu gather loop breakdown (host ms, summed over chunks)", chunk_mib=mib, chunks=chunks,
+             host_ms=t_host * 1e3, total_ms=t_total * 1e3, **{k: v * 1e3 for k, v in acc.items()},
+             pinned=bool(view.is_pinned()))
+
+
+def hostalloc_table(s):
+    """The same rows in memory from cudaHostAlloc (the driver's own pinned allocation) instead of
+    cudaHostRegister of ordinary memory: does the driver map it with larger GPU pages?"""
+    import ctypes
+
+    cp = _uva.cupy
+    nbytes = s["data"].numel() * 4
+    ptr = cp.cuda.runtime.hostAlloc(nbytes, 0x01 | 0x02)  # portable | mapped
+    try:
+        host = torch.frombuffer((ctypes.c_char * nbytes).from_address(ptr), dtype=torch.float32).view(s["data"].shape)
+        host.copy_(s["data"])
+        kernel_variants(s, host, "cudaHostAlloc table")
+        host = None
+        torch.cuda.synchronize()
+    finally:
+        cp.cuda.runtime.freeHost(ptr)
+
+
 def hybrid_split(s):
     table, dbuf, h2d, d2h, uniq_sorted = (s[k] for k in ("table", "dbuf", "h2d", "d2h", "uniq_sorted"))
     src = torch.randn(s["n"], s["dim"], device=dev)
     offload.engine_choice(dev)
     saved = dict(_table._fractions)
     emit(part="X", what="measured hybrid fractions (uva share)", fractions={str(k): v for k, v in saved.items()})
+    emit(part="X", what="measured cpu chunks", chunks={str(k): v >> 20 for k, v in _table._chunks.items()})
     table.engine = "hybrid"
-    for f in (0.2, 0.35, 0.5, 0.65, 0.8):
+    for f in (0.5, 0.6, 0.7, 0.8, 0.9):
         _table._fractions[(dev.index or 0, "gather")] = f
         _table._fractions[(dev.index or 0, "scatter")] = f
         tg = cuda_time(lambda: table.gather(uniq_sorted, unique=True, out=dbuf), 10)
@@ -353,8 +429,8 @@ def main():
     anchors(s)
     steps = [part_a]
     if args.explore:
-        steps = [lambda s: kernel_variants(s, s["data"], "main"), concurrency, host_side, cpu_side,
-                 cpu_engine_chunks, hybrid_split, ceiling, part_a, huge_table]
+        steps = [part_a, lambda s: kernel_variants(s, s["data"], "main"), concurrency, chunk_breakdown,
+                 cpu_engine_chunks, hybrid_split, hostalloc_table]
     for step in steps:
         try:
             step(s)

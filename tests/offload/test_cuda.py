@@ -192,14 +192,17 @@ def test_uva_kernel_refuses_out_of_range_indices():
     assert torch.equal(big.isnan(), after.isnan()) and torch.equal(big.nan_to_num(), after.nan_to_num())
 
 
-def test_cpu_engine_staging_rotation_wraps(monkeypatch):
-    """The CPU engine with tiny staging pieces: many chunks, the rotation wraps around many times, and
-    scatter's queue of pending pieces drains in order."""
+@pytest.mark.parametrize("chunk", [4 << 10, 12 << 10, 40 << 10])
+def test_cpu_engine_staging_rotation_wraps(monkeypatch, chunk):
+    """The CPU engine with tiny staging memory (16 units of 4 KiB): many chunks of 1, 3 or 10 units, the
+    rotation wraps around many times (with a gap at the end for 3 and 10), and scatter's pending chunks
+    are never overwritten before they are consumed."""
     from offload import _table
 
     dev = torch.device("cuda", torch.cuda.current_device())
     monkeypatch.setattr(_table._Staging, "BYTES", 64 << 10)
-    monkeypatch.setattr(_table._Staging, "CHUNK_BYTES", 4 << 10)
+    monkeypatch.setattr(_table._Staging, "UNIT", 4 << 10)
+    monkeypatch.setattr(_table._Staging, "CHUNK_BYTES", chunk)
     old = _table._staging.pop(dev.index, None)
     try:
         g = torch.Generator().manual_seed(3)
@@ -212,7 +215,7 @@ def test_cpu_engine_staging_rotation_wraps(monkeypatch):
         expected = src.clone()
         expected[idx] = vals
         assert torch.equal(t.data, expected)
-        assert len(_table._staging[dev.index].events) == 16
+        assert _table._staging[dev.index].units == 16
     finally:  # later users get staging of the default size again
         _table._staging.pop(dev.index, None)
         if old is not None:

@@ -212,3 +212,27 @@ def test_wide_views_keep_the_bytes():
     assert _wide(x[1:]).dtype == torch.complex128  # row offsets of 48 bytes stay 16-byte aligned
     y = torch.randn(10, 2)[1:]  # 8-byte rows at an 8-byte offset
     assert _wide(y).dtype == torch.int64 and torch.equal(_wide(y).view(torch.float32), y)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_distinct_indices_in_any_order_keep_their_order(device):
+    """Distinct indices out of order (sorted internally on a GPU, for the host's sake) come back and are
+    written in the caller's order, through gather, scatter and prefetch with unique=True."""
+    src, t = _table(device, rows=300, dim=5)
+    g = torch.Generator().manual_seed(2)
+    idx = torch.randperm(300, generator=g)[:77]
+    assert not bool((idx[1:] >= idx[:-1]).all())
+    assert torch.equal(t.gather(idx.to(device), unique=True).cpu(), src[idx])
+    out = torch.full((77, 5), -1.0, device=device)
+    t.gather(idx.to(device), unique=True, out=out)
+    assert torch.equal(out.cpu(), src[idx])
+    p = t.prefetch(idx.view(7, 11).to(device), unique=True)
+    vals = torch.randn(77, 5, generator=g)
+    t.scatter(idx.to(device), vals.to(device), unique=True)
+    expected = src.clone()
+    expected[idx] = vals
+    assert torch.equal(t.data, expected)
+    assert torch.equal(p.indices.cpu(), idx) and torch.equal(p.rows().cpu(), vals)  # patched, in order
+    with pytest.raises(ValueError, match="index 12 appears more than once"):
+        t.scatter(torch.tensor([40, 12, 7, 12, 40]).to(device), torch.zeros(5, 5, device=device))
+    assert torch.equal(t.data, expected)
