@@ -267,6 +267,7 @@ class OffloadedEmbedding(nn.Module):
         self._cache: _Cache | None = None
         self._wb_stream: torch.cuda.Stream | None = None  # write-backs of evicted rows (UVA engine)
         self._wb_event = None
+        self._evicted: list[tuple[Tensor, list[tuple[HostTable, Tensor]]]] = []  # see _launch_evicted
         self._pending: tuple[Tensor, dict[str, Prefetch]] | None = None
         self._loaded: dict | None = None
         if fresh:
@@ -382,19 +383,23 @@ class OffloadedEmbedding(nn.Module):
             return {"capacity": self._cache_capacity(), "hits": 0, "misses": 0}
         return {"capacity": self._cache_capacity(), "hits": c.hits - int(c.prefetch_hits), "misses": c.misses}
 
-    def _join(self) -> None:
-        """Make the current stream wait for this module's side-stream work (prefetch admissions into the cache,
-        write-backs of evicted rows)."""
-        if self.table.device.type != "cuda":
-            return
-        stream = torch.cuda.current_stream(self.table.device)
+    def _join(self, host: bool = True) -> None:
+        """Make the current stream wait for this module's side-stream work: prefetch admissions into the cache
+        and, with ``host``, the write-backs of evicted rows (before host rows are read)."""
+        self._launch_evicted()
+        if host and self._wb_event is not None:
+            torch.cuda.current_stream(self.table.device).wait_event(self._wb_event)
+
+    def _launch_evicted(self) -> None:
+        """Start writing back the rows that prefetch admissions evicted (deferred until the step's own state
+        gathers are consumed, so that they need not wait for the write-back)."""
         c = self._cache
         if c is not None and c.ready is not None:
-            stream.wait_event(c.ready)
+            torch.cuda.current_stream(self.table.device).wait_event(c.ready)
             c.ready = None
-        if self._wb_event is not None:
-            stream.wait_event(self._wb_event)
-            self._wb_event = None
+        evicted, self._evicted = self._evicted, []
+        for ids, writes in evicted:
+            self._write_back(ids, writes)
 
     def _write_back(self, ids: Tensor, writes: list[tuple[HostTable, Tensor]]) -> None:
         """Commit evicted rows to the host tables; with the UVA engine on a side stream, so the write-back of
@@ -416,9 +421,10 @@ class OffloadedEmbedding(nn.Module):
             t.record_stream(wb)
         self._wb_event = ev
 
-    def _evict(self, cache: _Cache, k: int, protect_from: int) -> Tensor:
+    def _evict(self, cache: _Cache, k: int, protect_from: int, defer: bool = False) -> Tensor:
         """``k`` slots for new rows: empty ones first, then the least recently used among the slots not used
-        since ``protect_from``; the rows they held (and their optimizer state) are written back to the host."""
+        since ``protect_from``; the rows they held (and their optimizer state) are written back to the host
+        (with ``defer``, by the next :meth:`_launch_evicted`)."""
         key = cache.last_use[: cache.capacity]
         key = torch.where(key >= protect_from, _INT64_MAX, key)
         victims = torch.topk(key, k, largest=False, sorted=True).indices  # empty slots (last_use -1) first
@@ -429,8 +435,11 @@ class OffloadedEmbedding(nn.Module):
             old_ids = cache.ids.index_select(0, old)
             writes = [(self.table, cache.weight.index_select(0, old))]
             writes += [(self._state_tables[s], cache.states[s].index_select(0, old)) for s in self._spec]
-            self._write_back(old_ids, writes)
-            cache.slot_of[old_ids] = -1
+            if defer:
+                self._evicted.append((old_ids, writes))
+            else:
+                self._write_back(old_ids, writes)
+            cache.slot_of.index_fill_(0, old_ids, -1)
         return victims
 
     @staticmethod
@@ -438,8 +447,8 @@ class OffloadedEmbedding(nn.Module):
         cache.weight.index_copy_(0, slots, rows)
         cache.ids.index_copy_(0, slots, ids)
         cache.slot_of[ids] = slots.to(torch.int32)
-        cache.last_use[slots] = use
-        cache.dirty[slots] = False
+        cache.last_use.index_fill_(0, slots, use)
+        cache.dirty.index_fill_(0, slots, False)
 
     def flush(self) -> None:
         """Write every dirty cached row (and its optimizer state) back to the host tables."""
@@ -465,7 +474,7 @@ class OffloadedEmbedding(nn.Module):
         """
         n_flat = flat.numel()
         if cache is not None:
-            self._join()  # a prefetch admission may still be writing the slot map
+            self._join(host=False)  # a prefetch admission may still be writing the slot map
         if n_flat == 0:
             empty = flat.new_empty(0)
             none = None if cache is None else empty
@@ -501,16 +510,16 @@ class OffloadedEmbedding(nn.Module):
         ``miss``, from :meth:`_distinct`) for a new chunk of the working set: from the cache, a pending
         :meth:`prefetch`, or the host tables; per-row state starts gathering on a side stream. Rows from the
         host are admitted to the cache (evicting the least recently used rows) as far as it has room."""
-        self._join()
         cache = self._cache
+        self._join(host=cache is None or n_miss > 0)
         if cache is None:
             return self._fetch_uncached(ids)
         n = ids.numel()
         chunk = _Chunk(ids=ids, slots=slots)
         hit_slots = torch.where(miss, cache.capacity, slots)
-        cache.last_use[hit_slots] = cache.clock  # this step's cached rows are not evicted for its misses
+        cache.last_use.index_fill_(0, hit_slots, cache.clock)  # this step's cached rows are not evicted for its misses
         cache.prefetch_hits += cache.fresh[hit_slots].sum()
-        cache.fresh[hit_slots] = False
+        cache.fresh.index_fill_(0, hit_slots, False)
         cache.hits += n - n_miss
         cache.misses += n_miss
         cache.protected += n - n_miss
@@ -573,14 +582,14 @@ class OffloadedEmbedding(nn.Module):
             if chunk.slots is None:
                 out[k] = host_rows
                 continue
-            if chunk.n_admit:
+            if chunk.admit_slots is not None:
                 cache.states[k].index_copy_(0, chunk.admit_slots, host_rows[: chunk.n_admit])
             rows = cache.states[k].index_select(0, cache.slot_index(chunk.slots))
             if chunk.n_bypass:
                 rows.index_copy_(0, chunk.miss_pos[chunk.n_admit:], host_rows[chunk.n_admit:])
             out[k] = rows
         chunk.states = {}
-        chunk.n_admit, chunk.admit_slots = 0, None
+        chunk.admit_slots = None  # (their state is in the cache now)
         return out
 
     def prefetch(self, indices: Tensor) -> None:
@@ -605,11 +614,14 @@ class OffloadedEmbedding(nn.Module):
                 handles[k] = self._state_tables[k].prefetch(ids, _checked=True)
             self._pending = (ids, handles)
             return
-        self._join()
+        self._join(host=False)  # (the side stream waits for earlier write-backs itself)
         work = self._work
         # rows of the step in progress are cached already or will be written to the host after it: skip them
         exclude = work.sorted_ids if work is not None else None
-        ids, _, _, miss, n_miss = self._distinct(flat, cache, exclude)
+        ids, _, slots, miss, n_miss = self._distinct(flat, cache, exclude)
+        # the next step's cached rows are kept for it (not evicted for its misses)
+        cache.last_use.index_fill_(0, torch.where(miss, cache.capacity, cache.slot_index(slots)), cache.clock + 1)
+        cache.reserved += ids.numel() - n_miss
         n_admit = max(0, min(n_miss, cache.capacity - cache.protected - cache.reserved))
         if n_admit == 0:
             return
@@ -620,11 +632,13 @@ class OffloadedEmbedding(nn.Module):
                 cache.stream = torch.cuda.Stream(device)
             side = cache.stream
             side.wait_stream(torch.cuda.current_stream(device))
+            if self._wb_event is not None:
+                side.wait_event(self._wb_event)  # host rows evicted earlier have landed
             for t in (ids, miss):
                 t.record_stream(side)
         with _stream_ctx(side):
             miss_ids = ids.index_select(0, _compact(miss, n_miss)[:n_admit])
-            victims = self._evict(cache, n_admit, protect_from=cache.clock)
+            victims = self._evict(cache, n_admit, protect_from=cache.clock, defer=True)
             rows = torch.empty(n_admit, self.embedding_dim, dtype=self.table.dtype, device=device)
             self.table._gather_unique(miss_ids, None, rows, self.table.resolved_engine("gather"))
             self._install(cache, victims, miss_ids, rows, cache.clock + 1)
@@ -632,7 +646,7 @@ class OffloadedEmbedding(nn.Module):
                 t = self._state_tables[k]
                 t._gather_unique(miss_ids, None, rows, t.resolved_engine("gather"))
                 cache.states[k].index_copy_(0, victims, rows)
-            cache.fresh[victims] = True
+            cache.fresh.index_fill_(0, victims, True)
             if side is not None:
                 cache.ready = torch.cuda.Event()
                 cache.ready.record(side)
@@ -661,7 +675,7 @@ class OffloadedEmbedding(nn.Module):
         """Start a step's working set with the rows of ``flat``; returns each index's working row."""
         cache = self._get_cache()
         if cache is not None:
-            self._join()
+            self._join(host=False)
             cache.clock += 1
             cache.protected, cache.reserved = cache.reserved, 0
         ids, inverse, slots, miss, n_miss = self._distinct(flat, cache)
@@ -846,6 +860,7 @@ class OffloadedEmbedding(nn.Module):
         for k in self._spec:
             del state[k]
         self._finish_work()
+        self._launch_evicted()
 
     def _store(self, work: _Work, weight_rows: Tensor, state_rows: dict[str, Tensor]) -> None:
         """A stepped working set back: cached rows into the cache (dirty), the others to the host tables."""
@@ -859,13 +874,12 @@ class OffloadedEmbedding(nn.Module):
         if cache is None or work.chunks[0].slots is None:
             _commit(ids, [(self.table, weight_rows)] + [(self._state_tables[k], state_rows[k]) for k in self._spec])
             return
-        self._join()
         slots = torch.cat([c.slots for c in work.chunks]) if len(work.chunks) > 1 else work.chunks[0].slots
         dest = cache.slot_index(slots)  # rows not cached land in the scratch row
         cache.weight.index_copy_(0, dest, weight_rows)
         for k in self._spec:
             cache.states[k].index_copy_(0, dest, state_rows[k])
-        cache.dirty[dest] = True
+        cache.dirty.index_fill_(0, dest, True)
         if not any(c.n_bypass for c in work.chunks):
             return
         offsets, bypass = 0, []

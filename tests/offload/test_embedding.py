@@ -246,6 +246,144 @@ def test_prefetch_is_patched_by_write_back():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("cache_rows", [4, 9, 30])
+def test_small_cache_two_lookups_and_prefetch_equal_sparse_adam(device, prefetch, cache_rows):
+    """A cache smaller than a step's rows (rows bypass it; the least recently used are evicted and written
+    back), two lookups with different rows per step, and a prefetch that names rows of the step in progress
+    and rows its second lookup will fetch: all the same as nn.Embedding(sparse=True) + SparseAdam."""
+    w0 = init_weight()
+    ref = nn.Embedding(N, D, sparse=True, _weight=w0.clone()).to(device)
+    ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=0.01)
+    emb = offload.OffloadedEmbedding(N, D, _weight=w0.clone(), device=device, cache_rows=cache_rows)
+    opt = offload.attach(torch.optim.Adam(emb.parameters(), lr=0.01))
+    data = batches(2 * STEPS, False, device, seed=21, dist="heavy")
+    pairs = list(zip(data[0::2], data[1::2], strict=True))
+    for i, ((a, ta), (b, tb)) in enumerate(pairs):
+        for m, o in ((ref, ref_opt), (emb, opt)):
+            o.zero_grad()
+            loss = loss_fn(m(a), ta)
+            if prefetch and m is emb and i + 1 < len(pairs):
+                nxt = pairs[i + 1][0][0].reshape(-1)
+                last = torch.tensor([N - 1], device=device)
+                emb.prefetch(torch.cat([nxt, a.reshape(-1)[:3], b.reshape(-1)[-3:], last]))
+            (loss + loss_fn(m(b), tb)).backward()
+            o.step()
+    stats = emb.cache_stats()
+    assert stats["hits"] > 0 and stats["misses"] > 0
+    # SparseAdam divides eps by sqrt(bias_correction2) where Adam does not (see above)
+    with torch.no_grad():  # cached rows are newer than the host's: lookups see them
+        torch.testing.assert_close(emb(torch.arange(N, device=device)), ref.weight.detach(), rtol=1e-4, atol=1e-5)
+    emb.flush()
+    torch.testing.assert_close(emb.table.data, ref.weight.detach().cpu(), rtol=1e-4, atol=1e-5)
+    st = ref_opt.state[ref.weight]
+    torch.testing.assert_close(emb.state_tables["exp_avg"].data, st["exp_avg"].cpu())
+    torch.testing.assert_close(emb.state_tables["exp_avg_sq"].data, st["exp_avg_sq"].cpu())
+
+
+def test_least_recently_used_rows_are_evicted_and_written_back():
+    """A 3-row cache: rows reach the host table when they are evicted (least recently used first) or flushed."""
+    w0 = init_weight()
+    ref = nn.Embedding(N, D, _weight=w0.clone())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    emb = offload.OffloadedEmbedding(N, D, _weight=w0.clone(), cache_rows=3)
+    opt = offload.attach(torch.optim.SGD(emb.parameters(), lr=0.5))
+    g = torch.Generator().manual_seed(22)
+    for ids in ([0, 1], [2], [0, 3]):  # the third step needs a slot: row 1 (last used in step 1) goes
+        idx = torch.tensor(ids)
+        target = torch.randn(len(ids), D, generator=g)
+        for m, o in ((ref, ref_opt), (emb, opt)):
+            o.zero_grad()
+            loss_fn(m(idx), target).backward()
+            o.step()
+    host = emb.table.data
+    assert torch.equal(host[1], ref.weight.detach()[1]) and not torch.equal(host[1], w0[1])
+    for row in (0, 2, 3):
+        assert torch.equal(host[row], w0[row]), row  # still only in the cache
+    assert emb.cache_stats() == {"capacity": 3, "hits": 1, "misses": 4}
+    emb.flush()
+    assert torch.equal(emb.table.data, ref.weight.detach())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_cache_stats_count_each_distinct_row_once(device, prefetch):
+    """With room for every row, each row misses once (at its first switch-in, or earlier when prefetched)
+    and hits at every later step: hits + misses is the sum over steps of the distinct rows looked up."""
+    data = batches(STEPS, False, device, seed=23, dist="heavy")
+    emb = offload.OffloadedEmbedding(N, D, device=device, cache_rows=N)
+    opt = offload.attach(torch.optim.Adagrad(emb.parameters(), lr=0.1))
+    _train(emb, opt, data, prefetch=prefetch)
+    per_step = [idx.unique().numel() for idx, _ in data]
+    seen = torch.cat([idx.reshape(-1) for idx, _ in data]).unique().numel()
+    stats = emb.cache_stats()
+    assert stats["misses"] == seen
+    assert stats["hits"] + stats["misses"] == sum(per_step)
+
+
+def test_out_of_range_with_a_cache_raises_before_any_host_access(monkeypatch):
+    w0 = init_weight()
+    ref = nn.Embedding(N, D, _weight=w0.clone())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    emb = offload.OffloadedEmbedding(N, D, _weight=w0.clone(), cache_rows=8)
+    opt = offload.attach(torch.optim.SGD(emb.parameters(), lr=0.1))
+    data = batches(3, False, "cpu", seed=24)
+
+    def step(m, o, idx, target):
+        o.zero_grad()
+        loss_fn(m(idx), target).backward()
+        o.step()
+
+    for m, o in ((ref, ref_opt), (emb, opt)):
+        step(m, o, *data[0])
+    real = emb.table._gather_unique
+
+    def no_host_access(*args, **kwargs):
+        raise AssertionError("a host row was read")
+
+    monkeypatch.setattr(emb.table, "_gather_unique", no_host_access)
+    with pytest.raises(IndexError, match=f"index {N} is out of range for a table of {N} rows"):
+        emb(torch.tensor([[1, N], [2, 3]]))
+    with pytest.raises(IndexError, match=f"index -2 is out of range for a table of {N} rows"):
+        emb.prefetch(torch.tensor([5, -2]))
+    monkeypatch.setattr(emb.table, "_gather_unique", real)
+    for idx, target in data[1:]:  # nothing was left half done
+        for m, o in ((ref, ref_opt), (emb, opt)):
+            step(m, o, idx, target)
+    emb.flush()
+    torch.testing.assert_close(emb.table.data, ref.weight.detach())
+
+
+@pytest.mark.cuda
+def test_a_cached_step_synchronises_with_the_host_once_per_lookup_and_prefetch():
+    """Deduplication, bounds check and the cache's miss count share one read-back; cache lookups, admission,
+    eviction and write-back need none (torch's sync debug mode counts the synchronisations)."""
+    import warnings
+
+    pytest.importorskip("cupy")
+    g = torch.Generator().manual_seed(25)
+    n, d = 20_000, 16
+    data = [((torch.empty(4096).exponential_(generator=g) * 2000).long().clamp_(max=n - 1).cuda(),
+             torch.randn(4096, d, generator=g).cuda()) for _ in range(12)]
+    emb = offload.OffloadedEmbedding(n, d, device="cuda", engine="uva", cache_rows=2048)
+    opt = offload.attach(torch.optim.Adam(emb.parameters(), lr=0.01))
+    _train(emb, opt, data[:6], prefetch=True)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            _train(emb, opt, data[6:], prefetch=True)  # 6 steps, 5 prefetches
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    ours = [f"{w.filename}:{w.lineno}" for w in got
+            if "synchroniz" in str(w.message) and f"{'offload'}" in w.filename.replace("\\", "/").split("/")[-2]]
+    assert len(ours) == 6 + 5, ours
+    stats = emb.cache_stats()
+    assert stats["misses"] > 0 and stats["hits"] > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_several_lookups_per_step(device):
     """Two lookups with different rows in one step (skip-gram's positives and negatives) == dense SGD,
     and gradient accumulation over two backward passes with different rows."""
