@@ -12,7 +12,15 @@ timed steps:
 - ``batched_scalar``: ``torchmb.optim`` with scalar hyperparameters, default path.
 - ``separate``: B independent ``torch.optim`` optimizers (``foreach=True``), one per model's own tensors.
 
-Usage: ``PYTHONPATH=. python3 tests/benchmarks/bench_optim.py [--batch 256] [--out bench.json]``
+With ``--breakdown`` it measures instead where a step's time goes, against a device-to-device copy of
+the same bytes (the bandwidth anchor): the host time of a step until it returns (the GPU waits for it at
+the start of an isolated step), the time of a step when steps run back to back (the host work hides
+behind the previous kernels, so this is the kernels' time), and that kernel time for each fused-kernel
+variant (``torchmb.optim._fused.VARIANT``). ``--ncu`` takes one step of torch's fused SGD and of the
+batched SGD, for ``ncu -k regex:"torchmb_sgd|multi_tensor"``.
+
+Usage: ``PYTHONPATH=. python3 tests/benchmarks/bench_optim.py [--batch 256] [--out bench.json]
+[--breakdown | --ncu]``
 """
 
 from __future__ import annotations
@@ -120,6 +128,132 @@ def bench(algorithm: str, batch: int, device: torch.device, iters: int) -> dict[
     return results
 
 
+def back_to_back_ms(step, repeats: int = 10, rounds: int = 7) -> float:
+    """Median over ``rounds`` of the time per step of ``repeats`` steps queued back to back."""
+    step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / repeats)
+    return statistics.median(times)
+
+
+def host_ms(step, iters: int = 30) -> float:
+    """Median host time of one call of ``step`` (until it returns, its kernels queued) on an idle GPU."""
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def copy_ms(numel: int, device: torch.device) -> float:
+    pair = [torch.randn(numel, device=device)]
+    pair.append(torch.empty_like(pair[0]))
+    ms = back_to_back_ms(lambda: pair[1].copy_(pair[0]))
+    pair.clear()
+    torch.cuda.empty_cache()
+    return ms
+
+
+VARIANTS = {  # (float4s per thread per work item, streaming hints, min blocks per SM)
+    "torchmb_sgd": [(1, 1, 8), (2, 1, 8), (4, 1, 4), (4, 0, 4), (8, 1, 2)],
+    "torchmb_adam": [(1, 1, 8), (2, 1, 4), (4, 1, 2)],
+}
+
+
+def host_profile(step, steps: int = 200) -> str:
+    """cProfile of ``steps`` calls of ``step``: where the host time of a step goes."""
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(steps):
+        step()
+    profile.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(14)
+    return text.getvalue()
+
+
+def breakdown(batch: int, device: torch.device, iters: int) -> dict:
+    """Where the time of one step goes (see the module docstring)."""
+    from torchmb.optim import _fused
+
+    numel = batch * sum(torch.Size(s).numel() for s in SHAPES)
+    out: dict = {}
+    copy_numel = numel * 5 // 2  # a copy of this many floats moves as many bytes as a momentum SGD step
+    out["copy_ms"] = copy_ms(copy_numel, device)
+    out["copy_tb_per_s"] = 2 * copy_numel * 4 / out["copy_ms"] / 1e9
+    lrs = torch.logspace(-4, -1, batch).tolist()
+    momentum = torch.linspace(0.8, 0.99, batch).tolist()
+    for algorithm, kernel, moved in (("sgd", "torchmb_sgd", 5), ("adam", "torchmb_adam", 7)):
+        bytes_moved = moved * numel * 4
+        rows: dict = {"bytes": bytes_moved, "floor_ms_at_copy_bandwidth": bytes_moved / (out["copy_tb_per_s"] * 1e9)}
+        for name in ("torch_fused", "torch_foreach", "batched_per_model"):
+            params = stacked(batch, device)
+            if algorithm == "sgd":
+                if name == "batched_per_model":
+                    opt = mo.SGD(params, lr=lrs, momentum=momentum)
+                else:
+                    opt = torch.optim.SGD(params, lr=0.01, momentum=0.9, **{name[6:]: True})
+            elif name == "batched_per_model":
+                opt = mo.Adam(params, lr=lrs, betas=(momentum, 0.999))
+            else:
+                opt = torch.optim.Adam(params, lr=1e-3, **{name[6:]: True})
+            rows[name] = {
+                "isolated_ms": time_ms(opt.step, iters),
+                "back_to_back_ms": back_to_back_ms(opt.step),
+                "host_ms": host_ms(opt.step),
+            }
+            rows[name]["back_to_back_tb_per_s"] = bytes_moved / rows[name]["back_to_back_ms"] / 1e9
+            if name == "batched_per_model":
+                default = _fused.VARIANT[kernel]
+                variants = {}
+                for variant in VARIANTS[kernel]:
+                    _fused.VARIANT[kernel] = variant
+                    ms = back_to_back_ms(opt.step)
+                    attributes = _fused._kernel(kernel, device.index or 0, variant).attributes
+                    variants[str(variant)] = {"back_to_back_ms": ms, "tb_per_s": bytes_moved / ms / 1e9,
+                                              "isolated_ms": time_ms(opt.step, iters),
+                                              "registers": attributes.get("num_regs"),
+                                              "local_bytes": attributes.get("local_size_bytes"),
+                                              "resident_blocks": _fused._resident_blocks(kernel, device.index or 0,
+                                                                                         variant)}
+                _fused.VARIANT[kernel] = default
+                rows["variants"] = variants
+                rows["fused_steps"] = opt.fused_steps
+                rows["launch_through_function"] = bool(_fused._FUNCTIONS)
+                rows["occupancy_from"] = sorted(set(_fused.OCCUPANCY_FROM.values()))
+                rows["host_profile"] = host_profile(opt.step)
+            del opt, params
+            torch.cuda.empty_cache()
+        out[algorithm] = rows
+    return out
+
+
+def ncu_steps(batch: int, device: torch.device) -> None:
+    """One step of torch's fused SGD, then one of the batched SGD (per-model lr and momentum)."""
+    params = stacked(batch, device)
+    torch.optim.SGD(params, lr=0.01, momentum=0.9, fused=True).step()
+    del params
+    params = stacked(batch, device)
+    mo.SGD(params, lr=torch.logspace(-4, -1, batch).tolist(), momentum=torch.linspace(0.8, 0.99, batch).tolist()).step()
+    torch.cuda.synchronize()
+
+
 def elementwise_costs(batch: int, device: torch.device, iters: int) -> dict[str, float]:
     """One pass over the largest weight: a scalar operand against a per-model (B, 1, 1) operand."""
     x = torch.randn(batch, *SHAPES[0], device=device)
@@ -140,10 +274,37 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--out", default=None)
     parser.add_argument("--smoke", action="store_true", help="run on the CPU (checks the script, not a timing)")
+    parser.add_argument("--breakdown", action="store_true", help="host time, kernel time, variants, copy anchor")
+    parser.add_argument("--ncu", action="store_true", help="one step each of torch fused SGD and batched SGD")
     args = parser.parse_args()
     if not torch.cuda.is_available() and not args.smoke:
         raise SystemExit("bench_optim needs a CUDA device (or --smoke)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.ncu:
+        ncu_steps(args.batch, device)
+        return
+    if args.breakdown:
+        if device.type != "cuda":
+            raise SystemExit("--breakdown needs a CUDA device")
+        report = breakdown(args.batch, device, args.iters)
+        report.update(device=torch.cuda.get_device_name(), torch=torch.__version__, batch=args.batch)
+        print(json.dumps(report, indent=1))
+        for algorithm in ("sgd", "adam"):
+            r = report[algorithm]
+            print(f"{algorithm}: floor {r['floor_ms_at_copy_bandwidth']:.3f} ms at the copy's "
+                  f"{report['copy_tb_per_s']:.2f} TB/s")
+            for name in ("torch_fused", "torch_foreach", "batched_per_model"):
+                v = r[name]
+                print(f"  {name:18} isolated {v['isolated_ms']:.3f}  back-to-back {v['back_to_back_ms']:.3f} "
+                      f"({v['back_to_back_tb_per_s']:.2f} TB/s)  host {v['host_ms']:.3f} ms")
+            for variant, v in r["variants"].items():
+                print(f"  variant {variant:12} back-to-back {v['back_to_back_ms']:.3f} ({v['tb_per_s']:.2f} TB/s) "
+                      f"isolated {v['isolated_ms']:.3f}  regs {v['registers']} local {v['local_bytes']} "
+                      f"blocks {v['resident_blocks']}")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=2)
+        return
     numel = args.batch * sum(torch.Size(s).numel() for s in SHAPES)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke)"
     report = {"device": name, "torch": torch.__version__, "batch": args.batch,

@@ -6,8 +6,10 @@ float64 tensor on the CPU in ``param_groups[g][name]`` (``betas`` is a pair of t
 give every model its own learning rate, weight decay or momentum. A step turns the hyperparameters and
 the per-model step counts into per-model coefficients on the CPU (float64, the arithmetic ``torch.optim``
 does in Python), sends them to the device in one copy, and applies them as ``(B, 1, ..., 1)`` tensors
-broadcast over each parameter. The number of kernel launches of a step depends on the number of
-parameter tensors, never on B, and each model's arithmetic does not depend on the other models' values.
+broadcast over each parameter (the fused CUDA path, ``_fused.py``, reads them as ``(B,)`` rows in one
+launch per group, and keeps SGD's on the device until a hyperparameter changes). The number of kernel
+launches of a step depends on the number of parameter tensors (fused: on the number of groups), never on
+B, and each model's arithmetic does not depend on the other models' values.
 """
 
 from __future__ import annotations
@@ -154,6 +156,7 @@ class BatchOptimizer(torch.optim.Optimizer):
         if fused not in (None, True, False):
             raise ValueError(f"fused must be None (automatic), True or False, got {fused!r}")
         self._batch: int | None = None
+        self._fused_plans: dict[int, tuple[dict[str, Any], Any]] = {}
         self.fused = fused
         self.fused_steps = 0
         """How many parameter-group steps the fused CUDA kernels took (the rest took the reference path)."""
@@ -177,6 +180,16 @@ class BatchOptimizer(torch.optim.Optimizer):
                 "install cupy-cuda12x / cupy-cuda13x or use set_backend('auto'|'torch')"
             ) from _fused._CUPY_ERROR
         return False
+
+    def _fused_plan(self, group: dict[str, Any], kind: str):
+        """The device-side state of ``group``'s fused step (coefficients, pointer tables), made on first use."""
+        plans = self.__dict__.setdefault("_fused_plans", {})  # also after unpickling (torch keeps 3 entries)
+        found = plans.get(id(group))
+        if found is None or found[0] is not group or found[1].kind != kind:
+            from ._fused import FusedStep
+
+            found = plans[id(group)] = (group, FusedStep(kind))  # holds group: its id stays unique
+        return found[1]
 
     # ---- population size and hyperparameters -------------------------------------------------
     @property
@@ -296,6 +309,7 @@ class BatchOptimizer(torch.optim.Optimizer):
         index = _as_index(keep, self.batch)
         if index.numel() == 0:
             raise ValueError("select: keep at least one model")
+        self.__dict__.pop("_fused_plans", None)
         for group in self.param_groups:
             for key in self._per_model_entries(group):
                 value = group[key]
@@ -403,6 +417,7 @@ class BatchOptimizer(torch.optim.Optimizer):
             if batch is not None:
                 break
         super().load_state_dict(state_dict)
+        self.__dict__.pop("_fused_plans", None)
         if batch is not None:
             self._batch = batch
         for group in self.param_groups:
@@ -514,9 +529,11 @@ class BatchOptimizer(torch.optim.Optimizer):
                     for t in [p, *(v for k, v in state.items() if isinstance(v, Tensor) and k not in self.cpu_state)]:
                         idx = skip_index.to(t.device)
                         saved.append((t, idx, t.index_select(0, idx)))
-            counts = [state["step"] + 1 for state in states]
-            if all(torch.equal(c, counts[0]) for c in counts[1:]):  # the usual case: share one object so that
-                counts = [counts[0]] * len(counts)  # per-count coefficients are computed and sent once
+            steps = [state["step"] for state in states]
+            if all(s is steps[0] for s in steps):  # the usual case (one object, see below): one addition
+                counts = [steps[0] + 1] * len(steps)
+            else:  # equal counts share one object, so per-count coefficients are computed and sent once
+                counts = shared_values([s + 1 for s in steps])
             self._step_group(group, params, grads, states, counts, skip_mask)
             for state, count in zip(states, counts):
                 state["step"] = count if skip_mask is None else torch.where(skip_mask, state["step"], count)
@@ -535,6 +552,38 @@ class BatchOptimizer(torch.optim.Optimizer):
         skip_mask: Tensor | None,
     ) -> None:
         raise NotImplementedError
+
+
+def shared_values(tensors: list[Tensor]) -> list[Tensor]:
+    """``tensors`` with equal ones replaced by one object (the first of them), so per-object work runs once."""
+    first = tensors[0]
+    if all(t is first for t in tensors):
+        return tensors
+    distinct: list[Tensor] = []
+    out = []
+    for t in tensors:
+        for d in distinct:
+            if t is d or torch.equal(t, d):
+                out.append(d)
+                break
+        else:
+            distinct.append(t)
+            out.append(t)
+    return out
+
+
+def set_indices(tensors: list[Tensor]) -> tuple[list[int], list[Tensor]]:
+    """Per entry, the index of its object among the distinct objects of ``tensors``; and those objects."""
+    index: dict[int, int] = {}
+    distinct: list[Tensor] = []
+    sets = []
+    for t in tensors:
+        i = index.get(id(t))
+        if i is None:
+            i = index[id(t)] = len(distinct)
+            distinct.append(t)
+        sets.append(i)
+    return sets, distinct
 
 
 def per_count(counts: list[Tensor], fn: Callable[[Tensor], Any]) -> list[Any]:

@@ -1,13 +1,30 @@
-"""Fused CUDA steps (CuPy RawKernels) for batched SGD and Adam/AdamW: one pass over each parameter.
+"""Fused CUDA steps (CuPy RawKernels) for batched SGD and Adam/AdamW: one launch per parameter group.
 
 The reference step (``_optimizers.py``) makes as many passes over the parameters as ``torch.optim``'s
-multi-tensor step (SGD with momentum: 3 kernels, Adam: 8). These kernels read a parameter, its gradient
-and its state once and write the parameter and state once, for every model at once: block row ``y`` is
-model ``y``, which loads its own coefficients (``(B,)`` arrays) once. One launch per parameter tensor,
-whatever B. The arithmetic is the reference's per element (Adam in torch's plain single-tensor form,
+multi-tensor step (SGD with momentum: 3 kernels, Adam: 8). Here one launch steps every parameter tensor
+of a group for every model at once, reading each parameter, gradient and state element once and writing
+the parameter and state once, so the step moves the fewest bytes it can.
+
+How a launch is laid out:
+
+- Work items are ``(tensor, model, chunk)``: a chunk is ``block * UNROLL`` float4s (or that many single
+  floats for rows that cannot be read as float4) of one model's row of one tensor. The grid is exactly the
+  blocks that are resident at once; each block walks the work items ``blockIdx.x, + gridDim.x, ...``, so
+  the work is spread evenly whatever the tensor sizes and B, and each thread has ``UNROLL`` 16-byte loads
+  of every operand in flight. Loads and stores carry the streaming cache hint (nothing is read twice).
+- A small device table holds each tensor's pointers, row length, chunk count, first work item and the
+  address of its per-model coefficients. It is cached per set of tensor addresses (a few sets are kept,
+  since gradients set to ``None`` between steps often come back at alternating addresses) and written
+  by a tiny kernel whose arguments carry the values, so a rebuild needs no host memory and is safe inside
+  CUDA-graph capture.
+- Per-model coefficients (``(sets, rows, B)`` float32 on the device) are uploaded only when the optimizer
+  says they changed (:class:`FusedStep`); SGD's stay on the device between steps, Adam's bias corrections
+  change every step.
+
+The arithmetic per element is the reference's (Adam in torch's plain single-tensor form,
 ``p += -step_size * m / (sqrt(v) / sqrt(bc2) + eps)``), so the two paths agree to float rounding.
 
-Used when CuPy imports, every tensor is a contiguous float32 CUDA tensor and B <= 65535; chosen by
+Used when CuPy imports and every tensor is a contiguous float32 CUDA tensor on one device; chosen by
 ``fused=None`` (the default) unless the ``batch_layers`` backend switch says ``"torch"``.
 """
 
@@ -15,7 +32,8 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections import Counter
+from collections import Counter, OrderedDict
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -30,13 +48,31 @@ except (ImportError, OSError) as error:  # pragma: no cover - depends on the mac
 else:
     _CUPY_ERROR = None
 
-__all__ = ["LAUNCHES", "adam_step", "fused_reason", "sgd_step"]
+__all__ = ["LAUNCHES", "VARIANT", "FusedStep", "fused_reason", "same_values"]
 
 #: Fused kernel launches per kernel name since import (tests use it to prove the fused path ran).
 LAUNCHES: Counter = Counter()
 
 _SOURCE = r"""
 typedef long long ll;
+
+#if STREAMING
+#define LOAD(ptr) __ldcs(ptr)
+#define STORE(ptr, value) __stcs(ptr, value)
+#else
+#define LOAD(ptr) (*(ptr))
+#define STORE(ptr, value) (*(ptr) = (value))
+#endif
+
+// One table entry per parameter tensor, TABLE_STRIDE int64 fields: up to 6 element pointers (param, grad,
+// state...), then the tensor's coefficients (float*, rows of B), its row length (elements per model), its
+// chunks per row, its first work item, and whether its rows are read as float4.
+#define TABLE_STRIDE 12
+#define E_COEF 6
+#define E_ROW 7
+#define E_CHUNKS 8
+#define E_FIRST 9
+#define E_VEC 10
 
 __device__ __forceinline__ float nan_max(float a, float b) {
     return (isnan(a) || isnan(b)) ? a + b : fmaxf(a, b);  // torch.maximum propagates NaN
@@ -72,89 +108,238 @@ __device__ __forceinline__ void adam_elem(float& p, float g, float& m, float& v,
     p = p + neg_step * (m / denom);
 }
 
-extern "C" __global__ void torchmb_sgd(float* __restrict__ P, const float* __restrict__ G, float* __restrict__ BUF,
-                                       const float* __restrict__ NEG_LR, const float* __restrict__ WD,
-                                       const float* __restrict__ MOM, const float* __restrict__ DAMP,
-                                       const float* __restrict__ NEST, ll row, ll flags) {
-    const ll model = blockIdx.y;
-    const float neg_lr = NEG_LR[model];
-    const float wd = (flags & 2) ? WD[model] : 0.0f;
-    const float mom = (flags & 4) ? MOM[model] : 0.0f;
-    const float damp = (flags & 4) ? DAMP[model] : 0.0f;
-    const float nest = (flags & 8) ? NEST[model] : 0.0f;
-    const ll base = model * row;
-    const ll count = row / VEC;
-    for (ll j = (ll)blockIdx.x * blockDim.x + threadIdx.x; j < count; j += (ll)gridDim.x * blockDim.x) {
-        const ll i = base + j * VEC;
-#if VEC == 4
-        float4 p = *reinterpret_cast<const float4*>(P + i);
-        const float4 g = *reinterpret_cast<const float4*>(G + i);
-        float4 b = (flags & 4) ? *reinterpret_cast<const float4*>(BUF + i) : make_float4(0.f, 0.f, 0.f, 0.f);
-        sgd_elem(p.x, g.x, b.x, neg_lr, wd, mom, damp, nest, flags);
-        sgd_elem(p.y, g.y, b.y, neg_lr, wd, mom, damp, nest, flags);
-        sgd_elem(p.z, g.z, b.z, neg_lr, wd, mom, damp, nest, flags);
-        sgd_elem(p.w, g.w, b.w, neg_lr, wd, mom, damp, nest, flags);
-        *reinterpret_cast<float4*>(P + i) = p;
-        if (flags & 4) *reinterpret_cast<float4*>(BUF + i) = b;
-#else
-        float p = P[i];
-        float b = (flags & 4) ? BUF[i] : 0.0f;
-        sgd_elem(p, G[i], b, neg_lr, wd, mom, damp, nest, flags);
-        P[i] = p;
-        if (flags & 4) BUF[i] = b;
-#endif
+// The work item w of a launch: advances (t, first, end) to the tensor holding w (items only grow within a
+// block, so t only moves forward) and returns its entry.
+__device__ __forceinline__ const ll* entry_of(const ll* table, ll w, ll batch, ll& t, ll& first, ll& end) {
+    while (w >= end) {
+        ++t;
+        const ll* e = table + t * TABLE_STRIDE;
+        first = e[E_FIRST];
+        end = first + batch * e[E_CHUNKS];
+    }
+    return table + t * TABLE_STRIDE;
+}
+
+struct SgdCoef {
+    float neg_lr, wd, mom, damp, nest;
+};
+
+__device__ __forceinline__ SgdCoef sgd_coef(const float* c, ll model, ll batch, ll flags) {
+    SgdCoef k;
+    k.neg_lr = c[model];
+    k.wd = (flags & 2) ? c[batch + model] : 0.0f;
+    k.mom = (flags & 4) ? c[2 * batch + model] : 0.0f;
+    k.damp = (flags & 4) ? c[3 * batch + model] : 0.0f;
+    k.nest = (flags & 8) ? c[4 * batch + model] : 0.0f;
+    return k;
+}
+
+__device__ __forceinline__ void sgd4(float4& p, const float4& g, float4& b, const SgdCoef& k, ll flags) {
+    sgd_elem(p.x, g.x, b.x, k.neg_lr, k.wd, k.mom, k.damp, k.nest, flags);
+    sgd_elem(p.y, g.y, b.y, k.neg_lr, k.wd, k.mom, k.damp, k.nest, flags);
+    sgd_elem(p.z, g.z, b.z, k.neg_lr, k.wd, k.mom, k.damp, k.nest, flags);
+    sgd_elem(p.w, g.w, b.w, k.neg_lr, k.wd, k.mom, k.damp, k.nest, flags);
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS)
+torchmb_sgd(const ll* __restrict__ table, ll total, ll batch, ll flags) {
+    const ll chunk = (ll)blockDim.x * UNROLL;
+    const bool has_buf = (flags & 4) != 0;
+    ll t = -1, first = 0, end = 0;
+    for (ll w = blockIdx.x; w < total; w += gridDim.x) {
+        const ll* e = entry_of(table, w, batch, t, first, end);
+        const ll chunks = e[E_CHUNKS], row = e[E_ROW];
+        const ll model = (w - first) / chunks;
+        const ll start = (w - first - model * chunks) * chunk;  // in float4s (or floats) of the row
+        const SgdCoef k = sgd_coef(reinterpret_cast<const float*>(e[E_COEF]), model, batch, flags);
+        float* __restrict__ P = reinterpret_cast<float*>(e[0]) + model * row;
+        const float* __restrict__ G = reinterpret_cast<const float*>(e[1]) + model * row;
+        float* __restrict__ BUF = reinterpret_cast<float*>(e[2]) + model * row;
+        if (e[E_VEC]) {
+            float4* p4 = reinterpret_cast<float4*>(P) + start;
+            const float4* g4 = reinterpret_cast<const float4*>(G) + start;
+            float4* b4 = reinterpret_cast<float4*>(BUF) + start;
+            const ll n = row / 4 - start < chunk ? row / 4 - start : chunk;
+            if (n == chunk) {
+                float4 p[UNROLL], g[UNROLL], b[UNROLL];
+#pragma unroll
+                for (int u = 0; u < UNROLL; ++u) {
+                    const ll j = threadIdx.x + (ll)u * blockDim.x;
+                    p[u] = LOAD(p4 + j);
+                    g[u] = LOAD(g4 + j);
+                    b[u] = has_buf ? LOAD(b4 + j) : make_float4(0.f, 0.f, 0.f, 0.f);
+                }
+#pragma unroll
+                for (int u = 0; u < UNROLL; ++u) {
+                    const ll j = threadIdx.x + (ll)u * blockDim.x;
+                    sgd4(p[u], g[u], b[u], k, flags);
+                    STORE(p4 + j, p[u]);
+                    if (has_buf) STORE(b4 + j, b[u]);
+                }
+            } else {
+                for (ll j = threadIdx.x; j < n; j += blockDim.x) {
+                    float4 p = LOAD(p4 + j);
+                    const float4 g = LOAD(g4 + j);
+                    float4 b = has_buf ? LOAD(b4 + j) : make_float4(0.f, 0.f, 0.f, 0.f);
+                    sgd4(p, g, b, k, flags);
+                    STORE(p4 + j, p);
+                    if (has_buf) STORE(b4 + j, b);
+                }
+            }
+        } else {
+            const ll n = row - start < chunk ? row - start : chunk;
+            for (ll j = start + threadIdx.x; j < start + n; j += blockDim.x) {
+                float p = LOAD(P + j);
+                float b = has_buf ? LOAD(BUF + j) : 0.0f;
+                sgd_elem(p, LOAD(G + j), b, k.neg_lr, k.wd, k.mom, k.damp, k.nest, flags);
+                STORE(P + j, p);
+                if (has_buf) STORE(BUF + j, b);
+            }
+        }
     }
 }
 
-extern "C" __global__ void torchmb_adam(float* __restrict__ P, const float* __restrict__ G, float* __restrict__ M,
-                                        float* __restrict__ V, float* __restrict__ VMAX,
-                                        const float* __restrict__ OMB1, const float* __restrict__ B2,
-                                        const float* __restrict__ OMB2, const float* __restrict__ NEG_STEP,
-                                        const float* __restrict__ BC2S, const float* __restrict__ EPS,
-                                        const float* __restrict__ WD, const float* __restrict__ DECAY,
-                                        ll row, ll flags) {
-    const ll model = blockIdx.y;
-    const float omb1 = OMB1[model], b2 = B2[model], omb2 = OMB2[model];
-    const float neg_step = NEG_STEP[model], bc2s = BC2S[model], eps = EPS[model];
-    const float wd = (flags & 2) ? WD[model] : 0.0f;
-    const float decay = (flags & 4) ? DECAY[model] : 1.0f;
-    const ll base = model * row;
-    const ll count = row / VEC;
-    for (ll j = (ll)blockIdx.x * blockDim.x + threadIdx.x; j < count; j += (ll)gridDim.x * blockDim.x) {
-        const ll i = base + j * VEC;
-#if VEC == 4
-        float4 p = *reinterpret_cast<const float4*>(P + i);
-        const float4 g = *reinterpret_cast<const float4*>(G + i);
-        float4 m = *reinterpret_cast<const float4*>(M + i);
-        float4 v = *reinterpret_cast<const float4*>(V + i);
-        float4 vm = (flags & 8) ? *reinterpret_cast<const float4*>(VMAX + i) : make_float4(0.f, 0.f, 0.f, 0.f);
-        adam_elem(p.x, g.x, m.x, v.x, vm.x, omb1, b2, omb2, neg_step, bc2s, eps, wd, decay, flags);
-        adam_elem(p.y, g.y, m.y, v.y, vm.y, omb1, b2, omb2, neg_step, bc2s, eps, wd, decay, flags);
-        adam_elem(p.z, g.z, m.z, v.z, vm.z, omb1, b2, omb2, neg_step, bc2s, eps, wd, decay, flags);
-        adam_elem(p.w, g.w, m.w, v.w, vm.w, omb1, b2, omb2, neg_step, bc2s, eps, wd, decay, flags);
-        *reinterpret_cast<float4*>(P + i) = p;
-        *reinterpret_cast<float4*>(M + i) = m;
-        *reinterpret_cast<float4*>(V + i) = v;
-        if (flags & 8) *reinterpret_cast<float4*>(VMAX + i) = vm;
-#else
-        float p = P[i], m = M[i], v = V[i];
-        float vm = (flags & 8) ? VMAX[i] : 0.0f;
-        adam_elem(p, G[i], m, v, vm, omb1, b2, omb2, neg_step, bc2s, eps, wd, decay, flags);
-        P[i] = p;
-        M[i] = m;
-        V[i] = v;
-        if (flags & 8) VMAX[i] = vm;
-#endif
+struct AdamCoef {
+    float omb1, b2, omb2, neg_step, bc2s, eps, wd, decay;
+};
+
+__device__ __forceinline__ AdamCoef adam_coef(const float* c, ll model, ll batch, ll flags) {
+    AdamCoef k;
+    k.omb1 = c[model];
+    k.b2 = c[batch + model];
+    k.omb2 = c[2 * batch + model];
+    k.neg_step = c[3 * batch + model];
+    k.bc2s = c[4 * batch + model];
+    k.eps = c[5 * batch + model];
+    k.wd = (flags & 2) ? c[6 * batch + model] : 0.0f;
+    k.decay = (flags & 4) ? c[7 * batch + model] : 1.0f;
+    return k;
+}
+
+__device__ __forceinline__ void adam1(float& p, float g, float& m, float& v, float& vm, const AdamCoef& k,
+                                      ll flags) {
+    adam_elem(p, g, m, v, vm, k.omb1, k.b2, k.omb2, k.neg_step, k.bc2s, k.eps, k.wd, k.decay, flags);
+}
+
+__device__ __forceinline__ void adam4(float4& p, const float4& g, float4& m, float4& v, float4& vm,
+                                      const AdamCoef& k, ll flags) {
+    adam1(p.x, g.x, m.x, v.x, vm.x, k, flags);
+    adam1(p.y, g.y, m.y, v.y, vm.y, k, flags);
+    adam1(p.z, g.z, m.z, v.z, vm.z, k, flags);
+    adam1(p.w, g.w, m.w, v.w, vm.w, k, flags);
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS)
+torchmb_adam(const ll* __restrict__ table, ll total, ll batch, ll flags) {
+    const ll chunk = (ll)blockDim.x * UNROLL;
+    const bool ams = (flags & 8) != 0;
+    ll t = -1, first = 0, end = 0;
+    for (ll w = blockIdx.x; w < total; w += gridDim.x) {
+        const ll* e = entry_of(table, w, batch, t, first, end);
+        const ll chunks = e[E_CHUNKS], row = e[E_ROW];
+        const ll model = (w - first) / chunks;
+        const ll start = (w - first - model * chunks) * chunk;
+        const AdamCoef k = adam_coef(reinterpret_cast<const float*>(e[E_COEF]), model, batch, flags);
+        float* __restrict__ P = reinterpret_cast<float*>(e[0]) + model * row;
+        const float* __restrict__ G = reinterpret_cast<const float*>(e[1]) + model * row;
+        float* __restrict__ M = reinterpret_cast<float*>(e[2]) + model * row;
+        float* __restrict__ V = reinterpret_cast<float*>(e[3]) + model * row;
+        float* __restrict__ VM = reinterpret_cast<float*>(e[4]) + model * row;
+        if (e[E_VEC]) {
+            float4* p4 = reinterpret_cast<float4*>(P) + start;
+            const float4* g4 = reinterpret_cast<const float4*>(G) + start;
+            float4* m4 = reinterpret_cast<float4*>(M) + start;
+            float4* v4 = reinterpret_cast<float4*>(V) + start;
+            float4* vm4 = reinterpret_cast<float4*>(VM) + start;
+            const ll n = row / 4 - start < chunk ? row / 4 - start : chunk;
+            if (n == chunk) {
+                float4 p[UNROLL], g[UNROLL], m[UNROLL], v[UNROLL], vm[UNROLL];
+#pragma unroll
+                for (int u = 0; u < UNROLL; ++u) {
+                    const ll j = threadIdx.x + (ll)u * blockDim.x;
+                    p[u] = LOAD(p4 + j);
+                    g[u] = LOAD(g4 + j);
+                    m[u] = LOAD(m4 + j);
+                    v[u] = LOAD(v4 + j);
+                    vm[u] = ams ? LOAD(vm4 + j) : make_float4(0.f, 0.f, 0.f, 0.f);
+                }
+#pragma unroll
+                for (int u = 0; u < UNROLL; ++u) {
+                    const ll j = threadIdx.x + (ll)u * blockDim.x;
+                    adam4(p[u], g[u], m[u], v[u], vm[u], k, flags);
+                    STORE(p4 + j, p[u]);
+                    STORE(m4 + j, m[u]);
+                    STORE(v4 + j, v[u]);
+                    if (ams) STORE(vm4 + j, vm[u]);
+                }
+            } else {
+                for (ll j = threadIdx.x; j < n; j += blockDim.x) {
+                    float4 p = LOAD(p4 + j), m = LOAD(m4 + j), v = LOAD(v4 + j);
+                    float4 vm = ams ? LOAD(vm4 + j) : make_float4(0.f, 0.f, 0.f, 0.f);
+                    adam4(p, LOAD(g4 + j), m, v, vm, k, flags);
+                    STORE(p4 + j, p);
+                    STORE(m4 + j, m);
+                    STORE(v4 + j, v);
+                    if (ams) STORE(vm4 + j, vm);
+                }
+            }
+        } else {
+            const ll n = row - start < chunk ? row - start : chunk;
+            for (ll j = start + threadIdx.x; j < start + n; j += blockDim.x) {
+                float p = LOAD(P + j), m = LOAD(M + j), v = LOAD(V + j);
+                float vm = ams ? LOAD(VM + j) : 0.0f;
+                adam1(p, LOAD(G + j), m, v, vm, k, flags);
+                STORE(P + j, p);
+                STORE(M + j, m);
+                STORE(V + j, v);
+                if (ams) STORE(VM + j, vm);
+            }
+        }
     }
+}
+
+// Writes n (<= FILL_WIDTH) int64 values, carried as kernel arguments, to dst: builds the tables above
+// without host memory (so a rebuild is also safe while a CUDA graph is being captured).
+extern "C" __global__ void torchmb_fill(ll* __restrict__ dst, ll n, ll v0, ll v1, ll v2, ll v3, ll v4, ll v5,
+                                        ll v6, ll v7, ll v8, ll v9, ll v10, ll v11, ll v12, ll v13, ll v14,
+                                        ll v15, ll v16, ll v17, ll v18, ll v19, ll v20, ll v21, ll v22,
+                                        ll v23) {
+    const ll v[24] = {v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11,
+                      v12, v13, v14, v15, v16, v17, v18, v19, v20, v21, v22, v23};
+    const ll i = threadIdx.x;
+    if (i < n) dst[i] = v[i];
 }
 """
 
-_KERNELS: dict[tuple, object] = {}
-_STREAMS: dict[tuple[int, int], object] = {}
-_SMS: dict[int, int] = {}
-_LOCK = threading.Lock()
+_TABLE_STRIDE = 12
+_E_COEF, _E_ROW, _E_CHUNKS, _E_FIRST, _E_VEC = 6, 7, 8, 9, 10
+_FILL_WIDTH = 24
 _BLOCK = 256
-_MAX_MODELS = 65535  # gridDim.y
+_TABLES_KEPT = 4  # tables cached per group (one per set of tensor addresses)
+
+#: Kernel variants, per kernel: (float4s per thread per work item, streaming cache hints on/off, minimum
+#: resident blocks per multiprocessor promised to the compiler, which caps its registers). Chosen by
+#: measurement on an H200 (docs/reference/optim.md); the benchmark script overrides them to compare.
+VARIANT: dict[str, tuple[int, int, int]] = {
+    "torchmb_sgd": (4, 1, 4),
+    "torchmb_adam": (4, 1, 2),
+    "torchmb_fill": (1, 0, 1),
+}
+
+# kind -> (kernel name, element pointers per tensor, coefficient rows)
+_KINDS = {"sgd": ("torchmb_sgd", 3, 5), "adam": ("torchmb_adam", 5, 8)}
+
+_KERNELS: dict[tuple, Any] = {}
+_FUNCTIONS: dict[tuple, Any] = {}
+_RESIDENT: dict[tuple, int] = {}
+OCCUPANCY_FROM: dict[tuple, str] = {}  # where _resident_blocks took blocks per multiprocessor from (benchmark)
+_STREAMS: dict[tuple[int, int], Any] = {}
+_LOCK = threading.Lock()
+
+# SGD flag bits (the kernel's `flags`)
+SGD_MAXIMIZE, SGD_WEIGHT_DECAY, SGD_MOMENTUM, SGD_NESTEROV = 1, 2, 4, 8
+# Adam flag bits
+ADAM_MAXIMIZE, ADAM_L2, ADAM_DECOUPLED, ADAM_AMSGRAD = 1, 2, 4, 8
 
 
 def fused_reason(params: list[Tensor], tensors: list[Tensor]) -> str | None:
@@ -166,8 +351,6 @@ def fused_reason(params: list[Tensor], tensors: list[Tensor]) -> str | None:
     device = params[0].device
     if device.type != "cuda":
         return f"the parameters are on {device}, not a CUDA device"
-    if params[0].shape[0] > _MAX_MODELS:
-        return f"B = {params[0].shape[0]} exceeds {_MAX_MODELS} models"
     for t in tensors:
         if t.device != device:
             return f"tensors on several devices ({device} and {t.device})"
@@ -178,18 +361,52 @@ def fused_reason(params: list[Tensor], tensors: list[Tensor]) -> str | None:
     return None
 
 
-def _kernel(name: str, vec: int, index: int):
-    key = (name, vec, index)
+def same_values(old: tuple[Tensor, ...] | None, new: tuple[Tensor, ...]) -> bool:
+    """Whether two tuples of host tensors hold equal shapes and values (``old`` None: no)."""
+    if old is None or len(old) != len(new):
+        return False
+    return all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(old, new))
+
+
+def _kernel(name: str, index: int, variant: tuple[int, int, int]):
+    key = (name, index, variant)
     kernel = _KERNELS.get(key)
     if kernel is None:
         with _LOCK:
             kernel = _KERNELS.get(key)
             if kernel is None:
+                unroll, streaming, min_blocks = variant
+                header = (
+                    f"#define BLOCK {_BLOCK}\n#define UNROLL {unroll}\n#define STREAMING {streaming}\n"
+                    f"#define MIN_BLOCKS {min_blocks}\n"
+                )
                 with cupy.cuda.Device(index):
-                    kernel = cupy.RawKernel(f"#define VEC {vec}\n" + _SOURCE, name, options=("-std=c++17",))
+                    kernel = cupy.RawKernel(header + _SOURCE, name, options=("-std=c++17",))
                     kernel.compile()
+                    function = getattr(kernel, "kernel", None)  # the cupy.cuda.Function of this device
+                if function is not None:
+                    _FUNCTIONS[key] = function
                 _KERNELS[key] = kernel
     return kernel
+
+
+def _resident_blocks(name: str, index: int, variant: tuple[int, int, int]) -> int:
+    """Blocks of ``_BLOCK`` threads of kernel ``name`` resident at once on the whole device."""
+    key = (name, index, variant)
+    blocks = _RESIDENT.get(key)
+    if blocks is None:
+        _kernel(name, index, variant)  # compiled first: _FUNCTIONS holds its function where CuPy exposes it
+        sms = torch.cuda.get_device_properties(index).multi_processor_count
+        function = _FUNCTIONS.get(key)
+        try:
+            with cupy.cuda.Device(index):
+                per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, _BLOCK, 0)
+            OCCUPANCY_FROM[key] = "occupancy API"
+        except (AttributeError, TypeError, cupy.cuda.driver.CUDADriverError):  # pragma: no cover - older CuPy
+            per_sm = variant[2]
+            OCCUPANCY_FROM[key] = "launch bounds"
+        blocks = _RESIDENT[key] = sms * max(1, int(per_sm))
+    return blocks
 
 
 class _StreamProtocol:
@@ -200,10 +417,15 @@ class _StreamProtocol:
         return (0, self.ptr)
 
 
-def _stream(device: torch.device):
-    """A cached CuPy view of torch's current stream on ``device``."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    ptr = torch.cuda.current_stream(index).cuda_stream
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # device index -> cudaStream_t
+
+
+def _stream(index: int):
+    """A cached CuPy view of torch's current stream on device ``index``."""
+    if _RAW_STREAM is not None:
+        ptr = _RAW_STREAM(index)
+    else:  # pragma: no cover - a torch without the raw-stream getter
+        ptr = torch.cuda.current_stream(index).cuda_stream
     stream = _STREAMS.get((index, ptr))
     if stream is None:
         if hasattr(cupy.cuda, "ExternalStream"):
@@ -213,92 +435,147 @@ def _stream(device: torch.device):
         else:  # pragma: no cover - a CuPy without ExternalStream
             stream = cupy.cuda.Stream.from_external(_StreamProtocol(ptr))
         _STREAMS[(index, ptr)] = stream
-    return index, stream
+    return stream
 
 
-def _launch(name: str, p: Tensor, pointers: list[int], row: int, flags: int) -> None:
-    batch = p.shape[0]
-    if row == 0:
-        return
-    vec = 4 if row % 4 == 0 and all(ptr % 16 == 0 for ptr in pointers[: _aligned_count(name)]) else 1
-    index, stream = _stream(p.device)
-    sms = _SMS.get(index)
-    if sms is None:
-        sms = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    per_row = -(-(row // vec) // _BLOCK)
-    grid_x = max(1, min(per_row, max(1, sms * 16 // batch)))
-    kernel = _kernel(name, vec, index)
-    with cupy.cuda.Device(index), stream:
-        kernel((grid_x, batch), (_BLOCK,), (*pointers, row, flags))
+def _launch(name: str, device: torch.device, grid: int, args: tuple) -> None:
+    """Launch kernel ``name`` on torch's current stream of ``device`` (``grid`` blocks of ``_BLOCK``;
+    ``torchmb_fill`` runs one block of ``_FILL_WIDTH`` threads)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    variant = VARIANT[name]
+    kernel = _kernel(name, index, variant)
+    block = _FILL_WIDTH if name == "torchmb_fill" else _BLOCK
+    stream = _stream(index)
+    function = _FUNCTIONS.get((name, index, variant))
+    if function is not None and cupy.cuda.runtime.getDevice() == index:
+        function((grid, 1, 1), (block, 1, 1), args, stream=stream)  # the compiled function: no context switches
+    else:
+        with cupy.cuda.Device(index), stream:
+            kernel((grid,), (block,), args)
     LAUNCHES[name] += 1
 
 
-def _aligned_count(name: str) -> int:
-    """How many leading pointer arguments are per-element arrays (must be 16-byte aligned for float4)."""
-    return 3 if name == "torchmb_sgd" else 5
+def _grid(name: str, device: torch.device, items: int) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return max(1, min(items, _resident_blocks(name, index, VARIANT[name])))
 
 
-def _ptr(t: Tensor | None) -> int:
-    return 0 if t is None else t.data_ptr()
+class FusedStep:
+    """The device side of one parameter group's fused step: per-model coefficients and pointer tables.
 
+    The optimizer keeps one per parameter group. It decides when the coefficients change
+    (:meth:`coefficients_match` compares the host values they were computed from) and uploads new ones
+    with :meth:`set_coefficients`; :meth:`launch` then steps every tensor of the group in one launch.
 
-def sgd_step(
-    params: list[Tensor],
-    grads: list[Tensor],
-    bufs: list[Tensor] | None,
-    coefs: dict[str, list[Tensor]],
-    maximize: bool,
-    weight_decay: bool,
-    nesterov: bool,
-) -> None:
-    """One fused SGD step per parameter tensor (coefficients: ``(B, 1, ...)`` float32 device views)."""
-    flags = (
-        (1 if maximize else 0) | (2 if weight_decay else 0) | (4 if bufs is not None else 0) | (8 if nesterov else 0)
-    )
-    for i, (p, g) in enumerate(zip(params, grads)):
-        buf = bufs[i] if bufs is not None else None
-        pointers = [
-            p.data_ptr(),
-            g.data_ptr(),
-            _ptr(buf) if buf is not None else p.data_ptr(),
-            coefs["neg_lr"][i].data_ptr(),
-            coefs["weight_decay"][i].data_ptr(),
-            coefs["mom"][i].data_ptr() if bufs is not None else 0,
-            coefs["damp"][i].data_ptr() if bufs is not None else 0,
-            coefs["momentum"][i].data_ptr() if bufs is not None else 0,
-        ]
-        _launch("torchmb_sgd", p, pointers, p.numel() // p.shape[0], flags)
+    Args:
+        kind: ``"sgd"`` or ``"adam"``.
+    """
 
+    def __init__(self, kind: str) -> None:
+        if kind not in _KINDS:
+            raise ValueError(f"FusedStep: kind must be one of {sorted(_KINDS)}, got {kind!r}")
+        self.kind = kind
+        self.kernel, self.pointers, self.rows = _KINDS[kind]
+        self.coef: Tensor | None = None
+        self.meta: dict[str, Any] = {}
+        self._coef_key: tuple[Tensor, ...] | None = None
+        self._tables: OrderedDict[tuple, tuple[Tensor, int]] = OrderedDict()
 
-def adam_step(
-    params: list[Tensor],
-    grads: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    max_exp_avg_sqs: list[Tensor] | None,
-    coefs: dict[str, list[Tensor]],
-    maximize: bool,
-    l2: bool,
-    decoupled: bool,
-) -> None:
-    """One fused Adam/AdamW step per parameter tensor."""
-    amsgrad = max_exp_avg_sqs is not None
-    flags = (1 if maximize else 0) | (2 if l2 else 0) | (4 if decoupled else 0) | (8 if amsgrad else 0)
-    for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
-        vmax = max_exp_avg_sqs[i] if max_exp_avg_sqs is not None else v
-        pointers = [
-            p.data_ptr(),
-            g.data_ptr(),
-            m.data_ptr(),
-            v.data_ptr(),
-            vmax.data_ptr(),
-            coefs["one_minus_beta1"][i].data_ptr(),
-            coefs["beta2"][i].data_ptr(),
-            coefs["one_minus_beta2"][i].data_ptr(),
-            coefs["neg_step_size"][i].data_ptr(),
-            coefs["bc2_sqrt"][i].data_ptr(),
-            coefs["eps"][i].data_ptr(),
-            coefs["weight_decay"][i].data_ptr() if l2 else 0,
-            coefs["decay"][i].data_ptr() if decoupled else 0,
-        ]
-        _launch("torchmb_adam", p, pointers, p.numel() // p.shape[0], flags)
+    def coefficients_match(self, key: tuple[Tensor, ...]) -> bool:
+        """Whether the device coefficients were computed from host values equal to ``key``."""
+        return same_values(self._coef_key, key)
+
+    def set_coefficients(self, host: Tensor, device: torch.device, key: tuple[Tensor, ...] | None = None) -> None:
+        """Upload ``host`` (``(sets, rows, B)``, float64 on the CPU) as float32 to ``device``.
+
+        ``key`` (host tensors the values were computed from) is kept as a copy for
+        :meth:`coefficients_match`. An upload of the same shape overwrites the device buffer in place
+        (stream-ordered after the launches that read it).
+        """
+        if host.dim() != 3 or host.shape[1] != self.rows:
+            raise ValueError(
+                f"FusedStep({self.kind!r}): coefficients must have shape (sets, {self.rows}, B), "
+                f"got {tuple(host.shape)}"
+            )
+        values = torch.empty(host.shape, dtype=torch.float32, pin_memory=device.type == "cuda")
+        values.copy_(host)
+        if self.coef is not None and self.coef.shape == values.shape and self.coef.device == device:
+            self.coef.copy_(values, non_blocking=True)
+        else:
+            self.coef = values.to(device, non_blocking=True)
+        self._coef_key = None if key is None else tuple(k.clone() for k in key)
+
+    def launch(self, tensors: list[tuple[Tensor, ...]], sets: list[int], flags: int) -> None:
+        """Step every tensor of the group in one launch.
+
+        Args:
+            tensors: per parameter tensor, its ``pointers`` element tensors in the kernel's order
+                (SGD: param, grad, momentum buffer; Adam: param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq),
+                each ``(B, ...)`` contiguous float32 on one CUDA device. Unused slots may repeat the param.
+            sets: per parameter tensor, which coefficient set (first axis of the coefficients) it uses.
+            flags: the kernel's flag bits.
+        """
+        if self.coef is None:
+            raise RuntimeError("FusedStep.launch: set_coefficients first")
+        first = tensors[0][0]
+        batch = int(first.shape[0])
+        if len(sets) != len(tensors) or any(not 0 <= s < self.coef.shape[0] for s in sets):
+            raise IndexError(
+                f"FusedStep.launch: one coefficient set per tensor in [0, {self.coef.shape[0]}) expected, got {sets}"
+            )
+        if self.coef.shape[2] != batch:
+            raise ValueError(f"FusedStep.launch: coefficients hold {self.coef.shape[2]} models, the tensors {batch}")
+        unroll = VARIANT[self.kernel][0]
+        key = (
+            batch,
+            self.coef.data_ptr(),
+            _BLOCK * unroll,
+            tuple(sets),
+            tuple(t.data_ptr() for group in tensors for t in group),
+            tuple(group[0].numel() for group in tensors),
+        )
+        found = self._tables.get(key)
+        if found is None:
+            found = self._tables[key] = self._build(tensors, sets, batch, _BLOCK * unroll)
+            while len(self._tables) > _TABLES_KEPT:
+                self._tables.popitem(last=False)
+        else:
+            self._tables.move_to_end(key)
+        table, total = found
+        if total == 0:
+            return
+        device = first.device
+        _launch(self.kernel, device, _grid(self.kernel, device, total), (table.data_ptr(), total, batch, flags))
+
+    def _build(self, tensors: list[tuple[Tensor, ...]], sets: list[int], batch: int, chunk: int) -> tuple[Tensor, int]:
+        assert self.coef is not None
+        device = tensors[0][0].device
+        set_bytes = self.rows * batch * self.coef.element_size()
+        values: list[int] = []
+        total = 0
+        for group, s in zip(tensors, sets):
+            if len(group) != self.pointers:
+                raise ValueError(f"FusedStep({self.kind!r}): {self.pointers} tensors per parameter expected")
+            p = group[0]
+            row = p.numel() // batch if batch else 0
+            for t in group:
+                if t.shape != p.shape:
+                    raise ValueError(
+                        f"FusedStep({self.kind!r}): a state or gradient of shape {tuple(t.shape)} "
+                        f"for a parameter of shape {tuple(p.shape)}"
+                    )
+            vec = int(row % 4 == 0 and all(t.data_ptr() % 16 == 0 for t in group))
+            units = row // 4 if vec else row
+            chunks = -(-units // chunk)
+            entry = [0] * _TABLE_STRIDE
+            entry[: self.pointers] = [t.data_ptr() for t in group]
+            entry[_E_COEF] = self.coef.data_ptr() + s * set_bytes
+            entry[_E_ROW], entry[_E_CHUNKS], entry[_E_FIRST], entry[_E_VEC] = row, chunks, total, vec
+            values.extend(entry)
+            total += batch * chunks
+        table = torch.empty(len(values), dtype=torch.int64, device=device)
+        for start in range(0, len(values), _FILL_WIDTH):
+            part = values[start : start + _FILL_WIDTH]
+            args = (table.data_ptr() + 8 * start, len(part), *part, *([0] * (_FILL_WIDTH - len(part))))
+            _launch("torchmb_fill", device, 1, args)
+        return table, total

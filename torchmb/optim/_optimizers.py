@@ -24,6 +24,8 @@ from ._base import (
     lerp_,
     per_count,
     prepare_grads,
+    set_indices,
+    shared_values,
     zero_rows,
 )
 
@@ -96,16 +98,34 @@ class SGD(BatchOptimizer):
 
     def _step_group(self, group, params, grads, states, counts, skip_mask) -> None:
         self._check_nesterov(group)
-        n = len(params)
-        lr, momentum, dampening = group["lr"], group["momentum"], group["dampening"]
-        wd = group["weight_decay"]
         has_buffers = "momentum_buffer" in states[0]
+        bufs = [state["momentum_buffer"] for state in states] if has_buffers else None
+        flags = shared_values([state["momentum_started"] for state in states]) if has_buffers else None
+        if self._use_fused(params, [*params, *grads, *(bufs or [])]):
+            self._fused_step(group, params, grads, bufs, flags)
+            self.fused_steps += 1
+        else:
+            coefs = self._coefficients(params, self._values(group, flags, len(params)))
+            self._reference_step(group, params, grads, bufs, coefs)
+        if flags is not None:  # after the launch: this host work overlaps the kernel
+            active = group["momentum"] != 0
+
+            def advance(flag: Tensor) -> Tensor:
+                old = flag != 0
+                started = old | active if skip_mask is None else torch.where(skip_mask, old, old | active)
+                started = started.to(torch.float64)
+                return flag if torch.equal(started, flag) else started  # unchanged: keep the object
+
+            for state, started in zip(states, per_count(flags, advance)):
+                state["momentum_started"] = started
+
+    @staticmethod
+    def _values(group: dict[str, Any], flags: list[Tensor] | None, n: int) -> dict[str, list[Tensor]]:
+        """Per-parameter coefficients, ``(B,)`` float64 each (``flags``: per parameter, or None without momentum)."""
+        lr, momentum, dampening, wd = group["lr"], group["momentum"], group["dampening"], group["weight_decay"]
         values: dict[str, list[Tensor]] = {"neg_lr": [-lr] * n, "weight_decay": [wd] * n}
-        if has_buffers:
+        if flags is not None:
             active = momentum != 0
-            flags = [state["momentum_started"] for state in states]
-            if all(torch.equal(f, flags[0]) for f in flags[1:]):  # the usual case: compute once
-                flags = [flags[0]] * n
 
             def mom_damp(flag: Tensor) -> tuple[Tensor, Tensor]:
                 started = (flag != 0) & active
@@ -114,24 +134,35 @@ class SGD(BatchOptimizer):
             per = per_count(flags, mom_damp)
             values["mom"], values["damp"] = [c[0] for c in per], [c[1] for c in per]
             values["momentum"] = [momentum] * n
-        coefs = self._coefficients(params, values)
-        bufs = [state["momentum_buffer"] for state in states] if has_buffers else None
-        if self._use_fused(params, [*params, *grads, *(bufs or [])]):
-            from ._fused import sgd_step
+        return values
 
-            sgd_step(params, grads, bufs, coefs, group["maximize"], bool((wd != 0).any()), group["nesterov"])
-            self.fused_steps += 1
+    def _fused_step(self, group, params, grads, bufs, flags) -> None:
+        """One launch for the group; the coefficients stay on the device until a hyperparameter changes."""
+        from . import _fused
+
+        plan = self._fused_plan(group, "sgd")
+        if flags is None:
+            sets, distinct = [0] * len(params), []
         else:
-            self._reference_step(group, params, grads, bufs, coefs)
-        if has_buffers:
-
-            def advance(flag: Tensor) -> Tensor:
-                old = flag != 0
-                started = old | active if skip_mask is None else torch.where(skip_mask, old, old | active)
-                return started.to(torch.float64)
-
-            for state, started in zip(states, per_count(flags, advance)):
-                state["momentum_started"] = started
+            sets, distinct = set_indices(flags)
+        key = (group["lr"], group["momentum"], group["dampening"], group["weight_decay"], *distinct)
+        if not plan.coefficients_match(key):
+            values = self._values(group, distinct if flags is not None else None, max(1, len(distinct)))
+            host = torch.zeros(max(1, len(distinct)), 5, self.batch, dtype=torch.float64)
+            for s in range(host.shape[0]):
+                host[s, 0], host[s, 1] = values["neg_lr"][s], values["weight_decay"][s]
+                if flags is not None:
+                    host[s, 2], host[s, 3], host[s, 4] = values["mom"][s], values["damp"][s], values["momentum"][s]
+            plan.set_coefficients(host, params[0].device, key)
+            plan.meta["weight_decay"] = bool((group["weight_decay"] != 0).any())
+        bits = (
+            (_fused.SGD_MAXIMIZE if group["maximize"] else 0)
+            | (_fused.SGD_WEIGHT_DECAY if plan.meta["weight_decay"] else 0)
+            | (_fused.SGD_MOMENTUM if bufs is not None else 0)
+            | (_fused.SGD_NESTEROV if group["nesterov"] else 0)
+        )
+        tensors = [(p, g, bufs[i] if bufs is not None else p) for i, (p, g) in enumerate(zip(params, grads))]
+        plan.launch(tensors, sets, bits)
 
     @staticmethod
     def _reference_step(group, params, grads, bufs, coefs) -> None:
@@ -242,29 +273,44 @@ class Adam(BatchOptimizer):
             torch._foreach_addcdiv_(params, exp_avgs, denom)
 
     def _fused_step(self, group, params, grads, exp_avgs, exp_avg_sqs, max_sqs, counts) -> None:
-        """torch's plain single-tensor Adam per element, one kernel per parameter tensor."""
-        from ._fused import adam_step
+        """torch's plain single-tensor Adam per element, one launch for the group.
 
-        n = len(params)
+        The coefficients that depend only on the hyperparameters are kept (host side) until one changes;
+        the bias corrections change with the step counts, so the coefficients are uploaded every step.
+        """
+        from . import _fused
+
+        plan = self._fused_plan(group, "adam")
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         beta1, beta2 = group["betas"]
-        per = per_count(counts, lambda c: (-(lr / (1 - beta1**c)), (1 - beta2**c) ** 0.5))
-        values: dict[str, list[Tensor]] = {
-            "one_minus_beta1": [1 - beta1] * n,
-            "beta2": [beta2] * n,
-            "one_minus_beta2": [1 - beta2] * n,
-            "neg_step_size": [c[0] for c in per],
-            "bc2_sqrt": [c[1] for c in per],
-            "eps": [eps] * n,
-        }
-        decoupled = self.decoupled_weight_decay and bool((wd != 0).any())
-        l2 = not self.decoupled_weight_decay and bool((wd != 0).any())
-        if decoupled:
-            values["decay"] = [1 - lr * wd] * n
-        if l2:
-            values["weight_decay"] = [wd] * n
-        coefs = self._coefficients(params, values)
-        adam_step(params, grads, exp_avgs, exp_avg_sqs, max_sqs, coefs, group["maximize"], l2, decoupled)
+        key = (lr, beta1, beta2, eps, wd)
+        if not _fused.same_values(plan.meta.get("key"), key):
+            decoupled = self.decoupled_weight_decay and bool((wd != 0).any())
+            l2 = not self.decoupled_weight_decay and bool((wd != 0).any())
+            static = torch.zeros(8, self.batch, dtype=torch.float64)
+            static[0], static[1], static[2], static[5] = 1 - beta1, beta2, 1 - beta2, eps
+            if l2:
+                static[6] = wd
+            if decoupled:
+                static[7] = 1 - lr * wd
+            plan.meta.update(key=tuple(k.clone() for k in key), static=static, l2=l2, decoupled=decoupled)
+        sets, distinct = set_indices(counts)
+        host = plan.meta["static"].repeat(len(distinct), 1, 1)
+        for s, count in enumerate(distinct):
+            host[s, 3] = -(lr / (1 - beta1**count))
+            host[s, 4] = (1 - beta2**count) ** 0.5
+        plan.set_coefficients(host, params[0].device)
+        bits = (
+            (_fused.ADAM_MAXIMIZE if group["maximize"] else 0)
+            | (_fused.ADAM_L2 if plan.meta["l2"] else 0)
+            | (_fused.ADAM_DECOUPLED if plan.meta["decoupled"] else 0)
+            | (_fused.ADAM_AMSGRAD if max_sqs is not None else 0)
+        )
+        tensors = [
+            (p, g, m, v, max_sqs[i] if max_sqs is not None else v)
+            for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs))
+        ]
+        plan.launch(tensors, sets, bits)
 
 
 class AdamW(Adam):
