@@ -235,7 +235,7 @@ def breakdown(batch: int, device: torch.device, iters: int) -> dict:
                 _fused.VARIANT[kernel] = default
                 rows["variants"] = variants
                 rows["fused_steps"] = opt.fused_steps
-                rows["launch_through_function"] = bool(_fused._FUNCTIONS)
+                rows["launch_through_function"] = any(k[0] == kernel for k in _fused._FUNCTIONS)
                 rows["occupancy_from"] = sorted(set(_fused.OCCUPANCY_FROM.values()))
                 rows["host_profile"] = host_profile(opt.step)
             del opt, params
@@ -288,7 +288,10 @@ def main() -> None:
             raise SystemExit("--breakdown needs a CUDA device")
         report = breakdown(args.batch, device, args.iters)
         report.update(device=torch.cuda.get_device_name(), torch=torch.__version__, batch=args.batch)
-        print(json.dumps(report, indent=1))
+        for algorithm in ("sgd", "adam"):
+            print(report[algorithm]["host_profile"])
+            print(f"launch through the compiled function: {report[algorithm]['launch_through_function']}, "
+                  f"blocks per SM from: {report[algorithm]['occupancy_from']}")
         for algorithm in ("sgd", "adam"):
             r = report[algorithm]
             print(f"{algorithm}: floor {r['floor_ms_at_copy_bandwidth']:.3f} ms at the copy's "

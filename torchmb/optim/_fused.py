@@ -447,9 +447,14 @@ def _launch(name: str, device: torch.device, grid: int, args: tuple) -> None:
     block = _FILL_WIDTH if name == "torchmb_fill" else _BLOCK
     stream = _stream(index)
     function = _FUNCTIONS.get((name, index, variant))
+    launched = False
     if function is not None and cupy.cuda.runtime.getDevice() == index:
-        function((grid, 1, 1), (block, 1, 1), args, stream=stream)  # the compiled function: no context switches
-    else:
+        try:  # the compiled function, on the stream given: no device or stream context switches
+            function((grid, 1, 1), (block, 1, 1), args, stream=stream)
+            launched = True
+        except TypeError:  # pragma: no cover - a CuPy whose Function takes no stream argument (before launching)
+            _FUNCTIONS.pop((name, index, variant), None)
+    if not launched:
         with cupy.cuda.Device(index), stream:
             kernel((grid,), (block,), args)
     LAUNCHES[name] += 1
