@@ -424,7 +424,7 @@ def main():
     emit(note="env", torch=torch.__version__, gpu=torch.cuda.get_device_name(), threads=torch.get_num_threads(),
          cupy=_uva.cupy.__version__ if _uva.cupy is not None else None, thp=thp, pcie=link,
          uva=dict(threads=_uva.THREADS, unroll=_uva.UNROLL, blocks_per_sm=_uva.BLOCKS_PER_SM, load=_uva.LOAD,
-                  store=_uva.STORE), chunk_mib=_table._Staging.CHUNK_BYTES >> 20)
+                  store=_uva.STORE), chunk_mib=(_table._Staging.CHUNK_BYTES or _table._Staging.DEFAULT_CHUNK) >> 20)
     s = setup()
     anchors(s)
     steps = [part_a]
