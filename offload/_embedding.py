@@ -29,6 +29,7 @@ from ._table import HostTable, Prefetch, _as_index, _check_bounds
 __all__ = ["OffloadedEmbedding", "attach", "detach"]
 
 _INT64_MAX = torch.iinfo(torch.int64).max
+_FLUSH_ROWS = 1 << 16
 _ALL: weakref.WeakSet[OffloadedEmbedding] = weakref.WeakSet()
 
 
@@ -147,6 +148,22 @@ class _Work:
     pad: tuple | None = None
 
 
+@dataclass
+class _Next:
+    """What :meth:`OffloadedEmbedding.prefetch` learnt about the next step's indices, reused by its switch-in
+    when it looks up the very same index tensor (same memory, size and version: unchanged since)."""
+    flat: Tensor
+    ptr: int
+    version: int
+    ids: Tensor
+    inverse: Tensor
+    all_cached: bool  # every row is in the cache at the next switch-in (so no read-back is needed there)
+
+    def matches(self, flat: Tensor) -> bool:
+        return (flat.data_ptr() == self.ptr and flat.numel() == self.flat.numel() and flat.dtype == self.flat.dtype
+                and flat.device == self.flat.device and flat._version == self.version)
+
+
 def _compact(mask: Tensor, count: int) -> Tensor:
     """Positions of the ``count`` true entries of ``mask``, in order, without asking the device for the count
     (the caller knows it)."""
@@ -194,7 +211,11 @@ class OffloadedEmbedding(nn.Module):
             only the step's rows.
         table: an existing :class:`~offload.HostTable` to use as the weight.
         cache_rows: keep up to this many hot rows (weight and optimizer state) on the GPU, written back to
-            the host when evicted (least recently used first). ``0`` disables the cache.
+            the host when evicted (least recently used first). ``0`` disables the cache. Every row a step
+            fetches from the host is admitted (as long as the cache has slots the step does not use itself);
+            the row -> slot map is a device tensor, so a hit costs no host work, and evicted rows are written
+            back on a side stream while the step computes (with the UVA engine). With a cache,
+            :meth:`prefetch` admits the next step's rows early.
         cache_bytes: alternatively, the cache's size in bytes (weight plus per-row state).
         pin: passed to the :class:`~offload.HostTable` (and so is ``engine``).
 
@@ -268,6 +289,7 @@ class OffloadedEmbedding(nn.Module):
         self._wb_stream: torch.cuda.Stream | None = None  # write-backs of evicted rows (UVA engine)
         self._wb_event = None
         self._evicted: list[tuple[Tensor, list[tuple[HostTable, Tensor]]]] = []  # see _launch_evicted
+        self._next: _Next | None = None
         self._pending: tuple[Tensor, dict[str, Prefetch]] | None = None
         self._loaded: dict | None = None
         if fresh:
@@ -374,6 +396,14 @@ class OffloadedEmbedding(nn.Module):
     def _drop_cache(self) -> None:
         self._join()
         self._cache = None
+        self._next = None
+        self._release_pending()
+
+    def _release_pending(self) -> None:
+        if self._pending is not None:
+            for p in self._pending[1].values():
+                p.release()
+            self._pending = None
 
     def cache_stats(self) -> dict[str, int]:
         """``{"capacity", "hits", "misses"}`` counted over distinct rows: a miss is a row that had to come from
@@ -456,12 +486,13 @@ class OffloadedEmbedding(nn.Module):
         c = self._cache
         if c is None:
             return
-        slots = torch.nonzero(c.dirty & (c.ids >= 0)).squeeze(1)
-        if slots.numel():
+        dirty = torch.nonzero(c.dirty & (c.ids >= 0)).squeeze(1)
+        for start in range(0, dirty.numel(), _FLUSH_ROWS):  # (a few rows at a time: little GPU memory)
+            slots = dirty[start:start + _FLUSH_ROWS]
             writes = [(self.table, c.weight[slots])]
             writes += [(self._state_tables[k], c.states[k][slots]) for k in self._spec]
             _commit(c.ids[slots], writes)
-            c.dirty[slots] = False
+            c.dirty.index_fill_(0, slots, False)
 
     # -- fetching rows ---------------------------------------------------------------------------------------
     def _distinct(self, flat: Tensor, cache: _Cache | None = None, exclude: Tensor | None = None):
@@ -514,9 +545,10 @@ class OffloadedEmbedding(nn.Module):
         self._join(host=cache is None or n_miss > 0)
         if cache is None:
             return self._fetch_uncached(ids)
+        self._release_pending()
         n = ids.numel()
         chunk = _Chunk(ids=ids, slots=slots)
-        hit_slots = torch.where(miss, cache.capacity, slots)
+        hit_slots = slots if n_miss == 0 else torch.where(miss, cache.capacity, slots)
         cache.last_use.index_fill_(0, hit_slots, cache.clock)  # this step's cached rows are not evicted for its misses
         cache.prefetch_hits += cache.fresh[hit_slots].sum()
         cache.fresh.index_fill_(0, hit_slots, False)
@@ -549,8 +581,8 @@ class OffloadedEmbedding(nn.Module):
         chunk = _Chunk(ids=ids, slots=None)
         pending, self._pending = self._pending, None
         # from the prefetch when it holds exactly these rows, else from the host
-        use_pending = (pending is not None and pending[0].numel() == ids.numel()
-                       and bool(torch.equal(pending[0], ids)))
+        use_pending = pending is not None and (pending[0] is ids or (
+            pending[0].numel() == ids.numel() and bool(torch.equal(pending[0], ids))))
         if use_pending:
             rows = pending[1]["weight"].rows()
             states = {k: pending[1][k] for k in self._spec if k in pending[1]}
@@ -605,24 +637,26 @@ class OffloadedEmbedding(nn.Module):
         flat = _as_index(indices, self.table.device)
         cache = self._get_cache()
         if cache is None:
-            ids = self._distinct(flat)[0]
-            if self._pending is not None:
-                for p in self._pending[1].values():
-                    p.release()
+            ids, inverse = self._distinct(flat)[:2]
+            self._release_pending()
             handles = {"weight": self.table.prefetch(ids, _checked=True)}
             for k in self._spec:
                 handles[k] = self._state_tables[k].prefetch(ids, _checked=True)
             self._pending = (ids, handles)
+            self._next = _Next(flat, flat.data_ptr(), flat._version, ids, inverse, False)
             return
+        self._release_pending()
         self._join(host=False)  # (the side stream waits for earlier write-backs itself)
         work = self._work
         # rows of the step in progress are cached already or will be written to the host after it: skip them
         exclude = work.sorted_ids if work is not None else None
-        ids, _, slots, miss, n_miss = self._distinct(flat, cache, exclude)
+        ids, inverse, slots, miss, n_miss = self._distinct(flat, cache, exclude)
         # the next step's cached rows are kept for it (not evicted for its misses)
         cache.last_use.index_fill_(0, torch.where(miss, cache.capacity, cache.slot_index(slots)), cache.clock + 1)
         cache.reserved += ids.numel() - n_miss
         n_admit = max(0, min(n_miss, cache.capacity - cache.protected - cache.reserved))
+        bypass = sum(c.n_bypass for c in work.chunks) if work is not None else 0
+        self._next = _Next(flat, flat.data_ptr(), flat._version, ids, inverse, n_admit == n_miss and bypass == 0)
         if n_admit == 0:
             return
         device = self.table.device
@@ -678,7 +712,17 @@ class OffloadedEmbedding(nn.Module):
             self._join(host=False)
             cache.clock += 1
             cache.protected, cache.reserved = cache.reserved, 0
-        ids, inverse, slots, miss, n_miss = self._distinct(flat, cache)
+        nxt, self._next = self._next, None
+        if nxt is not None and nxt.matches(flat):
+            # the indices :meth:`prefetch` saw: deduplicated and bounds-checked there, no read-back here
+            ids, inverse, slots, miss, n_miss = nxt.ids, nxt.inverse, None, None, 0
+            if cache is not None:
+                slots = cache.slot_of[ids].long()
+                if not nxt.all_cached:
+                    miss = slots < 0
+                    n_miss = int(miss.sum())
+        else:
+            ids, inverse, slots, miss, n_miss = self._distinct(flat, cache)
         chunk, rows = self._fetch(ids, slots, miss, n_miss)
         if self.max_norm is not None:
             self._renorm(rows)
