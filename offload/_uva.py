@@ -4,9 +4,10 @@ Rows are copied as raw bytes with the widest vector type (16, 8, 4, 2 or 1 bytes
 size and the pointers' alignment, so one kernel serves every dtype. A row is handled by a group of ``G``
 consecutive threads (``G``: the vectors of a row rounded up to a power of two, at most a warp), so a
 512-byte row is one warp reading 32 consecutive 16-byte vectors: whole 128-byte lines, one request each.
-Each thread first reads the indices of ``UNROLL`` rows, then issues all their loads, then all their
-stores: PCIe reads have microseconds of latency, so the bytes in flight, not the instruction count, set
-the bandwidth.
+Each thread can keep ``UNROLL`` rows in flight (indices first, then all loads, then all stores); the
+grid is ``BLOCKS_PER_SM`` blocks per multiprocessor. Both are chosen by measurement (see below): on a
+large table the GPU's accesses are limited by address translation of the random host pages, and a
+smaller window of rows in flight translates better while still covering the PCIe latency.
 
 The kernels check every index against the table size themselves: a row whose index is outside
 ``[0, num_rows)`` is skipped (nothing outside the table is read or written) and its position is recorded
@@ -35,7 +36,11 @@ _VTYPES = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short", 1: "
 # every value is part of the compiled kernel's cache key.
 THREADS = 256  # threads per block (fewer where the compiled kernel allows fewer)
 UNROLL = 1  # rows in flight per thread group
-BLOCKS_PER_SM = 8  # grid = multiprocessors * BLOCKS_PER_SM (the grid-stride loop covers the rest)
+BLOCKS_PER_SM = 1  # grid = multiprocessors * BLOCKS_PER_SM (the grid-stride loop covers the rest)
+# Measured on an H200 (tests/benchmarks/bench_host_table.py --explore): for random rows of a 5 GB table
+# the limit is address translation, not bytes in flight, and fewer rows in flight translate better:
+# 256 threads x 1 row x 1 block per SM read at 0.76 of the contiguous-copy bandwidth, 8 blocks per SM at
+# 0.71, 4 rows in flight per thread at 0.63 (contiguous rows: 0.90 either way).
 LOAD = "plain"  # host reads (gather): "plain", "cs" (__ldcs, evict-first) or "nc" (__ldg)
 STORE = "plain"  # host writes (scatter): "plain", "cs" (__stcs) or "wt" (__stwt, write-through)
 
