@@ -632,6 +632,10 @@ class OffloadedEmbedding(nn.Module):
         the current step make room), so the next step finds them as hits. Without one, the next switch-in
         uses them when they are exactly its rows; rows written back in between are patched in, so they are
         never stale.
+
+        Deduplication and the bounds check happen here (one host synchronisation); the next switch-in of the
+        very same index tensor, unchanged since, reuses them, so a step whose rows the cache holds needs no
+        host synchronisation at all. Pass the tensor the next step will look up.
         """
         self._sync_device()
         flat = _as_index(indices, self.table.device)
