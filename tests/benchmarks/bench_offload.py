@@ -348,7 +348,7 @@ def part_d(state, budget_left, host_gib=0.0):
     # buffers); every user row starts at 0.01 (a constant fill touches the memory fastest; the values do not
     # change the work of a step)
     table = offload.HostTable(users, dim, torch.float32, device=dev, pin=False, fill=0.01)
-    users_emb = offload.OffloadedEmbedding(users, dim, device=dev, table=table)
+    users_emb = offload.OffloadedEmbedding(users, dim, device=dev, table=table, pin=False)
     emit(part="D", note="user table created", s=time.perf_counter() - t0)
     t0 = time.perf_counter()
     items = nn.Embedding(100_000, dim).to(dev)
