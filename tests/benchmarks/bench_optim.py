@@ -16,11 +16,12 @@ With ``--breakdown`` it measures instead where a step's time goes, against a dev
 the same bytes (the bandwidth anchor): the host time of a step until it returns (the GPU waits for it at
 the start of an isolated step), the time of a step when steps run back to back (the host work hides
 behind the previous kernels, so this is the kernels' time), and that kernel time for each fused-kernel
-variant (``torchmb.optim._fused.VARIANT``). ``--ncu`` takes one step of torch's fused SGD and of the
-batched SGD, for ``ncu -k regex:"torchmb_sgd|multi_tensor"``.
+variant (``torchmb.optim._fused.VARIANT``). ``--pattern`` times the same access pattern (read parameter,
+gradient and buffer, write parameter and buffer) as a plain CuPy elementwise kernel. ``--ncu`` takes one
+step of torch's fused SGD and of the batched SGD, for ``ncu -k regex:"torchmb_sgd|multi_tensor"``.
 
 Usage: ``PYTHONPATH=. python3 tests/benchmarks/bench_optim.py [--batch 256] [--out bench.json]
-[--breakdown | --ncu]``
+[--breakdown | --pattern | --ncu]``
 """
 
 from __future__ import annotations
@@ -244,6 +245,37 @@ def breakdown(batch: int, device: torch.device, iters: int) -> dict:
     return out
 
 
+def pattern_anchor(batch: int, device: torch.device) -> dict:
+    """The momentum-SGD access pattern (read p, g, buf; write p, buf in place) as a plain CuPy elementwise
+    kernel, against the copy of as many bytes and the fused step, all back to back."""
+    import cupy
+
+    from torchmb.optim import _fused
+
+    numel = batch * sum(torch.Size(s).numel() for s in SHAPES)
+    p, g, b = (torch.randn(numel, device=device) for _ in range(3))
+    kernel = cupy.ElementwiseKernel("float32 g", "float32 p, float32 b", "b = b * 0.9f + g; p = p - 0.01f * b",
+                                    "torchmb_bench_sgd_pattern")
+    arrays = [cupy.from_dlpack(t) for t in (g, p, b)]
+    index = device.index or 0
+
+    def elementwise() -> None:
+        with cupy.cuda.Device(index), _fused._stream(index):
+            kernel(*arrays)
+
+    out = {"elementwise_ms": back_to_back_ms(elementwise)}
+    arrays.clear()
+    del p, g, b
+    torch.cuda.empty_cache()
+    out["copy_ms"] = copy_ms(numel * 5 // 2, device)
+    params = stacked(batch, device)
+    opt = mo.SGD(params, lr=torch.logspace(-4, -1, batch).tolist(), momentum=torch.linspace(0.8, 0.99, batch).tolist())
+    out["fused_step_ms"] = back_to_back_ms(opt.step)
+    for key in ("elementwise_ms", "copy_ms", "fused_step_ms"):
+        out[key.replace("_ms", "_tb_per_s")] = 5 * numel * 4 / out[key] / 1e9
+    return out
+
+
 def ncu_steps(batch: int, device: torch.device) -> None:
     """One step of torch's fused SGD, then one of the batched SGD (per-model lr and momentum)."""
     params = stacked(batch, device)
@@ -276,12 +308,23 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="run on the CPU (checks the script, not a timing)")
     parser.add_argument("--breakdown", action="store_true", help="host time, kernel time, variants, copy anchor")
     parser.add_argument("--ncu", action="store_true", help="one step each of torch fused SGD and batched SGD")
+    parser.add_argument("--pattern", action="store_true",
+                        help="SGD's access pattern as a plain elementwise kernel, against the copy and the step")
     args = parser.parse_args()
     if not torch.cuda.is_available() and not args.smoke:
         raise SystemExit("bench_optim needs a CUDA device (or --smoke)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.ncu:
         ncu_steps(args.batch, device)
+        return
+    if args.pattern:
+        if device.type != "cuda":
+            raise SystemExit("--pattern needs a CUDA device")
+        pattern = pattern_anchor(args.batch, device)
+        print(json.dumps(pattern, indent=1))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(pattern, f, indent=2)
         return
     if args.breakdown:
         if device.type != "cuda":
