@@ -526,13 +526,14 @@ def test_fused_select_and_nan_isolation(case: str) -> None:
 def test_fused_sgd_step_replays_in_a_cuda_graph() -> None:
     """A captured batched SGD step (per-model lr, momentum, dampening, weight decay) replays like B torch
     optimizers. The gradients get new addresses just before capture, so the fused path builds its pointer
-    table inside the capture; the hyperparameters stay as they were captured."""
+    table inside the capture; the hyperparameters stay as they were captured. Eager steps with other
+    gradient tensors in between (more address sets than the table cache keeps) leave the graph intact."""
     pytest.importorskip("cupy")
     cls, tcls, per_model, shared = CASES["sgd_momentum"]
     params = make_params(device="cuda")
     refs = references(params, tcls, per_model, shared)
     opt = cls(params, **per_model, **shared, fused=True)
-    grads = make_grads(B, 7)
+    grads = make_grads(B, 13)
 
     def reference_step(t: int) -> None:
         for i, (own, ref) in enumerate(refs):
@@ -554,11 +555,26 @@ def test_fused_sgd_step_replays_in_a_cuda_graph() -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         opt.step()
-    for t in range(2, 7):
-        for g, new in zip(static, grads[t]):
-            g.copy_(new)
-        graph.replay()
+    def replay(steps: range) -> None:
+        for p, g in zip(params, static):
+            p.grad = g
+        for t in steps:
+            for g, new in zip(static, grads[t]):
+                g.copy_(new)
+            graph.replay()
+            reference_step(t)
+
+    replay(range(2, 5))
+    eager_grads = []  # kept alive: every eager step sees new gradient addresses, evicting cached tables
+    for t in range(5, 11):
+        eager_grads.append([g.to("cuda") for g in grads[t]])
+        for p, g in zip(params, eager_grads[-1]):
+            p.grad = g
+        opt.step()
         reference_step(t)
+    torch.cuda.empty_cache()
+    torch.full((1 << 20,), -1, dtype=torch.int64, device="cuda")  # reuse freed memory with garbage
+    replay(range(11, 13))
     torch.cuda.synchronize()
-    assert opt.fused_steps == 3
+    assert opt.fused_steps == 3 + 6
     assert_matches_references(opt, params, refs)

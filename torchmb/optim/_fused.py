@@ -485,6 +485,8 @@ class FusedStep:
         self.meta: dict[str, Any] = {}
         self._coef_key: tuple[Tensor, ...] | None = None
         self._tables: OrderedDict[tuple, tuple[Tensor, int]] = OrderedDict()
+        # Tables and coefficients a CUDA graph captured: a replay reads them, so they live as long as this step.
+        self._captured: dict[tuple, tuple[Tensor, Tensor]] = {}
 
     def coefficients_match(self, key: tuple[Tensor, ...]) -> bool:
         """Whether the device coefficients were computed from host values equal to ``key``."""
@@ -547,6 +549,8 @@ class FusedStep:
         else:
             self._tables.move_to_end(key)
         table, total = found
+        if first.is_cuda and torch.cuda.is_current_stream_capturing():
+            self._captured[key] = (table, self.coef)
         if total == 0:
             return
         device = first.device
