@@ -312,12 +312,15 @@ def largest_batches(workloads: list[str], samples: int, device: torch.device, up
         print(json.dumps(rows[-1]), flush=True)
         base = copy.deepcopy(model).to("meta")
 
-        def vmap_step(batch: int, model=model, base=base, x_one=x_one, y_one=y_one) -> None:
+        refusals: list[str] = []
+
+        def vmap_step(batch: int, model=model, base=base, x_one=x_one, y_one=y_one, refusals=refusals) -> None:
             try:
                 _vmap_step(batch, model, base, x_one, y_one)
-            except RuntimeError as error:  # torch refuses kernels beyond 32-bit indexing: too many models too
-                if "32BitIndexMath" not in str(error):
-                    raise
+            except torch.cuda.OutOfMemoryError:
+                raise
+            except RuntimeError as error:  # a kernel refusing B models (32-bit indexing, cuDNN limits): no step
+                refusals.append(f"B={batch}: {str(error).splitlines()[0][:160]}")
                 raise torch.cuda.OutOfMemoryError(f"vmap at B={batch}: {error}") from error
 
         def _vmap_step(batch: int, model, base, x_one, y_one) -> None:
@@ -342,6 +345,7 @@ def largest_batches(workloads: list[str], samples: int, device: torch.device, up
                 "impl": "vmap",
                 "n": samples,
                 "largest_B": largest_fitting(vmap_step, upper=upper, device=device),
+                "refused": refusals,
             }
         )
         print(json.dumps(rows[-1]), flush=True)
