@@ -74,3 +74,21 @@ def test_channels_last_inputs_keep_their_values_and_layout() -> None:
     stored = _bench._channels_last(x)
     torch.testing.assert_close(stored, x, rtol=0, atol=0)
     assert stored[0].is_contiguous(memory_format=torch.channels_last)
+
+
+def test_largest_batches_ends_vmap_search_at_a_refusing_kernel(monkeypatch) -> None:
+    real_vmap = _bench.vmap
+
+    def refusing_vmap(fn, **kwargs):
+        def call(params, buffers, x):
+            if x.shape[0] > 2:
+                raise RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED")
+            return real_vmap(fn, **kwargs)(params, buffers, x)
+
+        return call
+
+    monkeypatch.setattr(_bench, "vmap", refusing_vmap)
+    rows = _bench.largest_batches(["mlp"], 2, torch.device("cpu"), upper=5)
+    assert [(r["impl"], r["largest_B"]) for r in rows] == [("torchmb", 5), ("vmap", 2)]
+    refusal = "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED"
+    assert rows[1]["refused"] == [f"B=4: {refusal}", f"B=3: {refusal}"]
