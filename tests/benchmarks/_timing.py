@@ -1,8 +1,9 @@
-"""Timing shared by the layer benchmarks (run as scripts: this folder is on their import path)."""
+"""Timing shared by the benchmarks (run as scripts: this folder is on their import path)."""
 
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -22,3 +23,19 @@ def cuda_ms(fn: Callable[[], object], warmup: int = 3, iters: int = 20) -> float
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def wall_seconds(fn: Callable[[], object], iters: int = 10, warmup: int = 2, repeats: int = 3) -> float:
+    """Median over ``repeats`` of the wall-clock seconds per call of ``iters`` back-to-back calls,
+    synchronised once at the end: launch and host overhead count, as in training."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    means = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+        means.append((time.perf_counter() - start) / iters)
+    return statistics.median(means)

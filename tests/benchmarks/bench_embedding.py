@@ -29,9 +29,9 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import torch
+from _timing import wall_seconds
 from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
 
@@ -42,19 +42,9 @@ dev = torch.device("cuda")
 RESULTS: list[dict] = []
 
 
-def step_time(fn, warmup: int = 5, iters: int = 20, repeats: int = 7) -> float:
-    """Median seconds per step of ``fn`` over ``repeats`` runs of ``iters`` steps."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) / iters)
-    return statistics.median(times)
+def step_time(fn) -> float:
+    """Median seconds per eager step of ``fn`` (7 repeats of 20 steps, wall clock, launch overhead counts)."""
+    return wall_seconds(fn, iters=20, warmup=5, repeats=7)
 
 
 class IndexAddEmbedding(torch.autograd.Function):
@@ -206,17 +196,7 @@ def part_graph() -> None:
 def host_time(fn, iters: int = 1000, repeats: int = 5) -> float:
     """Median seconds per call of ``fn`` when the GPU is not the bottleneck (tiny work; one synchronize
     per ``iters`` calls), i.e. the host time: Python, torch dispatch, autograd and launch overhead."""
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) / iters)
-    return statistics.median(times)
+    return wall_seconds(fn, iters=iters, warmup=50, repeats=repeats)
 
 
 def part_host() -> None:

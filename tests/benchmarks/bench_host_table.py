@@ -1,8 +1,8 @@
 """HostTable gather / scatter bandwidth (GPU): part A of bench_offload.py, plus the levers behind it.
 
-Default: exactly bench_offload.py's part A (10M x 128 fp32 table of torch.empty + normal_, pinned in place;
-131,072 rows; the same generator seeds, indices and timing), each figure against a pinned contiguous copy
-of the same bytes measured in the same run.
+Default: part A, which bench_offload.py runs from here too: a 10M x 128 fp32 table of torch.empty +
+normal_, pinned in place; 131,072 rows gathered and scattered by each engine and by the ``auto`` choice,
+each figure against a pinned contiguous copy of the same bytes measured in the same run.
 
 ``--explore`` adds the measurements that locate the limits: UVA kernel shapes and cache policies, the
 access pattern (contiguous rows, a small window, the whole table, sorted or not), a huge-page table, the
@@ -22,6 +22,7 @@ import subprocess
 import time
 
 import torch
+from _timing import wall_seconds
 
 import offload
 from offload import _memory, _table, _uva
@@ -35,21 +36,6 @@ def emit(**kw):
     kw["t"] = round(time.perf_counter() - T0, 1)
     RESULTS.append(kw)
     print(json.dumps(kw), flush=True)
-
-
-def cuda_time(fn, iters=10, warmup=2, repeats=3):
-    """Median over ``repeats`` of the mean time of ``iters`` back-to-back calls (as bench_offload.py)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    means = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-        means.append((time.perf_counter() - t0) / iters)
-    return sorted(means)[len(means) // 2]
 
 
 def meminfo(key):
@@ -81,8 +67,8 @@ def anchors(s):
     n, dim, nbytes = s["n"], s["dim"], s["nbytes"]
     buf = torch.empty(n, dim, pin_memory=True)
     dbuf = torch.empty(n, dim, device=dev)
-    h2d = cuda_time(lambda: dbuf.copy_(buf, non_blocking=True), 20)
-    d2h = cuda_time(lambda: buf.copy_(dbuf, non_blocking=True), 20)
+    h2d = wall_seconds(lambda: dbuf.copy_(buf, non_blocking=True), 20)
+    d2h = wall_seconds(lambda: buf.copy_(dbuf, non_blocking=True), 20)
     emit(part="A", op="gather", impl="anchor: pinned contiguous H2D copy", ms=h2d * 1e3, GBps=nbytes / h2d / 1e9)
     emit(part="A", op="scatter", impl="anchor: pinned contiguous D2H copy", ms=d2h * 1e3, GBps=nbytes / d2h / 1e9)
     s.update(h2d=h2d, d2h=d2h, buf=buf, dbuf=dbuf)
@@ -98,10 +84,10 @@ def part_a(s):
         dbuf.copy_(buf, non_blocking=True)
         torch.cuda.current_stream().synchronize()  # buf is reused: no overlap with the next call
 
-    t = cuda_time(torch_staged, 5)
+    t = wall_seconds(torch_staged, 5)
     emit(part="A", op="gather", impl="anchor: torch index_select -> pinned buffer -> copy", ms=t * 1e3,
          GBps=nbytes / t / 1e9, ratio=h2d / t)
-    t = cuda_time(lambda: data[idx_cpu].to(dev), 3, 1, 1)
+    t = wall_seconds(lambda: data[idx_cpu].to(dev), 3, 1, 1)
     emit(part="A", op="gather", impl="anchor: host[idx].cuda()", ms=t * 1e3, GBps=nbytes / t / 1e9, ratio=h2d / t)
 
     for engine in ("uva", "cpu", "hybrid"):
@@ -113,7 +99,7 @@ def part_a(s):
             for label, fn in [("gather(idx) [dedup + bounds check]", lambda: table.gather(idx)),
                               ("gather(unique sorted idx, unique=True)",
                                lambda: table.gather(uniq_sorted, unique=True, out=dbuf))]:
-                t = cuda_time(fn, 10)
+                t = wall_seconds(fn, 10)
                 emit(part="A", op="gather", impl=f"offload {engine}: {label}", ms=t * 1e3, GBps=nbytes / t / 1e9,
                      ratio=h2d / t, correct=ok)
             src = torch.randn(n, dim, device=dev)
@@ -123,7 +109,7 @@ def part_a(s):
             for label, fn in [("scatter(idx) [distinct check]", lambda src=src: table.scatter(uniq, src)),
                               ("scatter(idx, unique=True)",
                                lambda src=src: table.scatter(uniq, src, unique=True))]:
-                t = cuda_time(fn, 10)
+                t = wall_seconds(fn, 10)
                 emit(part="A", op="scatter", impl=f"offload {engine}: {label}", ms=t * 1e3, GBps=nbytes / t / 1e9,
                      ratio=d2h / t, correct=ok)
         except Exception as e:  # report and go on
@@ -140,7 +126,7 @@ def part_a(s):
                                lambda: table.gather(uniq_sorted, unique=True, out=dbuf), h2d),
                               ("scatter(idx) [distinct check]", lambda: table.scatter(uniq, src), d2h),
                               ("scatter(idx, unique=True)", lambda: table.scatter(uniq, src, unique=True), d2h)]:
-        t = cuda_time(fn, 10)
+        t = wall_seconds(fn, 10)
         emit(part="A", op=label.split("(")[0], impl=f"offload auto: {label}", ms=t * 1e3, GBps=nbytes / t / 1e9,
              ratio=anchor / t)
 
@@ -177,8 +163,8 @@ def kernel_variants(s, host, tag):
         try:
             pats = patterns if (threads, unroll, bps) == default else {"whole table, sorted": s["uniq_sorted"]}
             for pname, p in pats.items():
-                tg = cuda_time(lambda p=p: _uva.gather_rows(host, p, dbuf), 10)
-                ts = cuda_time(lambda p=p: _uva.scatter_rows(host, p, src), 10)
+                tg = wall_seconds(lambda p=p: _uva.gather_rows(host, p, dbuf), 10)
+                ts = wall_seconds(lambda p=p: _uva.scatter_rows(host, p, src), 10)
                 emit(part="X", what=f"{tag} raw kernel", threads=threads, unroll=unroll, blocks_per_sm=bps,
                      pattern=pname, gather_ms=tg * 1e3, gather_ratio=h2d / tg, scatter_ms=ts * 1e3,
                      scatter_ratio=d2h / ts)
@@ -192,7 +178,7 @@ def kernel_variants(s, host, tag):
     for load in ("cs", "nc"):
         old = _set(LOAD=load)
         try:
-            tg = cuda_time(lambda: _uva.gather_rows(host, p, dbuf), 10)
+            tg = wall_seconds(lambda: _uva.gather_rows(host, p, dbuf), 10)
             emit(part="X", what="raw gather, load policy", load=load, gather_ms=tg * 1e3, gather_ratio=h2d / tg)
         finally:
             _set(**old)
@@ -200,7 +186,7 @@ def kernel_variants(s, host, tag):
         old = _set(STORE=store)
         try:
             q = patterns["whole table, sorted"]
-            ts = cuda_time(lambda q=q: _uva.scatter_rows(host, q, src), 10)
+            ts = wall_seconds(lambda q=q: _uva.scatter_rows(host, q, src), 10)
             emit(part="X", what="raw scatter, store policy", store=store, scatter_ms=ts * 1e3, scatter_ratio=d2h / ts)
         finally:
             _set(**old)
@@ -237,7 +223,7 @@ def concurrency(s):
                 dma()
             torch.cuda.current_stream().wait_stream(side)
 
-        tk, td, tb = cuda_time(kern, 10), cuda_time(dma, 10), cuda_time(both, 10)
+        tk, td, tb = wall_seconds(kern, 10), wall_seconds(dma, 10), wall_seconds(both, 10)
         anchor = h2d if op == "gather" else d2h
         emit(part="X", what=f"concurrency {op}: UVA half + DMA half", kernel_ms=tk * 1e3, dma_ms=td * 1e3,
              both_ms=tb * 1e3, both_ratio=anchor / tb)
@@ -245,19 +231,19 @@ def concurrency(s):
 
 def host_side(s):
     table, idx, n = s["table"], s["idx"], s["n"]
-    t = cuda_time(lambda: torch.unique(idx, sorted=True, return_inverse=True), 10)
+    t = wall_seconds(lambda: torch.unique(idx, sorted=True, return_inverse=True), 10)
     emit(part="X", what="torch.unique(idx, return_inverse) on GPU", ms=t * 1e3)
-    t = cuda_time(lambda: torch.sort(idx), 10)
+    t = wall_seconds(lambda: torch.sort(idx), 10)
     emit(part="X", what="torch.sort(idx) on GPU", ms=t * 1e3)
-    t = cuda_time(lambda: torch.stack(torch.aminmax(idx)).tolist(), 10)
+    t = wall_seconds(lambda: torch.stack(torch.aminmax(idx)).tolist(), 10)
     emit(part="X", what="aminmax + tolist (sync)", ms=t * 1e3)
-    t = cuda_time(lambda: table.prepare(idx), 10)
+    t = wall_seconds(lambda: table.prepare(idx), 10)
     emit(part="X", what="table.prepare(idx) (dedup + bounds check)", ms=t * 1e3)
-    t = cuda_time(lambda: table.prepare(s["uniq_sorted"], unique=True), 10)
+    t = wall_seconds(lambda: table.prepare(s["uniq_sorted"], unique=True), 10)
     emit(part="X", what="table.prepare(uniq, unique=True)", ms=t * 1e3)
-    t = cuda_time(lambda: s["uniq_sorted"].cpu(), 10)
+    t = wall_seconds(lambda: s["uniq_sorted"].cpu(), 10)
     emit(part="X", what="indices to host (.cpu())", ms=t * 1e3)
-    t = cuda_time(lambda: torch.empty(n, s["dim"], device=dev), 10)
+    t = wall_seconds(lambda: torch.empty(n, s["dim"], device=dev), 10)
     emit(part="X", what="torch.empty rows on GPU", ms=t * 1e3)
 
 
@@ -271,7 +257,7 @@ def cpu_side(s):
                       ("index_select wide", lambda: torch.index_select(w_data, 0, ic, out=w_pin)),
                       ("index_copy_ fp32", lambda: data.index_copy_(0, ic, src)),
                       ("index_copy_ wide", lambda: w_data.index_copy_(0, ic, w_src))]:
-        t = cuda_time(fn, 5)
+        t = wall_seconds(fn, 5)
         emit(part="X", what=f"CPU alone: {label}, {torch.get_num_threads()} threads", ms=t * 1e3,
              GBps=nbytes / t / 1e9)
 
@@ -283,8 +269,8 @@ def cpu_engine_chunks(s):
     old = _table._Staging.CHUNK_BYTES
     for mib in (2, 4, 8, 16, 32):
         _table._Staging.CHUNK_BYTES = mib << 20
-        tg = cuda_time(lambda: table.gather(uniq_sorted, unique=True, out=dbuf), 10)
-        ts = cuda_time(lambda: table.scatter(uniq_sorted, src, unique=True), 10)
+        tg = wall_seconds(lambda: table.gather(uniq_sorted, unique=True, out=dbuf), 10)
+        ts = wall_seconds(lambda: table.scatter(uniq_sorted, src, unique=True), 10)
         emit(part="X", what="cpu engine chunk", chunk_mib=mib, gather_ms=tg * 1e3, gather_ratio=h2d / tg,
              scatter_ms=ts * 1e3, scatter_ratio=d2h / ts)
     _table._Staging.CHUNK_BYTES = old
@@ -356,8 +342,8 @@ def hybrid_split(s):
     for f in (0.5, 0.6, 0.7, 0.8, 0.9):
         _table._fractions[(dev.index or 0, "gather")] = f
         _table._fractions[(dev.index or 0, "scatter")] = f
-        tg = cuda_time(lambda: table.gather(uniq_sorted, unique=True, out=dbuf), 10)
-        ts = cuda_time(lambda: table.scatter(uniq_sorted, src, unique=True), 10)
+        tg = wall_seconds(lambda: table.gather(uniq_sorted, unique=True, out=dbuf), 10)
+        ts = wall_seconds(lambda: table.scatter(uniq_sorted, src, unique=True), 10)
         emit(part="X", what="hybrid split", uva_share=f, gather_ms=tg * 1e3, gather_ratio=h2d / tg,
              scatter_ms=ts * 1e3, scatter_ratio=d2h / ts)
     _table._fractions.update(saved)
@@ -369,13 +355,13 @@ def ceiling(s):
     gpu_table = s["data"].to(dev)
     dbuf, h2d, buf = s["dbuf"], s["h2d"], s["buf"]
     out = torch.empty_like(dbuf)
-    t_g = cuda_time(lambda: torch.index_select(gpu_table, 0, s["uniq_sorted"], out=out), 10)
+    t_g = wall_seconds(lambda: torch.index_select(gpu_table, 0, s["uniq_sorted"], out=out), 10)
 
     def both():
         dbuf.copy_(buf, non_blocking=True)
         torch.index_select(gpu_table, 0, s["uniq_sorted"], out=out)
 
-    t_b = cuda_time(both, 10)
+    t_b = wall_seconds(both, 10)
     emit(part="X", what="ceiling: GPU-resident gather + contiguous H2D", gpu_gather_ms=t_g * 1e3,
          both_ms=t_b * 1e3, ratio=h2d / t_b)
     gpu_table = None
@@ -390,7 +376,7 @@ def huge_table(s):
          anon_huge_gib_added=((meminfo("AnonHugePages") or 0) - before) / 2**30, huge_pages=_memory.HUGE_PAGES)
     kernel_variants(s, ht._data, "huge-page table")
     ht.engine = "cpu"
-    tg = cuda_time(lambda: ht.gather(s["uniq_sorted"], unique=True, out=s["dbuf"]), 10)
+    tg = wall_seconds(lambda: ht.gather(s["uniq_sorted"], unique=True, out=s["dbuf"]), 10)
     emit(part="X", what="huge-page table, cpu engine gather", ms=tg * 1e3, ratio=s["h2d"] / tg)
     ht.close()
 

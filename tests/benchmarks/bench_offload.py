@@ -26,6 +26,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from _timing import wall_seconds
 from torch import nn
 
 import offload
@@ -39,21 +40,6 @@ def emit(**kw):
     kw["t"] = round(time.perf_counter() - T0, 1)
     RESULTS.append(kw)
     print(json.dumps(kw), flush=True)
-
-
-def cuda_time(fn, iters=10, warmup=2, repeats=3):
-    """Median over ``repeats`` of the mean time of ``iters`` back-to-back calls (synchronised at the end)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    means = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-        means.append((time.perf_counter() - t0) / iters)
-    return sorted(means)[len(means) // 2]
 
 
 def heavy_tailed(n, rows, gen, perm=None, alpha=2.5):
@@ -72,66 +58,15 @@ def zipf_like(n, rows, gen, perm):
 
 # --------------------------------------------------------------------------------------------------------
 def part_a(state):
-    rows, dim, n = 10_000_000, 128, 131_072
-    nbytes = n * dim * 4
-    t0 = time.perf_counter()
-    data = torch.empty(rows, dim)
-    data.normal_()
-    t_fill = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    table = offload.HostTable.from_tensor(data, device=dev, copy=False, pin=True)
-    emit(part="A", note="10M x 128 fp32 table", fill_s=t_fill, pin_s=time.perf_counter() - t0)
-    state["table"] = table
-    gen = torch.Generator(device=dev).manual_seed(0)
-    idx = torch.randint(0, rows, (n,), device=dev, generator=gen)
-    idx_cpu = idx.cpu()
-    uniq = torch.randperm(rows, device=dev, generator=gen)[:n]
-    uniq_sorted = uniq.sort().values
+    """HostTable's gather / scatter against the contiguous copy: bench_host_table.py's default run."""
+    import bench_host_table as host_table  # this folder is on the import path of a script run from it
 
-    buf = torch.empty(n, dim, pin_memory=True)
-    dbuf = torch.empty(n, dim, device=dev)
-    h2d = cuda_time(lambda: dbuf.copy_(buf, non_blocking=True), 20)
-    d2h = cuda_time(lambda: buf.copy_(dbuf, non_blocking=True), 20)
-    emit(part="A", op="gather", impl="anchor: pinned contiguous H2D copy", ms=h2d * 1e3, GBps=nbytes / h2d / 1e9)
-    emit(part="A", op="scatter", impl="anchor: pinned contiguous D2H copy", ms=d2h * 1e3, GBps=nbytes / d2h / 1e9)
-
-    def torch_staged():
-        torch.index_select(data, 0, idx_cpu, out=buf)
-        dbuf.copy_(buf, non_blocking=True)
-        torch.cuda.current_stream().synchronize()  # buf is reused: no overlap with the next call
-
-    t = cuda_time(torch_staged, 5)
-    emit(part="A", op="gather", impl="anchor: torch index_select -> pinned buffer -> copy", ms=t * 1e3,
-         GBps=nbytes / t / 1e9, ratio=h2d / t)
-    t = cuda_time(lambda: data[idx_cpu].to(dev), 3, 1, 1)
-    emit(part="A", op="gather", impl="anchor: host[idx].cuda()", ms=t * 1e3, GBps=nbytes / t / 1e9, ratio=h2d / t)
-
-    for engine in ("uva", "cpu", "hybrid"):
-        table.engine = engine
-        try:
-            got = table.gather(idx)
-            torch.cuda.synchronize()
-            ok = torch.equal(got.cpu(), data[idx_cpu])
-            for label, fn in [("gather(idx) [dedup + bounds check]", lambda: table.gather(idx)),
-                              ("gather(unique sorted idx, unique=True)",
-                               lambda: table.gather(uniq_sorted, unique=True, out=dbuf))]:
-                t = cuda_time(fn, 10)
-                emit(part="A", op="gather", impl=f"offload {engine}: {label}", ms=t * 1e3, GBps=nbytes / t / 1e9,
-                     ratio=h2d / t, correct=ok)
-            src = torch.randn(n, dim, device=dev)
-            table.scatter(uniq, src, unique=True)
-            torch.cuda.synchronize()
-            ok = torch.equal(table.data[uniq.cpu()], src.cpu())
-            for label, fn in [("scatter(idx) [distinct check]", lambda src=src: table.scatter(uniq, src)),
-                              ("scatter(idx, unique=True)",
-                               lambda src=src: table.scatter(uniq, src, unique=True))]:
-                t = cuda_time(fn, 10)
-                emit(part="A", op="scatter", impl=f"offload {engine}: {label}", ms=t * 1e3, GBps=nbytes / t / 1e9,
-                     ratio=d2h / t, correct=ok)
-        except Exception as e:  # report and go on
-            emit(part="A", impl=f"offload {engine}", error=repr(e)[:400])
-    table.engine = None
-    emit(part="A", note="auto engine choice", choice=offload.engine_choice(dev))
+    shared = host_table.setup()
+    host_table.anchors(shared)
+    host_table.part_a(shared)
+    RESULTS.extend(host_table.RESULTS)  # printed as they were measured; kept for this run's JSON and table
+    host_table.RESULTS.clear()
+    state["table"] = shared["table"]
 
 
 def part_b(state):
@@ -166,7 +101,7 @@ def part_b(state):
             opt.step()
 
         h0, m0 = emb.cache_stats()["hits"], emb.cache_stats()["misses"]
-        t = cuda_time(step, 10, 6, 2)  # 26 steps < 40: no batch repeats within the timing
+        t = wall_seconds(step, 10, 6, 2)  # 26 steps < 40: no batch repeats within the timing
         st = emb.cache_stats()
         hits, misses = st["hits"] - h0, st["misses"] - m0
         res[dist] = n / t
@@ -267,7 +202,7 @@ def part_c(state, profile=False):
     def run(model, opt, label, prefetch=False, warmup=3):
         step, k = make_step(model, opt, prefetch)
         torch.cuda.reset_peak_memory_stats()
-        t = cuda_time(step, 20, warmup, 3)
+        t = wall_seconds(step, 20, warmup, 3)
         res[label] = 1 / t
         extra = {}
         if hasattr(model.inp, "cache_stats"):
@@ -369,7 +304,7 @@ def part_d(state, budget_left, host_gib=0.0):
         F.mse_loss(pred, r).backward()
         opt.step()
 
-    t = cuda_time(step, 5, 2, 1)
+    t = wall_seconds(step, 5, 2, 1)
     trained = bool((table.data[first[0]] != 0.01).any(dim=1).all())
     emit(part="D", impl=f"matrix factorisation, {users / 1e6:.1f}M users: table + Adam state "
          f"{need / 2**30:.0f} GiB > GPU {gpu / 2**30:.0f} GiB", steps_per_s=1 / t, ms_per_step=t * 1e3,

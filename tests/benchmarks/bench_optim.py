@@ -32,6 +32,7 @@ import statistics
 import time
 
 import torch
+from _timing import cuda_ms
 
 import torchmb.optim as mo
 
@@ -69,16 +70,7 @@ def time_ms(step, iters: int, warmup: int = 5) -> float:
             step()
             times.append((time.perf_counter() - start) * 1e3)
         return statistics.median(times)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return cuda_ms(step, warmup=0, iters=iters)
 
 
 def bench(algorithm: str, batch: int, device: torch.device, iters: int) -> dict[str, float]:
