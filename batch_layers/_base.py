@@ -149,8 +149,11 @@ class AbstractBatchModule(nn.Module):
         shapes cannot tell (``seq == B*n``), dim 0 wins; ``BatchModule`` moves the axis to the front
         itself for the layers inside a ``batch_first=False`` Transformer layer.
         """
+        if x.dim() - feature_dims <= 1:  # one leading dim (the common case) or none: nothing to search
+            self.check_merged(x)
+            return 0
         context = current_forward()
-        leading = range(max(x.dim() - feature_dims, 0))
+        leading = range(x.dim() - feature_dims)
         if context is not None and not self.is_shared(x):
             step = self.batch * context.samples
             exact = [d for d in leading if x.shape[d] == step]

@@ -124,12 +124,9 @@ class Linear(AbstractBatchModule):
     def forward(self, x: Tensor) -> Tensor:
         if self.is_shared(x):
             return self._shared_forward(x)
-        if x.dim() > 2:
-            dim = self.merged_dim(x)
-            if dim:  # sequence-first layout: bring the model axis to the front for the batched product
-                return self.forward(x.movedim(dim, 0)).movedim(0, dim)
-        else:  # the common (B*n, in) case: dim 0 is the only candidate
-            self.check_merged(x)
+        dim = self.merged_dim(x)
+        if dim:  # sequence-first layout: bring the model axis to the front for the batched product
+            return self.forward(x.movedim(dim, 0)).movedim(0, dim)
         rows = x.reshape(self.batch, -1, self.in_features)
         y = _BatchedLinear.apply(rows, self.weight, self.bias)
         return y.view(*x.shape[:-1], self.out_features)
