@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._base import AbstractBatchModule, copy_into_every_model, is_channels_last, to_grouped, to_models
+from ._base import AbstractBatchModule, copy_into_every_model, to_grouped, to_models
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d"]  # and _NormBase, shared with instance norm
 
@@ -103,13 +103,12 @@ class _BatchNorm(_NormBase):
     def forward(self, x: Tensor) -> Tensor:
         self._check_input_dim(x)
         batch = self.batch
-        if is_channels_last(x) and not self.is_shared(x):  # stays channels-last: cuDNN's NHWC batch norm
+        if self.is_shared(x):
+            models = self.split(x)  # an expanded view: B models of the same samples
+            channels = models.transpose(0, 1).reshape(x.shape[0], batch * self.num_features, *x.shape[2:])
+        else:  # a channels-last input stays channels-last: cuDNN's NHWC batch norm
             self.check_merged(x)
             channels = to_grouped(x, batch)
-        else:
-            models = self.split(x)
-            n = models.shape[1]
-            channels = models.transpose(0, 1).reshape(n, batch * self.num_features, *models.shape[3:])
         use_batch_stats = self.training or not self.track_running_stats
         weight = None if self.weight is None else self.weight.reshape(-1)
         bias = None if self.bias is None else self.bias.reshape(-1)
