@@ -131,45 +131,39 @@ class BatchModule(nn.Module):
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, *args: Any, shared_input: bool = False, **kwargs: Any) -> Any:
         if len(args) == 1 and not kwargs and type(args[0]) is Tensor:  # the common call: no pytree walk
-            return self._forward_one(args[0], shared_input)
-        leaves, spec = tree_flatten((args, kwargs))
-        tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
+            (x,) = args
+            samples = self._samples([x], shared_input)
+            out = self._run(samples, shared_input, x if shared_input else x.reshape(-1, *x.shape[2:]))
+        else:
+            leaves, spec = tree_flatten((args, kwargs))
+            tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
+            samples = self._samples(tensors, shared_input)
+            if not shared_input:
+                leaves = [leaf.reshape(-1, *leaf.shape[2:]) if isinstance(leaf, Tensor) else leaf for leaf in leaves]
+            call_args, call_kwargs = tree_unflatten(leaves, spec)
+            out = self._run(samples, shared_input, *call_args, **call_kwargs)
+        return self._split_output(out) if type(out) is Tensor else tree_map(self._split_output, out)
+
+    def _samples(self, tensors: list[Tensor], shared_input: bool) -> int:
+        """n, the samples per model, after checking every tensor argument's leading dims."""
         if not tensors:
             raise ValueError("BatchModule expects at least one tensor argument")
         if shared_input:
             if tensors[0].dim() == 0:
                 raise ValueError("shared_input=True expects tensors of shape (n, ...), got a scalar")
-            samples = tensors[0].shape[0]
-        else:
-            for tensor in tensors:
-                self._check_per_model(tensor)
-            samples = tensors[0].shape[1]
-            leaves = [leaf.reshape(-1, *leaf.shape[2:]) if isinstance(leaf, Tensor) else leaf for leaf in leaves]
-        call_args, call_kwargs = tree_unflatten(leaves, spec)
-        with forward_context(ForwardContext(self.batch, samples, shared_input)):
-            out = self.module(*call_args, **call_kwargs)
-        return tree_map(self._split_output, out)
+            return tensors[0].shape[0]
+        for tensor in tensors:
+            if tensor.dim() < 2 or tensor.shape[0] != self.batch:
+                raise ValueError(
+                    f"BatchModule(batch={self.batch}) expects every tensor argument as (B={self.batch}, n, ...), "
+                    f"got shape {tuple(tensor.shape)}; pass shared_input=True for one (n, ...) input shared "
+                    "by all models"
+                )
+        return tensors[0].shape[1]
 
-    def _forward_one(self, x: Tensor, shared_input: bool) -> Any:
-        if shared_input:
-            if x.dim() == 0:
-                raise ValueError("shared_input=True expects tensors of shape (n, ...), got a scalar")
-            samples = x.shape[0]
-        else:
-            self._check_per_model(x)
-            samples = x.shape[1]
-            x = x.reshape(-1, *x.shape[2:])
+    def _run(self, samples: int, shared_input: bool, *args: Any, **kwargs: Any) -> Any:
         with forward_context(ForwardContext(self.batch, samples, shared_input)):
-            out = self.module(x)
-        return self._split_output(out) if type(out) is Tensor else tree_map(self._split_output, out)
-
-    def _check_per_model(self, tensor: Tensor) -> None:
-        if tensor.dim() < 2 or tensor.shape[0] != self.batch:
-            raise ValueError(
-                f"BatchModule(batch={self.batch}) expects every tensor argument as (B={self.batch}, n, ...), "
-                f"got shape {tuple(tensor.shape)}; pass shared_input=True for one (n, ...) input shared "
-                "by all models"
-            )
+            return self.module(*args, **kwargs)
 
     def _split_output(self, value: Any) -> Any:
         if not isinstance(value, Tensor):
