@@ -29,7 +29,8 @@ def reset_conv_slices(weight: Tensor, bias: Tensor | None, kernel_size: tuple[in
 
 
 class _GroupedConv(torch.autograd.Function):
-    """The models-as-groups convolution, saving the models-major input instead of its grouped copy.
+    """The models-as-groups convolution (or transposed convolution), saving the models-major input
+    instead of its grouped copy.
 
     Autograd through the plain formulation keeps the ``(n, B*C, *S)`` copy of every conv input alive
     until backward, beside the models-major tensor the previous layer (usually a ReLU) saves anyway:
@@ -38,40 +39,47 @@ class _GroupedConv(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, batch, stride, padding, dilation, groups):
+    def forward(ctx, x, weight, bias, batch, stride, padding, dilation, groups, transposed, output_padding):
         dtype = autocast_dtype(x.device.type)
-        conv = _CONV[len(stride)]
         if dtype is None:
-            y = conv(to_grouped(x, batch), weight, bias, stride, padding, dilation, groups)
+            y = _grouped(x, weight, bias, batch, stride, padding, dilation, groups, transposed, output_padding)
         else:  # autocast does not reach a custom backward: cast here, once
             x, weight = x.to(dtype), weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
             with torch.autocast(x.device.type, enabled=False):
-                y = conv(to_grouped(x, batch), weight, bias, stride, padding, dilation, groups)
+                y = _grouped(x, weight, bias, batch, stride, padding, dilation, groups, transposed, output_padding)
         ctx.save_for_backward(x, weight)
-        ctx.config = (batch, stride, padding, dilation, groups, bias is not None)
+        ctx.config = (batch, stride, padding, dilation, groups, transposed, output_padding, bias is not None)
         return to_models(y, batch)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        batch, stride, padding, dilation, groups, has_bias = ctx.config
+        batch, stride, padding, dilation, groups, transposed, output_padding, has_bias = ctx.config
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2]]
+        out_channels = weight.shape[1] * groups if transposed else weight.shape[0]
         grad_x, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
             to_grouped(grad.to(x.dtype), batch),
             to_grouped(x, batch),
             weight,
-            [weight.shape[0]] if has_bias else None,
+            [out_channels] if has_bias else None,
             stride,
             padding,
             dilation,
-            False,
-            [0] * len(stride),
+            transposed,
+            output_padding,
             groups,
             mask,
         )
         grad_x = to_models(grad_x, batch) if mask[0] else None
-        return grad_x, grad_weight if mask[1] else None, grad_bias if mask[2] else None, None, None, None, None, None
+        grads = (grad_x, grad_weight if mask[1] else None, grad_bias if mask[2] else None)
+        return (*grads, None, None, None, None, None, None, None)
+
+
+def _grouped(x, weight, bias, batch, stride, padding, dilation, groups, transposed, output_padding) -> Tensor:
+    return torch.convolution(
+        to_grouped(x, batch), weight, bias, stride, padding, dilation, transposed, output_padding, groups
+    )
 
 
 class _ConvNd(AbstractBatchModule):
@@ -235,7 +243,16 @@ class _ConvNd(AbstractBatchModule):
         if self.padding_mode != "zeros":
             x = F.pad(x, self._explicit_padding, mode=self.padding_mode)
         return _GroupedConv.apply(
-            x, weight, bias, batch, self.stride, self._numeric_padding, self.dilation, batch * self.groups
+            x,
+            weight,
+            bias,
+            batch,
+            self.stride,
+            self._numeric_padding,
+            self.dilation,
+            batch * self.groups,
+            False,
+            self.output_padding,
         )
 
     def extra_repr(self) -> str:

@@ -7,57 +7,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.utils import _ntuple
 
-from ._base import AbstractBatchModule, autocast_dtype, copy_into_every_model, to_grouped, to_models
-from ._conv import reset_conv_slices
+from ._base import AbstractBatchModule, copy_into_every_model
+from ._conv import _GroupedConv, reset_conv_slices
 
 __all__ = ["ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d"]
 
 _CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
-
-
-class _GroupedConvTranspose(torch.autograd.Function):
-    """The models-as-groups transposed convolution, saving the models-major input, not its grouped copy.
-
-    As :class:`batch_layers._conv._GroupedConv` does for convolutions: autograd through the plain
-    formulation would keep the ``(n, B*C_in, *S)`` layout copy of the input alive until backward, beside
-    the models-major tensor the previous layer saves anyway. This saves the input as it came and redoes the
-    copy in backward, which is ``aten.convolution_backward`` (itself differentiable).
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, batch, stride, padding, output_padding, groups, dilation):
-        dtype = autocast_dtype(x.device.type)
-        if dtype is not None:  # autocast does not reach a custom backward: cast here, once
-            x, weight = x.to(dtype), weight.to(dtype)
-            bias = None if bias is None else bias.to(dtype)
-        with torch.autocast(x.device.type, enabled=False):
-            conv = _CONV_TRANSPOSE[len(stride)]
-            y = conv(to_grouped(x, batch), weight, bias, stride, padding, output_padding, groups, dilation)
-        ctx.save_for_backward(x, weight)
-        ctx.config = (batch, stride, padding, output_padding, groups, dilation, bias is not None)
-        return to_models(y, batch)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        batch, stride, padding, output_padding, groups, dilation, has_bias = ctx.config
-        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2]]
-        grad_x, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
-            to_grouped(grad.to(x.dtype), batch),
-            to_grouped(x, batch),
-            weight,
-            [weight.shape[1] * groups] if has_bias else None,
-            stride,
-            padding,
-            dilation,
-            True,
-            output_padding,
-            groups,
-            mask,
-        )
-        grad_x = to_models(grad_x, batch) if mask[0] else None
-        grads = (grad_x, grad_weight if mask[1] else None, grad_bias if mask[2] else None)
-        return (*grads, None, None, None, None, None, None)
 
 
 class _ConvTransposeNd(AbstractBatchModule):
@@ -185,8 +140,17 @@ class _ConvTransposeNd(AbstractBatchModule):
             x = x.expand(batch, *x.shape).reshape(batch * n, *x.shape[1:])
         self.check_merged(x)
         weight = self.weight.reshape(batch * self.in_channels, *self.weight.shape[2:])
-        return _GroupedConvTranspose.apply(
-            x, weight, bias, batch, self.stride, self.padding, tuple(output_padding), batch * self.groups, self.dilation
+        return _GroupedConv.apply(
+            x,
+            weight,
+            bias,
+            batch,
+            self.stride,
+            self.padding,
+            self.dilation,
+            batch * self.groups,
+            True,
+            tuple(output_padding),
         )
 
     def extra_repr(self) -> str:

@@ -27,7 +27,7 @@ def test_double_backward_matches_finite_differences() -> None:
     x = torch.randn(2 * 2, 2, 7, dtype=torch.float64, requires_grad=True)
 
     def fn(x, weight, bias):
-        return _GroupedConv.apply(x, weight.reshape(6, 2, 3), bias.reshape(6), 2, (2,), (1,), (1,), 2)
+        return _GroupedConv.apply(x, weight.reshape(6, 2, 3), bias.reshape(6), 2, (2,), (1,), (1,), 2, False, (0,))
 
     assert torch.autograd.gradcheck(fn, (x, conv.weight, conv.bias))
     assert torch.autograd.gradgradcheck(fn, (x, conv.weight, conv.bias))

@@ -266,7 +266,7 @@ def test_conv_transpose_backward_keeps_the_models_major_input() -> None:
 
 
 def test_conv_transpose_double_backward_matches_finite_differences() -> None:
-    from batch_layers._conv_transpose import _GroupedConvTranspose
+    from batch_layers._conv import _GroupedConv
 
     conv = batch_layers.ConvTranspose1d(2, 4, 3, stride=2, padding=1, output_padding=1, groups=2, batch=2,
                                         dtype=torch.float64)
@@ -274,7 +274,8 @@ def test_conv_transpose_double_backward_matches_finite_differences() -> None:
 
     def fn(x, weight, bias):
         # B=2 models x 2 groups: weight (B*C_in, C_out/groups, k), 4 groups.
-        return _GroupedConvTranspose.apply(x, weight.reshape(4, 2, 3), bias.reshape(8), 2, (2,), (1,), (1,), 4, (1,))
+        # stride 2, padding 1, dilation 1, transposed, output_padding 1
+        return _GroupedConv.apply(x, weight.reshape(4, 2, 3), bias.reshape(8), 2, (2,), (1,), (1,), 4, True, (1,))
 
     assert torch.autograd.gradcheck(fn, (x, conv.weight, conv.bias))
     assert torch.autograd.gradgradcheck(fn, (x, conv.weight, conv.bias))
