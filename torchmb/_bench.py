@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import _bench_models as models
 from ._module import BatchModule
@@ -40,6 +41,7 @@ class Workload:
     make: Callable[[], nn.Module]
     make_input: Callable[[tuple[int, ...], torch.device], torch.Tensor]
     classes: int = 10
+    attention: bool = False
 
 
 def _images(channels: int, size: int) -> Callable[[tuple[int, ...], torch.device], torch.Tensor]:
@@ -54,7 +56,7 @@ WORKLOADS = {
     "mlp": Workload("mlp", models.MLP, _images(1, 28)),
     "lenet": Workload("lenet", models.LeNet5, _images(1, 28)),
     "resnet18": Workload("resnet18", models.ResNet18, _images(3, 32)),
-    "transformer": Workload("transformer", models.TransformerClassifier, _tokens),
+    "transformer": Workload("transformer", models.TransformerClassifier, _tokens, attention=True),
     "mobilenetv2": Workload("mobilenetv2", models.MobileNetV2, _images(3, 32)),
     "wide-mlp": Workload("wide-mlp", lambda: models.MLP((784, 1024, 1024, 1024, 1024, 10)), _images(1, 28)),
 }
@@ -176,7 +178,7 @@ def _step_functions(
 
     def vmap_step(shared_input: bool = False, loss_fn=vmap_loss) -> None:
         vmap_opt.zero_grad(set_to_none=True)
-        with amp():
+        with amp(), _vmap_attention(workload, device):
             loss = loss_fn(params, buffers, x_shared if shared_input else x_models, shared_input)
         loss.backward()
         vmap_opt.step()
@@ -226,6 +228,14 @@ def _step_functions(
     return steps
 
 
+def _vmap_attention(workload: Workload, device: torch.device) -> contextlib.AbstractContextManager:
+    """The attention backend the vmap ensemble runs with: on CUDA the math one, since the fused kernels'
+    batching rules fail under vmap (torch 2.11: "LSE is not correctly aligned"); elsewhere the default."""
+    if workload.attention and device.type == "cuda":
+        return sdpa_kernel(SDPBackend.MATH)
+    return contextlib.nullcontext()
+
+
 def _graphed(
     body: Callable, inputs: tuple[torch.Tensor, ...], optimizer: torch.optim.Optimizer
 ) -> Callable[[], object]:
@@ -266,6 +276,8 @@ def run(
                     continue
                 row = {"workload": name, "B": batch, "n": samples, "impl": impl, "precision": precision,
                        "channels_last": channels_last}
+                if impl.startswith("vmap") and workload.attention and device.type == "cuda":
+                    row["attention"] = "math"
                 try:
                     if device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats(device)
@@ -323,7 +335,7 @@ def largest_batches(workloads: list[str], samples: int, device: torch.device, up
                 refusals.append(f"B={batch}: {str(error).splitlines()[0][:160]}")
                 raise torch.cuda.OutOfMemoryError(f"vmap at B={batch}: {error}") from error
 
-        def _vmap_step(batch: int, model, base, x_one, y_one) -> None:
+        def _vmap_step(batch: int, model, base, x_one, y_one, workload=workload) -> None:
             params = {
                 k: v.detach().unsqueeze(0).repeat(batch, *[1] * v.dim()).requires_grad_()
                 for k, v in model.named_parameters()
@@ -331,10 +343,11 @@ def largest_batches(workloads: list[str], samples: int, device: torch.device, up
             buffers = {k: v.unsqueeze(0).repeat(batch, *[1] * v.dim()) for k, v in model.named_buffers()}
             opt = torch.optim.SGD(list(params.values()), lr=0.01)
             x = x_one.unsqueeze(0).expand(batch, *x_one.shape).contiguous()
-            out = vmap(lambda p, b, xi: functional_call(base, (p, b), (xi,)), randomness="different")(
-                params, buffers, x
-            )
-            _summed_cross_entropy(out, y_one.expand(batch, -1), samples).backward()
+            with _vmap_attention(workload, device):
+                out = vmap(lambda p, b, xi: functional_call(base, (p, b), (xi,)), randomness="different")(
+                    params, buffers, x
+                )
+                _summed_cross_entropy(out, y_one.expand(batch, -1), samples).backward()
             opt.step()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)

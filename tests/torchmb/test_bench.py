@@ -92,3 +92,16 @@ def test_largest_batches_ends_vmap_search_at_a_refusing_kernel(monkeypatch) -> N
     assert [(r["impl"], r["largest_B"]) for r in rows] == [("torchmb", 5), ("vmap", 2)]
     refusal = "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED"
     assert rows[1]["refused"] == [f"B=4: {refusal}", f"B=3: {refusal}"]
+
+
+@pytest.mark.cuda
+def test_transformer_vmap_ensemble_runs_on_cuda_with_math_attention() -> None:
+    rows = _bench.run(["transformer"], [2], 4, torch.device("cuda"), ("torchmb", "vmap", "limit"), iters=1, warmup=0,
+                      log=lambda line: None)
+    by_impl = {r["impl"]: r for r in rows}
+    assert set(by_impl) == {"torchmb", "vmap", "limit"}
+    for row in rows:
+        assert "error" not in row, row
+        assert row["model_steps_per_s"] > 0
+    assert by_impl["vmap"]["attention"] == "math"
+    assert "attention" not in by_impl["torchmb"]
