@@ -101,7 +101,8 @@ class _Cache:
         self.capacity = capacity
         self.weight = torch.empty(capacity + 1, dim, dtype=dtype, device=device)
         self.states: dict[str, Tensor] = {}
-        self.slot_of = torch.full((num_rows,), -1, dtype=torch.int32, device=device)
+        # int64, as every index op takes it (an int32 map would cost a conversion per lookup)
+        self.slot_of = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
         self.ids = torch.full((capacity + 1,), -1, dtype=torch.int64, device=device)
         self.last_use = torch.full((capacity + 1,), -1, dtype=torch.int64, device=device)
         self.dirty = torch.zeros(capacity + 1, dtype=torch.bool, device=device)
@@ -118,13 +119,14 @@ class _Cache:
 
     def slot_index(self, slots: Tensor) -> Tensor:
         """``slots`` with -1 (not cached) replaced by the scratch row."""
-        return torch.where(slots < 0, self.capacity, slots)
+        return slots.masked_fill(slots < 0, self.capacity)
 
 
 @dataclass
 class _Chunk:
     ids: Tensor  # distinct row ids (device), sorted
     slots: Tensor | None  # cache slot per row (int64), -1 = not cached (bypass); None without a cache
+    dest: Tensor | None = None  # ``slots`` with the scratch row for -1: where the rows are read and stored
     states: dict[str, Prefetch] = field(default_factory=dict)  # state rows of the misses being gathered
     miss_pos: Tensor | None = None  # positions (into ids) of the rows that came from the host
     n_admit: int = 0  # the first n_admit of them were admitted to the cache (slots admit_slots)
@@ -169,7 +171,7 @@ def _compact(mask: Tensor, count: int) -> Tensor:
     (the caller knows it)."""
     pos = torch.cumsum(mask, 0)
     pos -= 1
-    dest = torch.where(mask, pos, count)
+    dest = pos.masked_fill_(~mask, count)
     out = torch.empty(count + 1, dtype=torch.int64, device=mask.device)
     out.scatter_(0, dest, torch.arange(mask.numel(), device=mask.device))
     return out[:count]
@@ -420,29 +422,43 @@ class OffloadedEmbedding(nn.Module):
         if host and self._wb_event is not None:
             torch.cuda.current_stream(self.table.device).wait_event(self._wb_event)
 
-    def _launch_evicted(self) -> None:
+    def _launch_evicted(self, wait: bool = True) -> None:
         """Start writing back the rows that prefetch admissions evicted (deferred until the step's own state
-        gathers are consumed, so that they need not wait for the write-back)."""
+        gathers are consumed, so that they need not wait for the write-back). With ``wait`` the current
+        stream waits for the prefetch admission; without, only the write-back does (after a step, so that
+        the admission of the next step's rows goes on overlapping the work that follows)."""
         c = self._cache
+        ready = None
         if c is not None and c.ready is not None:
-            torch.cuda.current_stream(self.table.device).wait_event(c.ready)
-            c.ready = None
+            ready = c.ready
+            if wait:
+                torch.cuda.current_stream(self.table.device).wait_event(ready)
+                c.ready = None
         evicted, self._evicted = self._evicted, []
         for ids, writes in evicted:
-            self._write_back(ids, writes)
+            self._write_back(ids, writes, after=ready)
 
-    def _write_back(self, ids: Tensor, writes: list[tuple[HostTable, Tensor]]) -> None:
+    def _write_back(self, ids: Tensor, writes: list[tuple[HostTable, Tensor]], after=None) -> None:
         """Commit evicted rows to the host tables; with the UVA engine on a side stream, so the write-back of
-        one step's evictions overlaps its compute (the next host read waits for it, see :meth:`_join`)."""
+        one step's evictions overlaps its compute (the next host read waits for it, see :meth:`_join`).
+        ``after``: the event of the prefetch admission that produced ``ids`` and ``writes`` on its side stream
+        (the write-back then waits for that alone), else they are the current stream's."""
         if ids.numel() == 0:
             return
+        current = torch.cuda.current_stream(ids.device) if ids.device.type == "cuda" else None
         if ids.device.type != "cuda" or not all(t.resolved_engine("scatter") == "uva" for t, _ in writes):
+            if after is not None:
+                current.wait_event(after)
             _commit(ids, writes)
             return
         if self._wb_stream is None:
             self._wb_stream = torch.cuda.Stream(ids.device)
         wb = self._wb_stream
-        wb.wait_stream(torch.cuda.current_stream(ids.device))
+        if after is not None:
+            # (the evicted rows were cached until the admission: no earlier host access of them is pending)
+            wb.wait_event(after)
+        else:
+            wb.wait_stream(current)
         with torch.cuda.stream(wb):
             _commit(ids, writes)
             ev = torch.cuda.Event()
@@ -455,28 +471,35 @@ class OffloadedEmbedding(nn.Module):
         """``k`` slots for new rows: empty ones first, then the least recently used among the slots not used
         since ``protect_from``; the rows they held (and their optimizer state) are written back to the host
         (with ``defer``, by the next :meth:`_launch_evicted`)."""
-        key = cache.last_use[: cache.capacity]
-        key = torch.where(key >= protect_from, _INT64_MAX, key)
-        victims = torch.topk(key, k, largest=False, sorted=True).indices  # empty slots (last_use -1) first
-        n_empty = min(k, cache.capacity - cache.filled)
+        # Slots fill in order: the empty ones are [filled, capacity). Only when they run out are rows evicted,
+        # the least recently used of the filled slots (in no particular order: no sort needed).
+        filled = cache.filled
+        n_empty = min(k, cache.capacity - filled)
         cache.filled += n_empty
-        old = victims[n_empty:]
-        if old.numel():
-            old_ids = cache.ids.index_select(0, old)
-            writes = [(self.table, cache.weight.index_select(0, old))]
-            writes += [(self._state_tables[s], cache.states[s].index_select(0, old)) for s in self._spec]
-            if defer:
-                self._evicted.append((old_ids, writes))
-            else:
-                self._write_back(old_ids, writes)
-            cache.slot_of.index_fill_(0, old_ids, -1)
+        empty = torch.arange(filled, filled + n_empty, device=cache.last_use.device) if n_empty else None
+        if k == n_empty:
+            return empty
+        key = cache.last_use[:filled]
+        key = key.masked_fill(key >= protect_from, _INT64_MAX)
+        old = torch.topk(key, k - n_empty, largest=False, sorted=False).indices
+        victims = old if empty is None else torch.cat([empty, old])
+        # written back in ascending row order: host rows written in address order translate far faster
+        old_ids, order = torch.sort(cache.ids.index_select(0, old))
+        old = old.index_select(0, order)
+        writes = [(self.table, cache.weight.index_select(0, old))]
+        writes += [(self._state_tables[s], cache.states[s].index_select(0, old)) for s in self._spec]
+        if defer:
+            self._evicted.append((old_ids, writes))
+        else:
+            self._write_back(old_ids, writes)
+        cache.slot_of.index_fill_(0, old_ids, -1)
         return victims
 
     @staticmethod
     def _install(cache: _Cache, slots: Tensor, ids: Tensor, rows: Tensor, use: int) -> None:
         cache.weight.index_copy_(0, slots, rows)
         cache.ids.index_copy_(0, slots, ids)
-        cache.slot_of[ids] = slots.to(torch.int32)
+        cache.slot_of.index_copy_(0, ids, slots)
         cache.last_use.index_fill_(0, slots, use)
         cache.dirty.index_fill_(0, slots, False)
 
@@ -519,7 +542,7 @@ class OffloadedEmbedding(nn.Module):
         stats = [seg[-1:] + 1, sorted_flat[:1], sorted_flat[-1:]]
         if cache is not None:
             num_rows = self.table.num_rows
-            slot_flat = cache.slot_of[sorted_flat.clamp(0, num_rows - 1)].long()
+            slot_flat = cache.slot_of.index_select(0, sorted_flat.clamp(0, num_rows - 1))
             miss_flat = slot_flat < 0
             if exclude is not None and exclude.numel():
                 at = torch.searchsorted(exclude, sorted_flat).clamp_(max=exclude.numel() - 1)
@@ -548,15 +571,16 @@ class OffloadedEmbedding(nn.Module):
         self._release_pending()
         n = ids.numel()
         chunk = _Chunk(ids=ids, slots=slots)
-        hit_slots = slots if n_miss == 0 else torch.where(miss, cache.capacity, slots)
+        hit_slots = slots if n_miss == 0 else slots.masked_fill(miss, cache.capacity)
         cache.last_use.index_fill_(0, hit_slots, cache.clock)  # this step's cached rows are not evicted for its misses
-        cache.prefetch_hits += cache.fresh[hit_slots].sum()
+        cache.prefetch_hits += cache.fresh.index_select(0, hit_slots).sum()
         cache.fresh.index_fill_(0, hit_slots, False)
         cache.hits += n - n_miss
         cache.misses += n_miss
         cache.protected += n - n_miss
         if n_miss == 0:
             chunk.miss_pos = ids.new_empty(0)
+            chunk.dest = slots  # (every row is cached: no -1 to replace)
             return chunk, cache.weight.index_select(0, slots)
         miss_pos = _compact(miss, n_miss)
         miss_ids = ids.index_select(0, miss_pos)
@@ -572,7 +596,8 @@ class OffloadedEmbedding(nn.Module):
             chunk.n_admit, chunk.admit_slots = n_admit, victims
             cache.protected += n_admit
         chunk.states = {k: self._state_tables[k].prefetch(miss_ids, _checked=True) for k in self._spec}
-        rows = cache.weight.index_select(0, cache.slot_index(slots))
+        chunk.dest = slots if n_admit == n_miss else cache.slot_index(slots)
+        rows = cache.weight.index_select(0, chunk.dest)
         if n_admit < n_miss:
             rows.index_copy_(0, miss_pos[n_admit:], miss_rows[n_admit:])
         return chunk, rows
@@ -616,7 +641,7 @@ class OffloadedEmbedding(nn.Module):
                 continue
             if chunk.admit_slots is not None:
                 cache.states[k].index_copy_(0, chunk.admit_slots, host_rows[: chunk.n_admit])
-            rows = cache.states[k].index_select(0, cache.slot_index(chunk.slots))
+            rows = cache.states[k].index_select(0, chunk.dest)
             if chunk.n_bypass:
                 rows.index_copy_(0, chunk.miss_pos[chunk.n_admit:], host_rows[chunk.n_admit:])
             out[k] = rows
@@ -656,7 +681,8 @@ class OffloadedEmbedding(nn.Module):
         exclude = work.sorted_ids if work is not None else None
         ids, inverse, slots, miss, n_miss = self._distinct(flat, cache, exclude)
         # the next step's cached rows are kept for it (not evicted for its misses)
-        cache.last_use.index_fill_(0, torch.where(miss, cache.capacity, cache.slot_index(slots)), cache.clock + 1)
+        # (a row to fetch is not cached: its slot is -1, so it marks the scratch row)
+        cache.last_use.index_fill_(0, cache.slot_index(slots), cache.clock + 1)
         cache.reserved += ids.numel() - n_miss
         n_admit = max(0, min(n_miss, cache.capacity - cache.protected - cache.reserved))
         bypass = sum(c.n_bypass for c in work.chunks) if work is not None else 0
@@ -721,7 +747,7 @@ class OffloadedEmbedding(nn.Module):
             # the indices :meth:`prefetch` saw: deduplicated and bounds-checked there, no read-back here
             ids, inverse, slots, miss, n_miss = nxt.ids, nxt.inverse, None, None, 0
             if cache is not None:
-                slots = cache.slot_of[ids].long()
+                slots = cache.slot_of.index_select(0, ids)
                 if not nxt.all_cached:
                     miss = slots < 0
                     n_miss = int(miss.sum())
@@ -806,7 +832,7 @@ class OffloadedEmbedding(nn.Module):
                 rows = torch.empty(ids.numel(), self.embedding_dim, dtype=self.table.dtype, device=self.weight.device)
                 self.table._gather_unique(ids, None, rows, self.table.resolved_engine("gather"))
             else:
-                slots = cache.slot_of[ids].long()
+                slots = cache.slot_of.index_select(0, ids)
                 rows = cache.weight.index_select(0, cache.slot_index(slots))
                 miss = torch.nonzero(slots < 0).squeeze(1)
                 if miss.numel():
@@ -838,7 +864,7 @@ class OffloadedEmbedding(nn.Module):
         self._join()
         cache = self._cache
         if cache is not None:
-            slots = cache.slot_of[ids].long()
+            slots = cache.slot_of.index_select(0, ids)
             hit = slots >= 0
             cache.weight[slots[hit]] = rows[hit]
             cache.dirty[slots[hit]] = True
@@ -908,7 +934,7 @@ class OffloadedEmbedding(nn.Module):
         for k in self._spec:
             del state[k]
         self._finish_work()
-        self._launch_evicted()
+        self._launch_evicted(wait=False)
 
     def _store(self, work: _Work, weight_rows: Tensor, state_rows: dict[str, Tensor]) -> None:
         """A stepped working set back: cached rows into the cache (dirty), the others to the host tables."""
@@ -922,8 +948,8 @@ class OffloadedEmbedding(nn.Module):
         if cache is None or work.chunks[0].slots is None:
             _commit(ids, [(self.table, weight_rows)] + [(self._state_tables[k], state_rows[k]) for k in self._spec])
             return
-        slots = torch.cat([c.slots for c in work.chunks]) if len(work.chunks) > 1 else work.chunks[0].slots
-        dest = cache.slot_index(slots)  # rows not cached land in the scratch row
+        # rows not cached land in the scratch row
+        dest = torch.cat([c.dest for c in work.chunks]) if len(work.chunks) > 1 else work.chunks[0].dest
         cache.weight.index_copy_(0, dest, weight_rows)
         for k in self._spec:
             cache.states[k].index_copy_(0, dest, state_rows[k])
