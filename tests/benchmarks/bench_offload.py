@@ -163,6 +163,33 @@ def profile_steps(step, label, steps=5):
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60)
     print(f"--- profile: {label} ({steps} steps) ---\n{table}", flush=True)
+    # per step: kernel launches (runtime and driver API: CuPy launches through the driver), host syncs, and
+    # the GPU's busy time (union of kernel and copy intervals) overall and per stream, against the wall time
+    launches = syncs = 0
+    for e in prof.key_averages():
+        if "LaunchKernel" in e.key:
+            launches += e.count
+        if "Synchronize" in e.key:
+            syncs += e.count
+    spans: dict = {}
+    lo, hi = float("inf"), 0.0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            spans.setdefault(getattr(e, "device_resource_id", 0), []).append((e.time_range.start, e.time_range.end))
+        lo, hi = min(lo, e.time_range.start), max(hi, e.time_range.end)
+
+    def busy(iv):
+        total, end = 0.0, -1.0
+        for a, b in sorted(iv):
+            if b > end:
+                total += b - max(a, end)
+                end = b
+        return total
+
+    emit(part="C", profile=label, launches_per_step=launches / steps, sync_calls_per_step=syncs / steps,
+         window_ms_per_step=(hi - lo) / 1e3 / steps,
+         gpu_busy_ms_per_step=busy([iv for v in spans.values() for iv in v]) / 1e3 / steps,
+         busy_ms_per_step_by_stream={str(k): round(busy(v) / 1e3 / steps, 3) for k, v in spans.items()})
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, f"profile-{len(RESULTS)}.txt"), "w") as f:
@@ -175,51 +202,69 @@ def part_c(state, profile=False):
     vocab, dim, batch, neg = 4_000_000, 128, 16_384, 5
     gen = torch.Generator(device=dev).manual_seed(2)
     perm = torch.randperm(vocab, device=dev, generator=gen)
-    # a fresh batch every step (a short repeating pool would let a cache hold every row): no run below takes
-    # more steps than the pool holds
-    data = [(zipf_like(batch, vocab, gen, perm), zipf_like(batch * (1 + neg), vocab, gen, perm).view(batch, 1 + neg))
-            for _ in range(128)]
+
+    def fresh_batch(_k=0):
+        return (zipf_like(batch, vocab, gen, perm),
+                zipf_like(batch * (1 + neg), vocab, gen, perm).view(batch, 1 + neg))
+
+    # a fresh batch every timed step (a short repeating pool would let a cache hold every row): the timed
+    # steps of one configuration (and its profile) take fewer batches than the pool holds
+    data = [fresh_batch() for _ in range(128)]
     table_state_bytes = 2 * vocab * dim * 4 * 3
     res = {}
 
-    def make_step(model, opt, prefetch=False):
-        k = [0]
+    class Feed:
+        """Batches in order with the next one known in advance (what prefetch is given)."""
 
+        def __init__(self, get):
+            self.get, self.k = get, 0
+            self.cur = get(0)
+
+        def take(self):
+            cur = self.cur
+            self.k += 1
+            self.cur = self.get(self.k)
+            return cur, self.cur
+
+    def make_step(model, opt, feed, prefetch=False):
         def step():
-            c, x = data[k[0] % len(data)]
-            k[0] += 1
+            (c, x), (nc, nx) = feed.take()
             opt.zero_grad(set_to_none=True)
             loss = model(c, x)
-            if prefetch:
-                nc, nx = data[k[0] % len(data)]
+            if prefetch:  # as the tutorial shows: after the forward, before backward
                 model.inp.prefetch(nc)
                 model.out.prefetch(nx)
             loss.backward()
             opt.step()
 
-        return step, k
+        return step
 
-    def run(model, opt, label, prefetch=False, warmup=3):
-        step, k = make_step(model, opt, prefetch)
+    def run(model, opt, label, prefetch=False, **extra):
+        feed = Feed(lambda k: data[k % len(data)])
+        step = make_step(model, opt, feed, prefetch)
         torch.cuda.reset_peak_memory_stats()
-        t = wall_seconds(step, 20, warmup, 3)
+        t = wall_seconds(step, 20, 3, 3)
         res[label] = 1 / t
-        extra = {}
         if hasattr(model.inp, "cache_stats"):
-            extra = {"cache_" + name: m.cache_stats() for name, m in (("inp", model.inp), ("out", model.out))}
+            extra.update({"cache_" + name: m.cache_stats() for name, m in (("inp", model.inp), ("out", model.out))})
         emit(part="C", impl=label, steps_per_s=1 / t, ms_per_step=t * 1e3,
-             peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30, steps_run=k[0], **extra)
+             peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30, steps_run=feed.k, **extra)
+        return step, feed
 
     torch.manual_seed(0)
     dense = SkipGram(vocab, dim, lambda v, d: nn.Embedding(v, d)).to(dev)
     run(dense, torch.optim.Adam(dense.parameters(), lr=1e-3), "GPU: dense nn.Embedding + Adam (no cap)")
+    run(dense, torch.optim.Adam(dense.parameters(), lr=1e-3, fused=True),
+        "GPU: dense nn.Embedding + Adam(fused=True) (no cap)")
     del dense
+    gc.collect()
+    torch.cuda.empty_cache()
     sparse = SkipGram(vocab, dim, lambda v, d: nn.Embedding(v, d, sparse=True)).to(dev)
     sopt = torch.optim.SparseAdam(list(sparse.parameters()), lr=1e-3)
-    run(sparse, sopt, "GPU: nn.Embedding(sparse=True) + SparseAdam (no cap)")
+    step, _ = run(sparse, sopt, SPARSE)
     if profile:
-        profile_steps(make_step(sparse, sopt)[0], "SparseAdam on the GPU")
-    del sparse, sopt
+        profile_steps(step, "SparseAdam on the GPU")
+    del sparse, sopt, step
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -230,36 +275,79 @@ def part_c(state, profile=False):
     try:
         t0 = time.perf_counter()
         model = SkipGram(vocab, dim, lambda v, d: offload.OffloadedEmbedding(v, d)).to(dev)
-        opt = offload.attach(torch.optim.Adam(model.parameters(), lr=1e-3))
+        opts = {"foreach": offload.attach(torch.optim.Adam(model.parameters(), lr=1e-3))}
         emit(part="C", note="offloaded tables + Adam state created and pinned", s=time.perf_counter() - t0)
-        # cache sizes in bytes (weight + Adam state per row): the context table sees 6x the lookups
-        configs = [((0, 0), False), ((0, 0), True), ((512 << 20, 1 << 30), False), ((512 << 20, 1 << 30), True)]
-        for (inp_bytes, out_bytes), prefetch in configs:
-            for m, b in ((model.inp, inp_bytes), (model.out, out_bytes)):
+        base = torch.cuda.memory_allocated()
+
+        def set_caches(model, inp_rows, out_rows):
+            for m, r in ((model.inp, inp_rows), (model.out, out_rows)):
                 m.flush()
                 m._drop_cache()
-                m.cache_bytes = b
+                m.cache_bytes, m.cache_rows = None, r
+
+        def configure(model, opts, adam):
+            if adam not in opts:
+                offload.detach(opts["foreach"])
+                opts[adam] = offload.attach(torch.optim.Adam(model.parameters(), lr=1e-3, fused=True))
+            return opts[adam]
+
+        row_bytes = dim * 4 * 3  # weight + exp_avg + exp_avg_sq
+        # uncached first: their peak gives the working memory of a step, from which the cache size follows
+        work = 0
+        configs = [((0, 0), False, "foreach"), ((0, 0), True, "foreach"),
+                   (((512 << 20) // row_bytes, (1 << 30) // row_bytes), True, "foreach"),
+                   ("cap", True, "foreach"), ("cap", False, "foreach"), ("cap", True, "fused")]
+        for rows, prefetch, adam in configs:
+            if rows == "cap":
+                # The cap is the constraint: the caches get what is left of it after the data, the tables'
+                # slot maps (8 bytes per row), 1.5x the uncached step's working memory and 128 MiB of slack,
+                # split between the tables in proportion to their lookups per step (1 : 1 + neg): with
+                # log-uniform frequencies a cache row saves misses in proportion to the lookups.
+                left = cap - base - 2 * vocab * 8 - int(1.5 * work) - (128 << 20)
+                slots = max(0, left // (row_bytes + 18))  # (+ slot id, last use, dirty and fresh flags)
+                rows = (slots // (2 + neg), slots - slots // (2 + neg))
+            set_caches(model, *rows)
+            opt = configure(model, opts, adam)
             cap_rows = model.out._cache_capacity()
-            # a cached run is timed only once the caches are full (their first misses cost no write-back)
-            warm = 3 if not cap_rows else 45
-            label = (f"offload: cache {inp_bytes >> 20} + {out_bytes >> 20} MiB "
-                     f"({model.inp._cache_capacity()} + {cap_rows} rows), prefetch={prefetch} (capped)")
-            run(model, opt, label, prefetch, warmup=warm)
-            if profile and cap_rows and prefetch:
-                step = make_step(model, opt, prefetch)[0]
-                per_step, where = count_syncs(step)
-                emit(part="C", impl_sync=label, syncs_per_step=per_step, where=where)
-                profile_steps(step, label)
+            label = (f"offload: cache {model.inp._cache_capacity()} + {cap_rows} rows "
+                     f"({(model.inp._cache_capacity() + cap_rows) * row_bytes / 2**30:.2f} GiB), "
+                     f"prefetch={prefetch}, Adam {adam} (capped)")
+            try:
+                if cap_rows:  # a cached run is timed only once its caches are full (fresh batches until then)
+                    warm = make_step(model, opt, Feed(fresh_batch), prefetch)
+                    n_warm = 0
+                    while n_warm < 300 and any(m._cache is None or m._cache.filled < m._cache.capacity
+                                               for m in (model.inp, model.out)):
+                        warm()
+                        n_warm += 1
+                    emit(part="C", note=f"warm-up steps until the caches were full: {n_warm}", config=label)
+                torch.cuda.synchronize()
+                step, _ = run(model, opt, label, prefetch)
+                if rows == (0, 0) and prefetch:
+                    work = torch.cuda.max_memory_allocated() - base
+                    emit(part="C", note="working memory of an uncached step", gib=work / 2**30)
+                if profile and rows != (0, 0) and prefetch:
+                    per_step, where = count_syncs(step)
+                    emit(part="C", impl_sync=label, syncs_per_step=per_step, where=where)
+                    if adam == "fused":
+                        profile_steps(step, label)
+            except torch.OutOfMemoryError as e:
+                emit(part="C", impl=label, error=repr(e)[:300])
+            gc.collect()
         best = max(v for k, v in res.items() if k.startswith("offload"))
-        emit(part="C", offload_best_over_sparse_gpu=best / res["GPU: nn.Embedding(sparse=True) + SparseAdam (no cap)"],
-             offload_best_over_dense_gpu=best / res["GPU: dense nn.Embedding + Adam (no cap)"])
-        offload.detach(opt)
+        emit(part="C", offload_best_over_sparse_gpu=best / res[SPARSE],
+             offload_best_over_dense_gpu=best / max(v for k, v in res.items() if k.startswith("GPU: dense")))
+        for o in opts.values():
+            offload.detach(o)
         model.inp.table = model.out.table = None
-        del model, opt
+        del model, opts
         gc.collect()
         torch.cuda.empty_cache()
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+SPARSE = "GPU: nn.Embedding(sparse=True) + SparseAdam (no cap)"
 
 
 def part_d(state, budget_left, host_gib=0.0):
