@@ -2,15 +2,15 @@
 
 :class:`HostTable` is the building block of the package: a ``(num_rows, dim)`` table in page-locked host
 memory with ``gather(idx)`` (rows to the compute device) and ``scatter(idx, rows)`` (rows back), through
-one of two engines, plus :meth:`HostTable.prefetch` on a side stream. :class:`HostArray` is the read-mostly
+one of three engines, plus :meth:`HostTable.prefetch` on a side stream. :class:`HostArray` is the read-mostly
 variant for dataset rows of any shape.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
+import queue
 import tempfile
 import threading
 import time
@@ -90,15 +90,20 @@ the contiguous-copy bandwidth but those of a 5 GB table at 0.7 (address translat
 measuring table favours the UVA engine."""
 
 
+CHUNK_CHOICES_MIB = (2, 4, 8)
+"""Staging chunk sizes (MiB) that :func:`engine_choice` tries for the CPU engine."""
+
+
 def engine_choice(device: torch.device | str | int | None = None) -> dict[str, str]:
     """What ``"auto"`` picks on ``device`` for ``"gather"`` and ``"scatter"``: ``"uva"``, ``"cpu"`` or
     ``"hybrid"`` (both at once on disjoint rows).
 
     Measured once per device and process, on a pinned table of :data:`MEASURE_BYTES` (allocated for the
     measurement and freed after): 131,072 random rows gathered and scattered by the UVA engine, by the
-    CPU engine with staging chunks of 8, 16 and 32 MiB (the fastest chunk size is kept for the CPU engine
-    and the CPU part of the hybrid), and by the hybrid engine at several splits (the fastest split is
-    kept); the fastest engine wins. Without CuPy or a suitable GPU the answer is ``"cpu"``.
+    CPU engine with each staging chunk size of :data:`CHUNK_CHOICES_MIB` (the fastest is kept for the CPU
+    engine and the CPU part of the hybrid), and by the hybrid engine at several splits around the one at
+    which both parts would take equally long (the fastest split is kept); the fastest engine wins.
+    Without CuPy or a suitable GPU the answer is ``"cpu"``.
     """
     if not torch.cuda.is_available():
         return {"gather": "cpu", "scatter": "cpu"}
@@ -154,7 +159,7 @@ def _measure(device: torch.device) -> dict[str, str]:
 
             times = {"uva": timed("uva")}
             by_chunk = {}
-            for mib in (8, 16, 32):
+            for mib in CHUNK_CHOICES_MIB:
                 _chunks[(device.index, op)] = mib << 20
                 by_chunk[mib << 20] = timed("cpu")
             chunk = min(by_chunk, key=by_chunk.__getitem__)
@@ -162,7 +167,7 @@ def _measure(device: torch.device) -> dict[str, str]:
             times["cpu"] = by_chunk[chunk]
             even = times["cpu"] / (times["uva"] + times["cpu"])  # the split if the two added up
             by_split = {}
-            for f in sorted({round(even, 2), 0.5, 0.7, 0.8, 0.9}):
+            for f in sorted({round(even, 2), round(even - 0.1, 2), round(even + 0.1, 2), 0.3, 0.4, 0.5, 0.6, 0.7}):
                 _fractions[(device.index, op)] = min(0.95, max(0.05, f))
                 by_split[_fractions[(device.index, op)]] = timed("hybrid")
             _fractions[(device.index, op)] = min(by_split, key=by_split.__getitem__)
@@ -178,16 +183,19 @@ def _measure(device: torch.device) -> dict[str, str]:
 
 class _Staging:
     """Page-locked staging memory of the CPU engine, shared by the tables on one device: ``BYTES`` bytes in
-    units of 1 MiB, handed out in rotation as chunks of whole units. Each unit remembers the event recorded
-    after the copy that last used it, and is handed out again only once that copy has finished. Chunks
-    overlap the CPU's indexing of one chunk with the DMA of the previous ones."""
+    units of 1 MiB, handed out in rotation as pieces of whole units. Each unit remembers the event recorded
+    after the copy that last used it, and is handed out again only once that copy has finished.
+
+    A gather or scatter takes one piece per batch of rows (the whole call when it fits) and moves it in
+    chunks ("rounds") of ``CHUNK_BYTES``: the pool's threads copy the rows of one chunk while the DMA
+    engine moves the chunks before it."""
 
     BYTES = 64 << 20
     UNIT = 1 << 20
-    CHUNK_BYTES: int | None = None  # a fixed chunk size; None: as measured by engine_choice, else 16 MiB
-    # Each CPU gather or scatter call costs about 0.2 ms however small (torch's thread pool, measured on a
-    # 16-core VM with an H200), so chunks below 8 MiB lose more to that than they gain from overlap.
-    DEFAULT_CHUNK = 16 << 20
+    CHUNK_BYTES: int | None = None  # a fixed chunk size; None: as measured by engine_choice, else DEFAULT_CHUNK
+    # The worker pool has no per-call cost worth the name (torch's CPU indexing had about 0.2 ms per call on
+    # a 16-core VM with an H200), so chunks are small: the first DMA starts early.
+    DEFAULT_CHUNK = 4 << 20
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -202,6 +210,16 @@ class _Staging:
         """Rows per chunk for rows of ``row_bytes`` (0: a row does not fit, copy directly)."""
         want = type(self).CHUNK_BYTES or _chunks.get((self.device.index, op), self.DEFAULT_CHUNK)
         return min(max(want, row_bytes), self.nbytes) // row_bytes
+
+    def batches(self, n: int, row_bytes: int, per: int) -> list[tuple[int, int]]:
+        """Row ranges of ``n`` rows of ``row_bytes`` for one staging piece each, in whole chunks of ``per``
+        rows: all ``n`` at once when they fit, else at most a third of the staging memory each, so that one
+        batch can be held while the next is taken (see :meth:`max_pending`)."""
+        if n * row_bytes <= self.nbytes:
+            return [(0, n)]
+        third = (self.units + 1) // 3 * self.UNIT
+        step = per * max(1, third // (per * row_bytes))
+        return [(s, min(n, s + step)) for s in range(0, n, step)]
 
     def max_pending(self, nbytes: int) -> int:
         """How many chunks of ``nbytes`` a caller may hold (not yet consumed) while taking one more: so
@@ -250,6 +268,244 @@ def _wide(t: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# The CPU engine's row copies: a pool of worker threads
+
+CPU_THREADS: int | None = None
+"""Threads (the calling thread included) that copy rows for the CPU engine; ``None``:
+``torch.get_num_threads()``."""
+
+MIN_PIECE_BYTES = 64 << 10
+"""The least that one thread copies at a time (each piece costs a few microseconds of Python)."""
+
+FANOUT = 4
+"""How many sleeping workers each thread wakes when a copy starts (a tree: the caller does not pay for
+every wake-up itself)."""
+
+
+def _cpu_threads() -> int:
+    return max(1, int(CPU_THREADS or torch.get_num_threads()))
+
+
+def _row_array(t: Tensor) -> np.ndarray:
+    """A contiguous 2-D tensor as a 1-D numpy array of raw rows (one ``void`` element per row), so that a row
+    copy is one ``memcpy`` whatever the dtype (bfloat16 included). No data is copied."""
+    rows = t.shape[0]
+    row_bytes = t.shape[1] * t.element_size()
+    flat = t.detach().view(torch.uint8).reshape(-1).numpy() if t.numel() else np.empty(0, np.uint8)
+    return flat.view(np.dtype((np.void, row_bytes))).reshape(rows)
+
+
+def _take(src: np.ndarray, idx: np.ndarray, out: np.ndarray) -> None:
+    """``out[:] = src[idx]`` (numpy releases the GIL for it). Indices are checked before: ``mode="clip"``
+    spares numpy's own check and the copy of ``out`` that ``mode="raise"`` makes."""
+    np.take(src, idx, out=out, mode="clip")
+
+
+def _put(dst: np.ndarray, idx: np.ndarray, src: np.ndarray) -> None:
+    """``dst[idx] = src`` (numpy releases the GIL for it)."""
+    dst[idx] = src
+
+
+class _Job:
+    """One parallel row copy: ``fn(s, e)`` over pieces of the rows ``rounds[r] = (s, e)``.
+
+    Each round is cut into up to ``threads`` pieces of at least :data:`MIN_PIECE_BYTES`. Pieces are handed
+    out in order to the pool's workers and to the calling thread; a round whose pieces are all done is put
+    on :attr:`ready`. Rounds open to the workers one by one (:meth:`open`: scatter opens a round once its
+    rows have arrived in host memory) or all at once. The first exception stops the job; the caller
+    re-raises it after :meth:`close`, which returns once no thread runs a piece of the job any more.
+    """
+
+    def __init__(self, fn, rounds: list[tuple[int, int]], row_bytes: int, threads: int):
+        self.fn = fn
+        self.pieces: list[tuple[int, int]] = []
+        self.owner: list[int] = []
+        self.ends: list[int] = []  # pieces of rounds < r + 1
+        self.left: list[int] = []
+        for r, (s, e) in enumerate(rounds):
+            k = max(1, min(threads, (e - s), (e - s) * row_bytes // MIN_PIECE_BYTES))
+            for i in range(k):
+                self.pieces.append((s + (e - s) * i // k, s + (e - s) * (i + 1) // k))
+                self.owner.append(r)
+            self.ends.append(len(self.pieces))
+            self.left.append(k)
+        self.cond = threading.Condition(threading.Lock())
+        self.next = 0  # the next piece to hand out
+        self.opened = 0  # pieces below this may be handed out
+        self.active = 0  # threads inside run()
+        self.closed = False
+        self.error: BaseException | None = None
+        self.ready: queue.SimpleQueue[int] = queue.SimpleQueue()  # finished rounds; -1 after an error
+
+    def open(self, rounds: int) -> None:
+        """Let the workers take the pieces of the first ``rounds`` rounds."""
+        with self.cond:
+            self.opened = self.ends[rounds - 1] if rounds else 0
+            self.cond.notify_all()
+
+    def _piece(self, wait: bool) -> int | None:
+        with self.cond:
+            while True:
+                if self.closed or self.error is not None or self.next >= len(self.pieces):
+                    return None
+                if self.next < self.opened:
+                    self.next += 1
+                    return self.next - 1
+                if not wait:
+                    return None
+                self.cond.wait()
+
+    def _do(self, i: int) -> None:
+        s, e = self.pieces[i]
+        try:
+            self.fn(s, e)
+        except BaseException as exc:  # handed to the caller, which re-raises it
+            with self.cond:
+                if self.error is None:
+                    self.error = exc
+                self.cond.notify_all()
+            self.ready.put(-1)
+            return
+        with self.cond:
+            r = self.owner[i]
+            self.left[r] -= 1
+            if self.left[r] == 0:
+                self.ready.put(r)
+
+    def run(self) -> None:
+        """A worker's part: pieces until none is left (waiting for rounds still to open)."""
+        with self.cond:
+            if self.closed:
+                return
+            self.active += 1
+        try:
+            while (i := self._piece(wait=True)) is not None:
+                self._do(i)
+        finally:
+            with self.cond:
+                self.active -= 1
+                self.cond.notify_all()
+
+    def help(self) -> bool:
+        """The caller's part: one open piece, if there is one."""
+        i = self._piece(wait=False)
+        if i is None:
+            return False
+        self._do(i)
+        return True
+
+    def close(self) -> None:
+        """Hand out no more pieces and wait until no worker runs one."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+            while self.active:
+                self.cond.wait()
+
+
+class _Pool:
+    """Daemon worker threads for :class:`_Job`\\ s, started on first use (one pool per process; a forked
+    child starts its own)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.queues: list[queue.SimpleQueue] = []
+
+    def start(self, job: _Job, workers: int) -> None:
+        """Workers ``0 .. workers - 1`` join ``job``; each wakes up to :data:`FANOUT` of the others."""
+        with self.lock:
+            while len(self.queues) < workers:
+                q: queue.SimpleQueue = queue.SimpleQueue()
+                threading.Thread(target=self._main, args=(q,), daemon=True,
+                                 name=f"torchmb-offload-{len(self.queues)}").start()
+                self.queues.append(q)
+        self._wake(job, 0, workers)
+
+    def _wake(self, job: _Job, lo: int, hi: int) -> None:
+        """Wake workers ``lo .. hi - 1``: the first of each of up to FANOUT groups, which wakes the rest."""
+        n = hi - lo
+        if n <= 0:
+            return
+        step = -(-n // max(1, FANOUT))
+        for a in range(lo, hi, step):
+            self.queues[a].put((job, a + 1, min(hi, a + step)))
+
+    def _main(self, q: queue.SimpleQueue) -> None:
+        while True:
+            job, lo, hi = q.get()
+            try:
+                self._wake(job, lo, hi)
+            finally:
+                job.run()
+
+
+_pool: _Pool | None = None
+_pool_lock = threading.Lock()
+
+
+def _get_pool() -> _Pool:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = _Pool()
+        return _pool
+
+
+def _forget_pool() -> None:  # in a forked child: the parent's threads do not exist there
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _run_rows(fn, rounds: list[tuple[int, int]], row_bytes: int, *, on_ready=None, gates=None) -> None:
+    """Run ``fn(s, e)`` over every row range of ``rounds`` on the worker pool and the calling thread.
+
+    ``on_ready(r)`` runs in the calling thread as soon as round ``r`` is complete (rounds complete in any
+    order). ``gates[r]`` (an object with ``query()`` and ``synchronize()``, such as a CUDA event) holds
+    round ``r`` back until it has completed; rounds open in order. Exceptions raised by ``fn`` in any thread
+    (the first one) or by ``on_ready`` are raised here, once no thread runs ``fn`` any more.
+    """
+    if not rounds:
+        return
+    job = _Job(fn, rounds, row_bytes, _cpu_threads())
+    nrounds = len(rounds)
+    opened = 0
+    if gates is None:
+        job.open(nrounds)
+        opened = nrounds
+    workers = min(_cpu_threads(), len(job.pieces)) - 1
+    if workers > 0:
+        _get_pool().start(job, workers)
+    try:
+        done = 0
+        while done < nrounds and job.error is None:
+            while opened < nrounds and gates[opened].query():
+                opened += 1
+                job.open(opened)
+            try:
+                r = job.ready.get_nowait()
+            except queue.Empty:
+                if job.help():
+                    continue
+                if opened < nrounds:  # nothing to do before the next round's rows arrive
+                    gates[opened].synchronize()
+                    continue
+                r = job.ready.get()
+            if r < 0:
+                break
+            if on_ready is not None:
+                on_ready(r)
+            done += 1
+    finally:
+        job.close()
+    if job.error is not None:
+        raise job.error
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Index preparation
 
 
@@ -265,6 +521,17 @@ def _as_index(idx, device: torch.device) -> Tensor:
     if idx.dtype == torch.bool or idx.dtype.is_floating_point or idx.dtype.is_complex:
         raise TypeError(f"indices must be an integer tensor, got dtype {idx.dtype}")
     return idx.reshape(-1).to(device=device, dtype=torch.int64, non_blocking=True)
+
+
+def _host_index(idx: Tensor) -> Tensor:
+    """``idx`` (int64, on a CUDA device) in page-locked host memory, once the current stream has written it:
+    an asynchronous copy and one event wait (``idx.cpu()`` copies through pageable memory)."""
+    host = torch.empty(idx.shape, dtype=idx.dtype, pin_memory=True)
+    host.copy_(idx, non_blocking=True)
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(idx.device))
+    ev.synchronize()
+    return host
 
 
 def _check_bounds(lo: int, hi: int, num_rows: int) -> None:
@@ -288,15 +555,18 @@ class HostTable:
             or the CPU on a machine without CUDA).
         pin: page-lock the memory (default: whenever CUDA is available). Pinning is what makes
             asynchronous copies and the ``"uva"`` engine possible.
-        engine: ``"auto"``, ``"uva"`` or ``"cpu"``; ``None`` follows :func:`get_engine`.
+        engine: ``"auto"``, ``"uva"``, ``"cpu"`` or ``"hybrid"``; ``None`` follows :func:`get_engine`.
         fill: initial value of every element (``None`` leaves the memory uninitialised).
 
     Engines:
         ``"uva"`` launches a CuPy kernel that reads (writes) the page-locked rows directly over PCIe.
-        ``"cpu"`` gathers rows with a multi-threaded ``index_select`` into page-locked staging buffers and
-        copies them asynchronously, in chunks, so CPU gathering and the DMA overlap (scatter is the reverse).
-        ``"auto"`` uses :func:`engine_choice`, measured once per device. On a CPU compute device both are
-        plain CPU indexing.
+        ``"cpu"`` copies rows on a pool of CPU threads (numpy ``take``, which runs without the GIL) into
+        page-locked staging memory and copies each chunk to the GPU as soon as its rows are there, so CPU
+        gathering and the DMA overlap (scatter is the reverse: each chunk's rows are written into the
+        table as soon as its copy from the GPU has landed).
+        ``"hybrid"`` runs both at once on disjoint parts of the rows (the split is measured).
+        ``"auto"`` uses :func:`engine_choice`, measured once per device. On a CPU compute device every
+        engine is the thread pool's plain CPU indexing.
 
     Indices are checked before any engine touches host memory: they must be integers in
     ``[0, num_rows)``, else :class:`IndexError` names the first bad value and the table size. ``gather``
@@ -511,12 +781,12 @@ class HostTable:
             _uva.gather_rows(self._data, uniq[:k], rows[:k])
             self._note_gpu_access("read")
             with torch.cuda.stream(side):
-                self._gather_cpu(cpu_idx.cpu(), rows[k:])
+                self._gather_cpu(_host_index(cpu_idx), rows[k:])
         else:
             _uva.scatter_rows(self._data, uniq[:k], rows[:k])
             self._note_gpu_access("write")
             with torch.cuda.stream(side):
-                self._scatter_cpu(cpu_idx.cpu(), rows[k:])
+                self._scatter_cpu(_host_index(cpu_idx), rows[k:])
         main.wait_stream(side)
         rows.record_stream(side)
 
@@ -526,7 +796,7 @@ class HostTable:
         if n == 0:
             return
         if self.device.type != "cuda":
-            torch.index_select(self._data, 0, uniq.cpu() if uniq_cpu is None else uniq_cpu, out=out)
+            self._host_rows("gather", uniq.cpu() if uniq_cpu is None else uniq_cpu, out)
             return
         if engine == "uva":
             _uva.gather_rows(self._data, uniq, out)
@@ -536,9 +806,37 @@ class HostTable:
             self._hybrid("gather", uniq, uniq_cpu, out)
             return
         self.synchronize(reads=False)
-        self._gather_cpu(uniq.cpu() if uniq_cpu is None else uniq_cpu, out)
+        self._gather_cpu(_host_index(uniq) if uniq_cpu is None else uniq_cpu, out)
+
+    def _rows_np(self) -> np.ndarray:
+        """The table as numpy rows (see :func:`_row_array`), made once."""
+        got = getattr(self, "_np_rows", None)
+        if got is None:
+            got = self._np_rows = _row_array(self._data)
+        return got
+
+    def _host_rows(self, op: str, idx_cpu: Tensor, rows: Tensor) -> None:
+        """A CPU compute device: ``rows[:] = table[idx]`` or ``table[idx] = rows`` on the worker pool."""
+        row_bytes = self.dim * self._data.element_size()
+        if op == "gather":
+            if not rows.is_contiguous() or rows.dtype != self.dtype:
+                raise ValueError(f"gather needs a contiguous {self.dtype} output, got {rows.dtype}")
+            dst = _row_array(rows)
+        else:
+            src = _row_array(rows.detach().to(self.dtype).contiguous())
+            dst = self._rows_np()
+        table, idx = self._rows_np(), idx_cpu.numpy()
+        per = max(1, (_Staging.CHUNK_BYTES or _Staging.DEFAULT_CHUNK) // row_bytes)
+        rounds = [(s, min(idx.shape[0], s + per)) for s in range(0, idx.shape[0], per)]
+        if op == "gather":
+            _run_rows(lambda s, e: _take(table, idx[s:e], dst[s:e]), rounds, row_bytes)
+        else:
+            _run_rows(lambda s, e: _put(dst, idx[s:e], src[s:e]), rounds, row_bytes)
 
     def _gather_cpu(self, uniq_cpu: Tensor, out: Tensor) -> None:
+        """The CPU engine's gather to the GPU: the pool's threads copy rows into page-locked staging memory
+        chunk by chunk, and each chunk's copy to ``out`` is queued (on the current stream) as soon as its
+        rows are there."""
         n = uniq_cpu.numel()
         stage = _staging_for(self.device)
         stream = torch.cuda.current_stream(self.device)
@@ -548,14 +846,24 @@ class HostTable:
             if per == 0:  # a row longer than the staging memory: copy directly
                 out.copy_(self._data.index_select(0, uniq_cpu), non_blocking=False)
                 return
-            src = _wide(self._data)
-            for s in range(0, n, per):
-                e = min(n, s + per)
-                piece, ev = stage.take((e - s) * row_bytes)
-                view = piece.view(self.dtype).view(e - s, self.dim)
-                torch.index_select(src, 0, uniq_cpu[s:e], out=_wide(view))
-                out[s:e].copy_(view, non_blocking=True)
-                ev.record(stream)
+            src, idx = self._rows_np(), uniq_cpu.numpy()
+            for b0, b1 in stage.batches(n, row_bytes, per):
+                piece, ev = stage.take((b1 - b0) * row_bytes)
+                view = piece.view(self.dtype).view(b1 - b0, self.dim)
+                dst = _row_array(view)
+                rounds = [(s, min(b1, s + per)) for s in range(b0, b1, per)]
+
+                def fn(s, e, dst=dst, b0=b0):
+                    _take(src, idx[s:e], dst[s - b0:e - b0])
+
+                def on_ready(r, view=view, rounds=rounds, b0=b0):
+                    s, e = rounds[r]
+                    out[s:e].copy_(view[s - b0:e - b0], non_blocking=True)
+
+                try:
+                    _run_rows(fn, rounds, row_bytes, on_ready=on_ready)
+                finally:  # after every copy that was queued, also when a piece failed
+                    ev.record(stream)
 
     def _scatter_unique(self, uniq: Tensor, uniq_cpu: Tensor | None, rows: Tensor, engine: str) -> None:
         """``rows[uniq] = rows``; ``uniq`` checked and distinct, on ``self.device``."""
@@ -565,7 +873,7 @@ class HostTable:
         if n == 0:
             return
         if self.device.type != "cuda":
-            self._data.index_copy_(0, uniq.cpu() if uniq_cpu is None else uniq_cpu, rows.to(self.dtype))
+            self._host_rows("scatter", uniq.cpu() if uniq_cpu is None else uniq_cpu, rows)
             self._patch_prefetches(uniq, rows)
             return
         rows = rows.to(self.dtype).contiguous()
@@ -576,10 +884,13 @@ class HostTable:
             self._hybrid("scatter", uniq, uniq_cpu, rows)
         else:
             self.synchronize()
-            self._scatter_cpu(uniq.cpu() if uniq_cpu is None else uniq_cpu, rows)
+            self._scatter_cpu(_host_index(uniq) if uniq_cpu is None else uniq_cpu, rows)
         self._patch_prefetches(uniq, rows)
 
     def _scatter_cpu(self, uniq_cpu: Tensor, rows: Tensor) -> None:
+        """The CPU engine's scatter from the GPU: each chunk of ``rows`` is copied into page-locked staging
+        memory (queued on the current stream, all at once), and the pool's threads write a chunk's rows into
+        the table as soon as its copy has finished."""
         n = uniq_cpu.numel()
         stage = _staging_for(self.device)
         stream = torch.cuda.current_stream(self.device)
@@ -589,26 +900,37 @@ class HostTable:
             if per == 0:
                 self._data.index_copy_(0, uniq_cpu, rows.cpu())
                 return
-            dst = _wide(self._data)
-            pending: collections.deque[tuple[int, int, Tensor, torch.cuda.Event]] = collections.deque()
+            dst, idx = self._rows_np(), uniq_cpu.numpy()
+            batches = stage.batches(n, row_bytes, per)
+            # the next batch's copies may be queued while this one's rows are written only if its staging
+            # cannot overlap this one's
+            ahead = len(batches) > 1 and stage.max_pending(batches[0][1] * row_bytes) >= 1
 
-            def consume() -> None:
-                s, e, view, ev = pending.popleft()
-                ev.synchronize()
-                dst.index_copy_(0, uniq_cpu[s:e], _wide(view))
-
-            hold = stage.max_pending(per * row_bytes)
-            for s in range(0, n, per):
-                e = min(n, s + per)
-                while len(pending) > hold:
-                    consume()
-                piece, ev = stage.take((e - s) * row_bytes)
-                view = piece.view(self.dtype).view(e - s, self.dim)
-                view.copy_(rows[s:e], non_blocking=True)
+            def stage_in(b0: int, b1: int):
+                piece, ev = stage.take((b1 - b0) * row_bytes)
+                view = piece.view(self.dtype).view(b1 - b0, self.dim)
+                rounds = [(s, min(b1, s + per)) for s in range(b0, b1, per)]
+                gates = []
+                for s, e in rounds:
+                    view[s - b0:e - b0].copy_(rows[s:e], non_blocking=True)
+                    gate = torch.cuda.Event()
+                    gate.record(stream)
+                    gates.append(gate)
                 ev.record(stream)
-                pending.append((s, e, view, ev))
-            while pending:
-                consume()
+                return b0, _row_array(view), rounds, gates
+
+            pending = stage_in(*batches[0])
+            for k in range(len(batches)):
+                b0, src, rounds, gates = pending
+                if ahead and k + 1 < len(batches):
+                    pending = stage_in(*batches[k + 1])
+
+                def fn(s, e, src=src, b0=b0):
+                    _put(dst, idx[s:e], src[s - b0:e - b0])
+
+                _run_rows(fn, rounds, row_bytes, gates=gates)
+                if not ahead and k + 1 < len(batches):
+                    pending = stage_in(*batches[k + 1])
 
     # -- public gather / scatter -------------------------------------------------------------------------
     def prepare(self, idx, *, unique: bool = False) -> tuple[Tensor, Tensor | None]:

@@ -4,13 +4,13 @@ Default: part A, which bench_offload.py runs from here too: a 10M x 128 fp32 tab
 normal_, pinned in place; 131,072 rows gathered and scattered by each engine and by the ``auto`` choice,
 each figure against a pinned contiguous copy of the same bytes measured in the same run.
 
-``--explore`` adds the measurements that locate the limits: UVA kernel shapes and cache policies, the
-access pattern (contiguous rows, a small window, the whole table, sorted or not), a huge-page table, the
-CPU engine's staging chunk and CPU indexing alone, hybrid splits, the host-side work (dedup, bounds
-check, syncs), UVA traffic concurrent with a DMA copy, and the ceiling of a device-side gather plus one
-contiguous copy.
+``--explore`` adds the measurements that locate the limits: the UVA kernel on four access patterns
+(contiguous rows, a small window, the whole table sorted and unsorted), UVA traffic concurrent with a DMA
+copy, the CPU engine's worker pool (its fixed cost, CPU copies alone by thread count against torch's
+indexing, the staging chunk size and thread count with the DMA) and hybrid splits. ``--explore-all``
+adds UVA launch shapes and cache policies, a cudaHostAlloc table and a huge-page table (slow).
 
-    PYTHONPATH=. python3 tests/benchmarks/bench_host_table.py --out host_table.json [--explore]
+    PYTHONPATH=. python3 tests/benchmarks/bench_host_table.py --out host_table.json [--explore | --explore-all]
 """
 
 from __future__ import annotations
@@ -247,70 +247,78 @@ def host_side(s):
     emit(part="X", what="torch.empty rows on GPU", ms=t * 1e3)
 
 
+def pool_overhead(s):
+    """The worker pool's fixed cost: a call whose pieces do nothing, on 1 (the caller alone) to 16 threads,
+    with each thread waking FANOUT others (and the caller waking them all)."""
+    old = _table.CPU_THREADS, _table.FANOUT
+    try:
+        for threads in (1, 4, 8, 16):
+            for fanout in ((4, 16) if threads > 4 else (4,)):
+                _table.CPU_THREADS, _table.FANOUT = threads, fanout
+                rounds = [(0, threads)]
+                for _ in range(20):
+                    _table._run_rows(lambda a, b: None, rounds, 1 << 20)
+                t0 = time.perf_counter()
+                for _ in range(200):
+                    _table._run_rows(lambda a, b: None, rounds, 1 << 20)
+                emit(part="X", what="pool: empty call", threads=threads, fanout=fanout,
+                     us=(time.perf_counter() - t0) / 200 * 1e6)
+    finally:
+        _table.CPU_THREADS, _table.FANOUT = old
+
+
 def cpu_side(s):
+    """CPU copies alone (no DMA): the pool's numpy take / put between the table and page-locked memory, by
+    thread count, against torch's multi-threaded index_select / index_copy_."""
     data, n, dim, nbytes = s["data"], s["n"], s["dim"], s["nbytes"]
     ic = s["uniq_sorted"].cpu()
     pin = torch.empty(n, dim, pin_memory=True)
-    src = torch.randn(n, dim).pin_memory()
-    w_data, w_pin, w_src = _table._wide(data), _table._wide(pin), _table._wide(src)
-    for label, fn in [("index_select fp32", lambda: torch.index_select(data, 0, ic, out=pin)),
-                      ("index_select wide", lambda: torch.index_select(w_data, 0, ic, out=w_pin)),
-                      ("index_copy_ fp32", lambda: data.index_copy_(0, ic, src)),
-                      ("index_copy_ wide", lambda: w_data.index_copy_(0, ic, w_src))]:
-        t = wall_seconds(fn, 5)
-        emit(part="X", what=f"CPU alone: {label}, {torch.get_num_threads()} threads", ms=t * 1e3,
-             GBps=nbytes / t / 1e9)
+    src_rows, pin_rows, idx = _table._row_array(data), _table._row_array(pin), ic.numpy()
+    w_data, w_pin = _table._wide(data), _table._wide(pin)
+    t = wall_seconds(lambda: torch.index_select(w_data, 0, ic, out=w_pin), 5)
+    emit(part="X", what=f"CPU alone: torch index_select, {torch.get_num_threads()} threads", ms=t * 1e3,
+         GBps=nbytes / t / 1e9)
+    t = wall_seconds(lambda: w_data.index_copy_(0, ic, w_pin), 5)
+    emit(part="X", what=f"CPU alone: torch index_copy_, {torch.get_num_threads()} threads", ms=t * 1e3,
+         GBps=nbytes / t / 1e9)
+    per = (4 << 20) // 512
+    rounds = [(a, min(n, a + per)) for a in range(0, n, per)]
+    old = _table.CPU_THREADS
+    try:
+        for threads in (1, 4, 8, 12, 16):
+            _table.CPU_THREADS = threads
+            tg = wall_seconds(lambda: _table._run_rows(
+                lambda a, b: _table._take(src_rows, idx[a:b], pin_rows[a:b]), rounds, 512), 5)
+            ts = wall_seconds(lambda: _table._run_rows(
+                lambda a, b: _table._put(src_rows, idx[a:b], pin_rows[a:b]), rounds, 512), 5)
+            emit(part="X", what="CPU alone: pool take / put", threads=threads, take_ms=tg * 1e3,
+                 take_GBps=nbytes / tg / 1e9, put_ms=ts * 1e3, put_GBps=nbytes / ts / 1e9)
+    finally:
+        _table.CPU_THREADS = old
 
 
 def cpu_engine_chunks(s):
     table, dbuf, h2d, d2h, uniq_sorted = (s[k] for k in ("table", "dbuf", "h2d", "d2h", "uniq_sorted"))
     src = torch.randn(s["n"], s["dim"], device=dev)
     table.engine = "cpu"
-    old = _table._Staging.CHUNK_BYTES
-    for mib in (2, 4, 8, 16, 32):
-        _table._Staging.CHUNK_BYTES = mib << 20
-        tg = wall_seconds(lambda: table.gather(uniq_sorted, unique=True, out=dbuf), 10)
-        ts = wall_seconds(lambda: table.scatter(uniq_sorted, src, unique=True), 10)
-        emit(part="X", what="cpu engine chunk", chunk_mib=mib, gather_ms=tg * 1e3, gather_ratio=h2d / tg,
-             scatter_ms=ts * 1e3, scatter_ratio=d2h / ts)
-    _table._Staging.CHUNK_BYTES = old
-    table.engine = None
-
-
-def chunk_breakdown(s):
-    """Host-side time of each step of the CPU engine's gather loop, per chunk, for small and large chunks."""
-    data, uniq_sorted = s["data"], s["uniq_sorted"]
-    out = torch.empty(s["n"], s["dim"], device=dev)
-    ic = uniq_sorted.cpu()
-    stage = _table._staging_for(torch.device("cuda", torch.cuda.current_device()))
-    stream = torch.cuda.current_stream()
-    src = _table._wide(data)
-    for mib in (1, 8):
-        per = (mib << 20) // 512
-        acc = dict(take=0.0, index_select=0.0, copy=0.0, record=0.0)
-        torch.cuda.synchronize()
-        t_all = time.perf_counter()
-        for lo in range(0, s["n"], per):
-            hi = min(s["n"], lo + per)
-            t0 = time.perf_counter()
-            piece, ev = stage.take((hi - lo) * 512)
-            t1 = time.perf_counter()
-            view = piece.view(torch.float32).view(hi - lo, s["dim"])
-            torch.index_select(src, 0, ic[lo:hi], out=_table._wide(view))
-            t2 = time.perf_counter()
-            out[lo:hi].copy_(view, non_blocking=True)
-            t3 = time.perf_counter()
-            ev.record(stream)
-            t4 = time.perf_counter()
-            for k, v in zip(acc, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
-                acc[k] += v
-        t_host = time.perf_counter() - t_all
-        torch.cuda.synchronize()
-        t_total = time.perf_counter() - t_all
-        chunks = -(-s["n"] // per)
-        emit(part="X", what="cpu gather loop breakdown (host ms, summed over chunks)", chunk_mib=mib, chunks=chunks,
-             host_ms=t_host * 1e3, total_ms=t_total * 1e3, **{k: v * 1e3 for k, v in acc.items()},
-             pinned=bool(view.is_pinned()))
+    old = _table._Staging.CHUNK_BYTES, _table.CPU_THREADS
+    try:
+        for mib in (1, 2, 4, 8, 16):
+            _table._Staging.CHUNK_BYTES = mib << 20
+            tg = wall_seconds(lambda: table.gather(uniq_sorted, unique=True, out=dbuf), 10)
+            ts = wall_seconds(lambda: table.scatter(uniq_sorted, src, unique=True), 10)
+            emit(part="X", what="cpu engine chunk", chunk_mib=mib, gather_ms=tg * 1e3, gather_ratio=h2d / tg,
+                 scatter_ms=ts * 1e3, scatter_ratio=d2h / ts)
+        _table._Staging.CHUNK_BYTES = 4 << 20
+        for threads in (8, 12, 15):
+            _table.CPU_THREADS = threads
+            tg = wall_seconds(lambda: table.gather(uniq_sorted, unique=True, out=dbuf), 10)
+            ts = wall_seconds(lambda: table.scatter(uniq_sorted, src, unique=True), 10)
+            emit(part="X", what="cpu engine threads", chunk_mib=4, threads=threads, gather_ms=tg * 1e3,
+                 gather_ratio=h2d / tg, scatter_ms=ts * 1e3, scatter_ratio=d2h / ts)
+    finally:
+        _table._Staging.CHUNK_BYTES, _table.CPU_THREADS = old
+        table.engine = None
 
 
 def hostalloc_table(s):
@@ -339,7 +347,7 @@ def hybrid_split(s):
     emit(part="X", what="measured hybrid fractions (uva share)", fractions={str(k): v for k, v in saved.items()})
     emit(part="X", what="measured cpu chunks", chunks={str(k): v >> 20 for k, v in _table._chunks.items()})
     table.engine = "hybrid"
-    for f in (0.5, 0.6, 0.7, 0.8, 0.9):
+    for f in (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8):
         _table._fractions[(dev.index or 0, "gather")] = f
         _table._fractions[(dev.index or 0, "scatter")] = f
         tg = wall_seconds(lambda: table.gather(uniq_sorted, unique=True, out=dbuf), 10)
@@ -385,6 +393,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "host_table.json"))
     ap.add_argument("--explore", action="store_true")
+    ap.add_argument("--explore-all", action="store_true", help="--explore plus launch shapes, cudaHostAlloc and "
+                    "huge-page tables (slow)")
     ap.add_argument("--ncu", action="store_true", help="a few kernels on a 1 GiB table, for ncu")
     args = ap.parse_args()
     if args.ncu:
@@ -414,9 +424,11 @@ def main():
     s = setup()
     anchors(s)
     steps = [part_a]
-    if args.explore:
-        steps = [part_a, lambda s: kernel_variants(s, s["data"], "main"), concurrency, chunk_breakdown,
-                 cpu_engine_chunks, hybrid_split, hostalloc_table]
+    if args.explore or args.explore_all:
+        steps = [part_a, lambda s: kernel_variants(s, s["data"], "default shape"), concurrency, pool_overhead,
+                 cpu_side, cpu_engine_chunks, hybrid_split]
+        if args.explore_all:
+            steps += [lambda s: kernel_variants(s, s["data"], "main"), hostalloc_table, huge_table]
     for step in steps:
         try:
             step(s)

@@ -192,31 +192,82 @@ def test_uva_kernel_refuses_out_of_range_indices():
     assert torch.equal(big.isnan(), after.isnan()) and torch.equal(big.nan_to_num(), after.nan_to_num())
 
 
-@pytest.mark.parametrize("chunk", [4 << 10, 12 << 10, 40 << 10])
-def test_cpu_engine_staging_rotation_wraps(monkeypatch, chunk):
-    """The CPU engine with tiny staging memory (16 units of 4 KiB): many chunks of 1, 3 or 10 units, the
-    rotation wraps around many times (with a gap at the end for 3 and 10), and scatter's pending chunks
-    are never overwritten before they are consumed."""
+@pytest.mark.parametrize("engine", ["cpu", "hybrid"])
+@pytest.mark.parametrize("threads", [1, 6])
+@pytest.mark.parametrize("chunk", [4 << 10, (12 << 10) + 100, 40 << 10])
+def test_cpu_engine_staging_rotation_wraps(monkeypatch, engine, threads, chunk):
+    """The CPU engine (alone and as the hybrid's CPU part) with tiny staging memory (16 units of 4 KiB):
+    chunks of 1, 3 (a size that is no multiple of the row) or 10 units, cut into pieces among 1 or 6
+    threads; the rotation wraps around many times, batches are taken one after the other, and every result
+    equals plain indexing of an independent copy of the table, down to n = 1 and n below the threads."""
+    if engine == "hybrid":
+        pytest.importorskip("cupy")
     from offload import _table
 
     dev = torch.device("cuda", torch.cuda.current_device())
     monkeypatch.setattr(_table._Staging, "BYTES", 64 << 10)
     monkeypatch.setattr(_table._Staging, "UNIT", 4 << 10)
     monkeypatch.setattr(_table._Staging, "CHUNK_BYTES", chunk)
+    monkeypatch.setattr(_table, "CPU_THREADS", threads)
+    monkeypatch.setattr(_table, "MIN_PIECE_BYTES", 1024)
+    for op in ("gather", "scatter"):  # the hybrid gives the UVA kernel 30% of the rows
+        monkeypatch.setitem(_table._fractions, (dev.index, op), 0.3)
     old = _table._staging.pop(dev.index, None)
     try:
         g = torch.Generator().manual_seed(3)
         src = torch.randn(20_000, 128, generator=g)
-        t = offload.HostTable.from_tensor(src, device=dev, engine="cpu")
-        idx = torch.randperm(20_000, generator=g)[:5003]
-        assert torch.equal(t.gather(idx.cuda(), unique=True).cpu(), src[idx])
-        vals = torch.randn(5003, 128, generator=g)
-        t.scatter(idx.cuda(), vals.cuda(), unique=True)
         expected = src.clone()
-        expected[idx] = vals
-        assert torch.equal(t.data, expected)
+        t = offload.HostTable.from_tensor(src, device=dev, engine=engine)
+        for n in (5003, 1, 2, 130):
+            idx = torch.randperm(20_000, generator=g)[:n]
+            assert torch.equal(t.gather(idx.cuda(), unique=True).cpu(), expected[idx])
+            dup = torch.cat([idx, idx[: n // 2]]).cuda()
+            assert torch.equal(t.gather(dup).cpu(), expected[dup.cpu()])
+            vals = torch.randn(n, 128, generator=g)
+            t.scatter(idx.cuda(), vals.cuda(), unique=True)
+            expected[idx] = vals
+            assert torch.equal(t.data, expected)
         assert _table._staging[dev.index].units == 16
     finally:  # later users get staging of the default size again
         _table._staging.pop(dev.index, None)
         if old is not None:
             _table._staging[dev.index] = old
+
+
+@pytest.mark.parametrize("op", ["gather", "scatter"])
+def test_cpu_engine_worker_exception_reaches_the_caller(monkeypatch, op):
+    """A pool thread that fails while copying rows makes the GPU gather / scatter raise its exception; the
+    staging memory stays consistent (the next calls are right)."""
+    import threading
+    import time
+
+    from offload import _table
+
+    monkeypatch.setattr(_table, "CPU_THREADS", 4)
+    monkeypatch.setattr(_table, "MIN_PIECE_BYTES", 4096)
+    monkeypatch.setattr(_table._Staging, "CHUNK_BYTES", 64 << 10)
+    main = threading.get_ident()
+    name = "_take" if op == "gather" else "_put"
+    real = getattr(_table, name)
+
+    def broken(*args):
+        if threading.get_ident() != main:
+            raise MemoryError(f"a worker failed to {op} rows")
+        time.sleep(0.002)  # a slow caller: the workers get pieces
+        real(*args)
+
+    g = torch.Generator().manual_seed(5)
+    src = torch.randn(30_000, 64, generator=g)
+    expected = src.clone()
+    t = offload.HostTable.from_tensor(src, device="cuda", engine="cpu")
+    idx = torch.randperm(30_000, generator=g)[:8000].cuda()
+    vals = torch.randn(8000, 64, generator=g).cuda()
+    monkeypatch.setattr(_table, name, broken)
+    with pytest.raises(MemoryError, match=f"a worker failed to {op} rows"):
+        for _ in range(5):  # until a worker (not the caller) takes a piece
+            t.gather(idx, unique=True) if op == "gather" else t.scatter(idx, vals, unique=True)
+    monkeypatch.setattr(_table, name, real)
+    assert torch.equal(t.gather(idx, unique=True).cpu(), t.data[idx.cpu()])
+    t.scatter(idx, vals, unique=True)
+    expected[idx.cpu()] = vals.cpu()
+    assert torch.equal(t.data, expected)

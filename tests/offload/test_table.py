@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -236,3 +238,176 @@ def test_distinct_indices_in_any_order_keep_their_order(device):
     with pytest.raises(ValueError, match="index 12 appears more than once"):
         t.scatter(torch.tensor([40, 12, 7, 12, 40]).to(device), torch.zeros(5, 5, device=device))
     assert torch.equal(t.data, expected)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The CPU engine's worker pool (on a CPU compute device every gather and scatter runs on it)
+
+
+def _pool_settings(monkeypatch, threads, chunk_bytes, piece_bytes=1):
+    from offload import _table
+
+    monkeypatch.setattr(_table, "CPU_THREADS", threads)
+    monkeypatch.setattr(_table, "MIN_PIECE_BYTES", piece_bytes)
+    monkeypatch.setattr(_table._Staging, "CHUNK_BYTES", chunk_bytes)
+
+
+@pytest.mark.parametrize("threads", [1, 3, 8])
+@pytest.mark.parametrize("chunk_rows", [1, 3.3, 64, 10_000])
+@pytest.mark.parametrize("n", [1, 2, 7, 1000])
+@pytest.mark.parametrize("dtype,dim", [(torch.float32, 5), (torch.bfloat16, 3), (torch.float64, 16)])
+def test_pooled_gather_and_scatter_match_indexing(monkeypatch, threads, chunk_rows, n, dtype, dim):
+    """Rows copied in chunks of 1, 3.3 (chunk sizes that are no multiple of the row size), 64 or more rows
+    than asked for, cut into pieces among 1, 3 or 8 threads (so n = 1 and 2 leave workers without work),
+    equal plain indexing of an independent copy of the table."""
+    row_bytes = dim * torch.empty((), dtype=dtype).element_size()
+    _pool_settings(monkeypatch, threads, int(chunk_rows * row_bytes))
+    g = torch.Generator().manual_seed(n * 31 + threads)
+    ref = (torch.randn(3000, dim, generator=g) * 100).to(dtype)
+    t = offload.HostTable.from_tensor(ref, device="cpu", engine="cpu")
+    expected = ref.clone()
+    idx = torch.randperm(3000, generator=g)[:n]
+    assert torch.equal(t.gather(idx, unique=True), expected[idx])
+    dup = torch.cat([idx, idx[: n // 2]])  # deduplicated, then gathered in pieces
+    assert torch.equal(t.gather(dup.view(1, -1)), expected[dup].view(1, -1, dim))
+    vals = (torch.randn(n, dim, generator=g) * 100).to(dtype)
+    t.scatter(idx, vals)
+    expected[idx] = vals
+    assert torch.equal(t.data, expected)
+    vals = (torch.randn(n, dim, generator=g) * 100).to(dtype)
+    t.scatter(idx.sort().values, vals, unique=True)
+    expected[idx.sort().values] = vals
+    assert torch.equal(t.data, expected)
+
+
+def test_pool_threads_do_the_work(monkeypatch):
+    """With 4 threads and enough rows, pieces run on pool threads as well as on the caller."""
+    from offload import _table
+
+    _pool_settings(monkeypatch, 4, 64 * 20)
+    seen = set()
+    real = _table._take
+
+    def spy(src, idx, out):
+        seen.add(threading.get_ident())
+        time.sleep(0.002)  # long enough that the caller cannot take every piece before a worker wakes
+        real(src, idx, out)
+
+    monkeypatch.setattr(_table, "_take", spy)
+    src, t = _table_of(rows=2000, dim=16)
+    idx = torch.arange(0, 2000, 3)
+    assert torch.equal(t.gather(idx, unique=True), src[idx])
+    assert threading.get_ident() in seen and len(seen) > 1
+
+
+def _table_of(rows, dim):
+    src = torch.randn(rows, dim, generator=torch.Generator().manual_seed(rows))
+    return src, offload.HostTable.from_tensor(src, device="cpu")
+
+
+class _Gate:
+    """A stand-in for a CUDA event: opened by a timer thread."""
+
+    def __init__(self, delay):
+        self.event = threading.Event()
+        self.timer = threading.Timer(delay, self.event.set)
+        self.timer.start()
+
+    def query(self):
+        return self.event.is_set()
+
+    def synchronize(self):
+        self.event.wait()
+
+
+def test_run_rows_covers_every_row_once_and_respects_gates(monkeypatch):
+    from offload import _table
+
+    monkeypatch.setattr(_table, "CPU_THREADS", 6)
+    monkeypatch.setattr(_table, "MIN_PIECE_BYTES", 1)
+    rounds = [(0, 5), (5, 6), (6, 40), (40, 41), (41, 100)]
+    gates = [_Gate(0.01 * (r + 1)) for r in range(len(rounds))]
+    hits = np.zeros(100, dtype=np.int64)
+    lock = threading.Lock()
+    early = []
+
+    def fn(s, e):
+        r = next(i for i, (a, b) in enumerate(rounds) if a <= s < b)
+        if not gates[r].query():
+            early.append((s, e))
+        assert rounds[r][0] <= s < e <= rounds[r][1]  # pieces never straddle a round
+        with lock:
+            hits[s:e] += 1
+
+    ready = []
+
+    def on_ready(r):
+        ready.append(r)
+
+    _table._run_rows(fn, rounds, 8, gates=gates)
+    assert hits.tolist() == [1] * 100 and not early
+    hits[:] = 0
+    _table._run_rows(fn, rounds, 8, on_ready=on_ready)  # without gates: every round at once
+    assert hits.tolist() == [1] * 100 and sorted(ready) == list(range(len(rounds)))
+
+
+def test_worker_exception_reaches_the_caller(monkeypatch):
+    """An exception raised in a pool thread is raised by the call, once no thread copies rows any more; the
+    pool works on afterwards, and an exception of on_ready (the caller's part) surfaces too."""
+    from offload import _table
+
+    monkeypatch.setattr(_table, "CPU_THREADS", 4)
+    monkeypatch.setattr(_table, "MIN_PIECE_BYTES", 1)
+    main = threading.get_ident()
+    running = [0]
+    lock = threading.Lock()
+    failed = []
+
+    def fn(s, e):
+        with lock:
+            running[0] += 1
+        try:
+            time.sleep(0.002)
+            if threading.get_ident() != main and not failed:
+                failed.append(s)
+                raise KeyError(f"piece {s} failed in a worker")
+        finally:
+            with lock:
+                running[0] -= 1
+
+    with pytest.raises(KeyError, match="failed in a worker"):
+        _table._run_rows(fn, [(0, 40), (40, 80)], 8)
+    assert running[0] == 0 and failed
+    hits = np.zeros(80, dtype=np.int64)
+    _table._run_rows(lambda s, e: hits.__setitem__(slice(s, e), hits[s:e] + 1), [(0, 40), (40, 80)], 8)
+    assert hits.tolist() == [1] * 80
+
+    def bad_ready(r):
+        raise RuntimeError(f"round {r} could not be shipped")
+
+    def slow(s, e):
+        with lock:
+            running[0] += 1
+        time.sleep(0.002)
+        with lock:
+            running[0] -= 1
+
+    with pytest.raises(RuntimeError, match="could not be shipped"):
+        _table._run_rows(slow, [(0, 40), (40, 80)], 8, on_ready=bad_ready)
+    assert running[0] == 0
+
+    src, t = _table_of(rows=500, dim=4)
+    real = _table._take
+
+    def broken(s, idx, out):
+        if threading.get_ident() != main:
+            raise OSError("worker could not read the table")
+        time.sleep(0.005)  # the caller is slow: the workers get pieces
+        real(s, idx, out)
+
+    monkeypatch.setattr(_table, "_take", broken)
+    with pytest.raises(OSError, match="worker could not read the table"):
+        for _ in range(5):  # until a worker (not the caller) takes a piece
+            t.gather(torch.arange(0, 500, 2), unique=True)
+    monkeypatch.setattr(_table, "_take", real)
+    assert torch.equal(t.gather(torch.arange(0, 500, 2), unique=True), src[::2])
