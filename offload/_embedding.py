@@ -28,7 +28,8 @@ from ._table import HostTable, Prefetch, _as_index, _check_bounds
 
 __all__ = ["OffloadedEmbedding", "attach", "detach"]
 
-_INT64_MAX = torch.iinfo(torch.int64).max
+_INT32_MAX = torch.iinfo(torch.int32).max
+_SORTED_WRITE_BACK_ROWS = 1 << 15  # evictions at least this large are written back in ascending row order
 _FLUSH_ROWS = 1 << 16
 _ALL: weakref.WeakSet[OffloadedEmbedding] = weakref.WeakSet()
 
@@ -95,6 +96,7 @@ class _Cache:
     Everything a lookup needs is a device tensor (``slot_of``: row id -> slot), so a hit costs no host work.
     Every array has one row more than there are slots: row ``capacity`` is a scratch row that absorbs the
     reads and writes of rows that are not cached, so no step needs the number of cached rows on the host.
+    ``slot_of`` maps a row that is not cached to that scratch row, so slots index every array as they are.
     """
 
     def __init__(self, capacity: int, num_rows: int, dim: int, dtype: torch.dtype, device: torch.device):
@@ -102,31 +104,32 @@ class _Cache:
         self.weight = torch.empty(capacity + 1, dim, dtype=dtype, device=device)
         self.states: dict[str, Tensor] = {}
         # int64, as every index op takes it (an int32 map would cost a conversion per lookup)
-        self.slot_of = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
+        self.slot_of = torch.full((num_rows,), capacity, dtype=torch.int64, device=device)
         self.ids = torch.full((capacity + 1,), -1, dtype=torch.int64, device=device)
-        self.last_use = torch.full((capacity + 1,), -1, dtype=torch.int64, device=device)
+        # the step that last used a slot: int32, so that the least recently used are found by a top-k over
+        # half the key bits (a radix select does a pass per 8 bits)
+        self.last_use = torch.full((capacity + 1,), -1, dtype=torch.int32, device=device)
         self.dirty = torch.zeros(capacity + 1, dtype=torch.bool, device=device)
-        self.fresh = torch.zeros(capacity + 1, dtype=torch.bool, device=device)  # admitted by prefetch, unused
+        self.fresh = torch.full((capacity + 1,), -1, dtype=torch.int64, device=device)  # prefetch that admitted it
+        self.gen = 0  # prefetch admissions so far (the value ``fresh`` records)
+        self.first_gen: int | None = None  # the first prefetch admission since the last switch-in
+        self.prefetches = 0  # prefetch calls since the last switch-in
         self.clock = 0
         self.filled = 0  # slots holding a row: they fill in order (empty slots are evicted first), never empty
         self.protected = 0  # upper bound on the slots the current step uses (they are not evicted)
         self.reserved = 0  # slots admitted by prefetch for the next step
         self.hits = 0
         self.misses = 0
-        self.prefetch_hits = torch.zeros((), dtype=torch.int64, device=device)  # hits on rows prefetched
+        self.prefetch_hits = 0  # hits on rows admitted by prefetch (they were counted as misses then)
+        self.prefetch_hits_dev: Tensor | None = None  # the same, counted on the device where the host cannot
         self.stream: torch.cuda.Stream | None = None  # side stream of prefetch admissions
         self.ready = None  # event: the last prefetch admission is complete
-
-    def slot_index(self, slots: Tensor) -> Tensor:
-        """``slots`` with -1 (not cached) replaced by the scratch row."""
-        return slots.masked_fill(slots < 0, self.capacity)
 
 
 @dataclass
 class _Chunk:
     ids: Tensor  # distinct row ids (device), sorted
-    slots: Tensor | None  # cache slot per row (int64), -1 = not cached (bypass); None without a cache
-    dest: Tensor | None = None  # ``slots`` with the scratch row for -1: where the rows are read and stored
+    slots: Tensor | None  # cache slot per row (int64), the scratch row = not cached (bypass); None without one
     states: dict[str, Prefetch] = field(default_factory=dict)  # state rows of the misses being gathered
     miss_pos: Tensor | None = None  # positions (into ids) of the rows that came from the host
     n_admit: int = 0  # the first n_admit of them were admitted to the cache (slots admit_slots)
@@ -142,7 +145,7 @@ class _Chunk:
 class _Work:
     chunks: list[_Chunk]
     sorted_ids: Tensor
-    perm: Tensor
+    perm: Tensor | None  # sorted_ids[i] is row perm[i] of the working set (None: the identity)
     version: int = 0
     renormed: bool = False
     folded: bool = False
@@ -160,6 +163,7 @@ class _Next:
     ids: Tensor
     inverse: Tensor
     all_cached: bool  # every row is in the cache at the next switch-in (so no read-back is needed there)
+    n_admit: int = 0  # rows that the prefetch admitted to the cache
 
     def matches(self, flat: Tensor) -> bool:
         return (flat.data_ptr() == self.ptr and flat.numel() == self.flat.numel() and flat.dtype == self.flat.dtype
@@ -413,7 +417,8 @@ class OffloadedEmbedding(nn.Module):
         c = self._cache
         if c is None:
             return {"capacity": self._cache_capacity(), "hits": 0, "misses": 0}
-        return {"capacity": self._cache_capacity(), "hits": c.hits - int(c.prefetch_hits), "misses": c.misses}
+        hits = c.hits - c.prefetch_hits - (0 if c.prefetch_hits_dev is None else int(c.prefetch_hits_dev))
+        return {"capacity": self._cache_capacity(), "hits": hits, "misses": c.misses}
 
     def _join(self, host: bool = True) -> None:
         """Make the current stream wait for this module's side-stream work: prefetch admissions into the cache
@@ -480,19 +485,22 @@ class OffloadedEmbedding(nn.Module):
         if k == n_empty:
             return empty
         key = cache.last_use[:filled]
-        key = key.masked_fill(key >= protect_from, _INT64_MAX)
+        key = key.masked_fill(key >= protect_from, _INT32_MAX)
         old = torch.topk(key, k - n_empty, largest=False, sorted=False).indices
         victims = old if empty is None else torch.cat([empty, old])
-        # written back in ascending row order: host rows written in address order translate far faster
-        old_ids, order = torch.sort(cache.ids.index_select(0, old))
-        old = old.index_select(0, order)
+        old_ids = cache.ids.index_select(0, old)
+        if old.numel() >= _SORTED_WRITE_BACK_ROWS:
+            # host rows written in address order translate far faster (see HostTable); below this size the
+            # sort's launches cost more host time than the side stream's write-back gains
+            old_ids, order = torch.sort(old_ids)
+            old = old.index_select(0, order)
         writes = [(self.table, cache.weight.index_select(0, old))]
         writes += [(self._state_tables[s], cache.states[s].index_select(0, old)) for s in self._spec]
         if defer:
             self._evicted.append((old_ids, writes))
         else:
             self._write_back(old_ids, writes)
-        cache.slot_of.index_fill_(0, old_ids, -1)
+        cache.slot_of.index_fill_(0, old_ids, cache.capacity)
         return victims
 
     @staticmethod
@@ -543,7 +551,7 @@ class OffloadedEmbedding(nn.Module):
         if cache is not None:
             num_rows = self.table.num_rows
             slot_flat = cache.slot_of.index_select(0, sorted_flat.clamp(0, num_rows - 1))
-            miss_flat = slot_flat < 0
+            miss_flat = slot_flat == cache.capacity
             if exclude is not None and exclude.numel():
                 at = torch.searchsorted(exclude, sorted_flat).clamp_(max=exclude.numel() - 1)
                 miss_flat &= exclude[at] != sorted_flat
@@ -559,11 +567,15 @@ class OffloadedEmbedding(nn.Module):
         return ids, inverse, slots, miss, vals[3]
 
     def _fetch(self, ids: Tensor, slots: Tensor | None = None, miss: Tensor | None = None,
-               n_miss: int = 0) -> tuple[_Chunk, Tensor]:
+               n_miss: int = 0, first: bool = True, prefetched: int | None = None) -> tuple[_Chunk, Tensor]:
         """Rows ``ids`` (distinct, checked; with a cache, their ``slots`` and the ``n_miss`` rows not cached as
         ``miss``, from :meth:`_distinct`) for a new chunk of the working set: from the cache, a pending
         :meth:`prefetch`, or the host tables; per-row state starts gathering on a side stream. Rows from the
-        host are admitted to the cache (evicting the least recently used rows) as far as it has room."""
+        host are admitted to the cache (evicting the least recently used rows) as far as it has room.
+
+        ``first``: the chunk starts the step. ``prefetched``: the number of rows that the one :meth:`prefetch`
+        since the last step admitted for exactly these rows, all of which it found cached or admitted (it
+        then marked them used by this step already, and its admissions are this chunk's prefetch hits)."""
         cache = self._cache
         self._join(host=cache is None or n_miss > 0)
         if cache is None:
@@ -571,16 +583,19 @@ class OffloadedEmbedding(nn.Module):
         self._release_pending()
         n = ids.numel()
         chunk = _Chunk(ids=ids, slots=slots)
-        hit_slots = slots if n_miss == 0 else slots.masked_fill(miss, cache.capacity)
-        cache.last_use.index_fill_(0, hit_slots, cache.clock)  # this step's cached rows are not evicted for its misses
-        cache.prefetch_hits += cache.fresh.index_select(0, hit_slots).sum()
-        cache.fresh.index_fill_(0, hit_slots, False)
+        if prefetched is not None:
+            cache.prefetch_hits += prefetched
+        else:
+            # this step's cached rows are not evicted for its misses (a miss marks the scratch row)
+            cache.last_use.index_fill_(0, slots, cache.clock)
+            if first and cache.first_gen is not None:  # hits on rows that prefetches admitted since the last step
+                got = (cache.fresh.index_select(0, slots) >= cache.first_gen).sum()
+                cache.prefetch_hits_dev = got if cache.prefetch_hits_dev is None else cache.prefetch_hits_dev + got
         cache.hits += n - n_miss
         cache.misses += n_miss
         cache.protected += n - n_miss
         if n_miss == 0:
             chunk.miss_pos = ids.new_empty(0)
-            chunk.dest = slots  # (every row is cached: no -1 to replace)
             return chunk, cache.weight.index_select(0, slots)
         miss_pos = _compact(miss, n_miss)
         miss_ids = ids.index_select(0, miss_pos)
@@ -596,8 +611,7 @@ class OffloadedEmbedding(nn.Module):
             chunk.n_admit, chunk.admit_slots = n_admit, victims
             cache.protected += n_admit
         chunk.states = {k: self._state_tables[k].prefetch(miss_ids, _checked=True) for k in self._spec}
-        chunk.dest = slots if n_admit == n_miss else cache.slot_index(slots)
-        rows = cache.weight.index_select(0, chunk.dest)
+        rows = cache.weight.index_select(0, slots)  # (rows not admitted read the scratch row, replaced below)
         if n_admit < n_miss:
             rows.index_copy_(0, miss_pos[n_admit:], miss_rows[n_admit:])
         return chunk, rows
@@ -641,7 +655,7 @@ class OffloadedEmbedding(nn.Module):
                 continue
             if chunk.admit_slots is not None:
                 cache.states[k].index_copy_(0, chunk.admit_slots, host_rows[: chunk.n_admit])
-            rows = cache.states[k].index_select(0, chunk.dest)
+            rows = cache.states[k].index_select(0, chunk.slots)
             if chunk.n_bypass:
                 rows.index_copy_(0, chunk.miss_pos[chunk.n_admit:], host_rows[chunk.n_admit:])
             out[k] = rows
@@ -677,16 +691,18 @@ class OffloadedEmbedding(nn.Module):
         self._release_pending()
         self._join(host=False)  # (the side stream waits for earlier write-backs itself)
         work = self._work
-        # rows of the step in progress are cached already or will be written to the host after it: skip them
-        exclude = work.sorted_ids if work is not None else None
+        # Rows of the step in progress are cached already or will be written to the host after it: skip them.
+        # Only those that bypass the cache can look like misses (the others are cached), so only then.
+        bypass = sum(c.n_bypass for c in work.chunks) if work is not None else 0
+        exclude = work.sorted_ids if bypass else None
         ids, inverse, slots, miss, n_miss = self._distinct(flat, cache, exclude)
-        # the next step's cached rows are kept for it (not evicted for its misses)
-        # (a row to fetch is not cached: its slot is -1, so it marks the scratch row)
-        cache.last_use.index_fill_(0, cache.slot_index(slots), cache.clock + 1)
+        # the next step's cached rows are kept for it (not evicted for its misses; a miss marks the scratch row)
+        cache.last_use.index_fill_(0, slots, cache.clock + 1)
         cache.reserved += ids.numel() - n_miss
         n_admit = max(0, min(n_miss, cache.capacity - cache.protected - cache.reserved))
-        bypass = sum(c.n_bypass for c in work.chunks) if work is not None else 0
-        self._next = _Next(flat, flat.data_ptr(), flat._version, ids, inverse, n_admit == n_miss and bypass == 0)
+        cache.prefetches += 1
+        self._next = _Next(flat, flat.data_ptr(), flat._version, ids, inverse, n_admit == n_miss and bypass == 0,
+                           n_admit)
         if n_admit == 0:
             return
         device = self.table.device
@@ -710,7 +726,10 @@ class OffloadedEmbedding(nn.Module):
                 t = self._state_tables[k]
                 t._gather_unique(miss_ids, None, rows, t.resolved_engine("gather"))
                 cache.states[k].index_copy_(0, victims, rows)
-            cache.fresh.index_fill_(0, victims, True)
+            cache.gen += 1
+            if cache.first_gen is None:
+                cache.first_gen = cache.gen
+            cache.fresh.index_fill_(0, victims, cache.gen)
             if side is not None:
                 cache.ready = torch.cuda.Event()
                 cache.ready.record(side)
@@ -738,6 +757,7 @@ class OffloadedEmbedding(nn.Module):
     def _begin(self, flat: Tensor) -> Tensor:
         """Start a step's working set with the rows of ``flat``; returns each index's working row."""
         cache = self._get_cache()
+        prefetched = None
         if cache is not None:
             self._join(host=False)
             cache.clock += 1
@@ -749,11 +769,15 @@ class OffloadedEmbedding(nn.Module):
             if cache is not None:
                 slots = cache.slot_of.index_select(0, ids)
                 if not nxt.all_cached:
-                    miss = slots < 0
+                    miss = slots == cache.capacity
                     n_miss = int(miss.sum())
+                elif cache.prefetches == 1:
+                    prefetched = nxt.n_admit
         else:
             ids, inverse, slots, miss, n_miss = self._distinct(flat, cache)
-        chunk, rows = self._fetch(ids, slots, miss, n_miss)
+        chunk, rows = self._fetch(ids, slots, miss, n_miss, prefetched=prefetched)
+        if cache is not None:
+            cache.prefetches, cache.first_gen = 0, None
         if self.max_norm is not None:
             self._renorm(rows)
         self.weight.data = rows
@@ -764,7 +788,7 @@ class OffloadedEmbedding(nn.Module):
         chunk.leaf = rows.detach().requires_grad_(True)
         weight = self.weight
         chunk.leaf.register_post_accumulate_grad_hook(lambda leaf: setattr(weight, "grad", leaf.grad))
-        self._work = _Work(chunks=[chunk], sorted_ids=ids, perm=torch.arange(ids.numel(), device=ids.device),
+        self._work = _Work(chunks=[chunk], sorted_ids=ids, perm=None,
                            renormed=self.max_norm is not None)
         self._work.version = self.weight._version
         return inverse
@@ -787,7 +811,7 @@ class OffloadedEmbedding(nn.Module):
                 self._distinct(new)
                 raise RuntimeError("OffloadedEmbedding: new rows looked up after the optimizer's step began")
             new_ids, _, slots, miss, n_miss = self._distinct(new, self._cache)
-            chunk, rows = self._fetch(new_ids, slots, miss, n_miss)
+            chunk, rows = self._fetch(new_ids, slots, miss, n_miss, first=False)
             if self.max_norm is not None:
                 self._renorm(rows)
             chunk.leaf = rows.requires_grad_(True)
@@ -795,7 +819,7 @@ class OffloadedEmbedding(nn.Module):
             self._index_sorted(work)
             n = work.sorted_ids.numel()
             pos = torch.searchsorted(work.sorted_ids, flat).clamp_(max=n - 1)
-        return work.perm[pos]
+        return pos if work.perm is None else work.perm[pos]
 
     def forward(self, input: Tensor) -> Tensor:
         self._sync_device()
@@ -818,7 +842,7 @@ class OffloadedEmbedding(nn.Module):
             p = torch.searchsorted(work.sorted_ids, torch.tensor([self.padding_idx], device=flat.device))
             p = p.clamp_(max=work.sorted_ids.numel() - 1)
             if bool(work.sorted_ids[p] == self.padding_idx):
-                pad = int(work.perm[p])
+                pad = int(p if work.perm is None else work.perm[p])
         return F.embedding(local, table, pad, None, self.norm_type, self.scale_grad_by_freq, False)
 
     def _lookup_no_grad(self, input: Tensor) -> Tensor:
@@ -833,8 +857,8 @@ class OffloadedEmbedding(nn.Module):
                 self.table._gather_unique(ids, None, rows, self.table.resolved_engine("gather"))
             else:
                 slots = cache.slot_of.index_select(0, ids)
-                rows = cache.weight.index_select(0, cache.slot_index(slots))
-                miss = torch.nonzero(slots < 0).squeeze(1)
+                rows = cache.weight.index_select(0, slots)
+                miss = torch.nonzero(slots == cache.capacity).squeeze(1)
                 if miss.numel():
                     host = torch.empty(miss.numel(), self.embedding_dim, dtype=self.table.dtype,
                                        device=self.weight.device)
@@ -848,7 +872,8 @@ class OffloadedEmbedding(nn.Module):
                 found = torch.nonzero(work.sorted_ids[pos] == ids).squeeze(1)
                 step_rows = self.weight if len(work.chunks) == 1 or work.folded else \
                     torch.cat([self.weight.data] + [c.leaf.data for c in work.chunks[1:]])
-                rows[found] = step_rows.detach().index_select(0, work.perm[pos[found]])
+                at = pos[found]
+                rows[found] = step_rows.detach().index_select(0, at if work.perm is None else work.perm[at])
             elif self.max_norm is not None:
                 before = rows.clone()
                 self._renorm(rows)
@@ -865,7 +890,7 @@ class OffloadedEmbedding(nn.Module):
         cache = self._cache
         if cache is not None:
             slots = cache.slot_of.index_select(0, ids)
-            hit = slots >= 0
+            hit = slots != cache.capacity
             cache.weight[slots[hit]] = rows[hit]
             cache.dirty[slots[hit]] = True
             ids, rows = ids[~hit], rows[~hit]
@@ -949,7 +974,7 @@ class OffloadedEmbedding(nn.Module):
             _commit(ids, [(self.table, weight_rows)] + [(self._state_tables[k], state_rows[k]) for k in self._spec])
             return
         # rows not cached land in the scratch row
-        dest = torch.cat([c.dest for c in work.chunks]) if len(work.chunks) > 1 else work.chunks[0].dest
+        dest = torch.cat([c.slots for c in work.chunks]) if len(work.chunks) > 1 else work.chunks[0].slots
         cache.weight.index_copy_(0, dest, weight_rows)
         for k in self._spec:
             cache.states[k].index_copy_(0, dest, state_rows[k])

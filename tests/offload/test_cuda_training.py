@@ -26,7 +26,8 @@ class SkipGram(nn.Module):
         s = torch.einsum("bd,bkd->bk", self.inp(center), self.out(ctx))
         sign = torch.ones_like(s)
         sign[:, 1:] = -1
-        return -F.logsigmoid(s * sign).sum(1).mean()
+        # (summed, not averaged: gradients far above Adam's eps, where SparseAdam and Adam differ, see below)
+        return -F.logsigmoid(s * sign).sum()
 
 
 def _batches(steps, rows, batch, neg, seed):
@@ -79,7 +80,7 @@ def test_skip_gram_with_evicting_caches_and_prefetch_equals_sparse_adam_on_the_g
     for m, r in ((model.inp, ref.inp), (model.out, ref.out)):
         m.flush()
         st = ref_opt.state[r.weight]
-        # (SparseAdam divides eps by sqrt(bias_correction2), Adam does not: hot rows drift by ~1e-5)
+        # (SparseAdam divides eps by sqrt(bias_correction2), Adam does not: rows drift apart by ~1e-5)
         torch.testing.assert_close(m.table.data, r.weight.detach().cpu(), rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(m.state_tables["exp_avg"].data, st["exp_avg"].cpu(), rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(m.state_tables["exp_avg_sq"].data, st["exp_avg_sq"].cpu(), rtol=1e-4,
@@ -104,6 +105,8 @@ def test_skip_gram_step_synchronises_only_in_prefetch():
             _train(model, opt, data[6:], prefetch=True)  # 6 steps, 5 prefetches of each table
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [f"{w.filename}:{w.lineno}" for w in got if "synchroniz" in str(w.message)]
+    # (torch itself reports one synchronisation when the debug mode is switched on)
+    syncs = [f"{w.filename}:{w.lineno}" for w in got
+             if "synchroniz" in str(w.message) and w.filename.replace("\\", "/").split("/")[-2] == "offload"]
     # the first step's indices were not prefetched (a new list): its two lookups read back once each
     assert len(syncs) == 2 + 2 * 5, syncs

@@ -682,19 +682,22 @@ def test_fused_and_foreach_adam_equal_sparse_adam(device, impl, cache_rows):
         ref_opt.step()
     _train(emb, opt, data, prefetch=True)
     emb.flush()
+    # (SparseAdam puts eps inside the bias correction: weights, and so gradients and moments, drift apart by a
+    # few 1e-5; CUDA's fused kernel rounds differently again)
     torch.testing.assert_close(emb.table.data, ref.weight.detach().cpu(), rtol=1e-4, atol=1e-5)
     st = ref_opt.state[ref.weight]
-    torch.testing.assert_close(emb.state_tables["exp_avg"].data, st["exp_avg"].cpu())
-    torch.testing.assert_close(emb.state_tables["exp_avg_sq"].data, st["exp_avg_sq"].cpu())
+    torch.testing.assert_close(emb.state_tables["exp_avg"].data, st["exp_avg"].cpu(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(emb.state_tables["exp_avg_sq"].data, st["exp_avg_sq"].cpu(), rtol=1e-4, atol=1e-5)
     assert int(opt.state[emb.weight]["step"]) == STEPS
 
 
 def test_evicted_rows_are_written_back_in_ascending_row_order(monkeypatch):
-    """Host rows written in address order are what makes write-backs fast: every eviction's rows reach the
-    host tables sorted by row (and training still equals dense Adagrad, whose update of a row without
-    gradient is the identity)."""
+    """Host rows written in address order are what makes write-backs fast: every eviction at least
+    ``_SORTED_WRITE_BACK_ROWS`` large (here: every one) reaches the host tables sorted by row (and training
+    still equals dense Adagrad, whose update of a row without gradient is the identity)."""
     from offload import _embedding
 
+    monkeypatch.setattr(_embedding, "_SORTED_WRITE_BACK_ROWS", 1)
     written = []
     real = _embedding._commit
 
