@@ -81,6 +81,8 @@ def use_engine(name: Engine) -> Iterator[None]:
 _choice: dict[int, dict[str, str]] = {}
 _fractions: dict[tuple[int, str], float] = {}
 _chunks: dict[tuple[int, str], int] = {}
+_movers: dict[tuple[int, str], str] = {}
+_threads: dict[tuple[int, str], int] = {}
 _choice_lock = threading.RLock()
 
 MEASURE_BYTES = 2 << 30
@@ -90,8 +92,19 @@ the contiguous-copy bandwidth but those of a 5 GB table at 0.7 (address translat
 measuring table favours the UVA engine."""
 
 
-CHUNK_CHOICES_MIB = (2, 4, 8)
-"""Staging chunk sizes (MiB) that :func:`engine_choice` tries for the CPU engine."""
+CPU_CHOICES = (("torch", 8, 1), ("torch", 16, 1), ("torch", 32, 1), ("pool", 4, 8), ("pool", 8, 8),
+               ("pool", 8, 16), ("pool", 16, 16))
+"""How the CPU engine copies rows, as :func:`engine_choice` tries them: ``(way, staging chunk MiB, threads)``
+(see :data:`CPU_COPY`)."""
+
+ADAPT_SPLIT = True
+"""Whether the hybrid engine re-balances its split after every call: from the GPU times of the previous
+call's two parts (CUDA events), it moves the split halfway towards the one at which both parts would end
+together. The split then follows the table and the machine (a large table's random rows cost the UVA
+kernel more address translations than the measuring table's)."""
+
+_measured: dict[int, dict[str, dict[str, float]]] = {}  # device -> op -> what -> seconds (for reports)
+_probes: dict[tuple[int, str], tuple] = {}  # the last hybrid call's (k, n, start, uva_end, cpu_end) events
 
 
 def engine_choice(device: torch.device | str | int | None = None) -> dict[str, str]:
@@ -100,10 +113,10 @@ def engine_choice(device: torch.device | str | int | None = None) -> dict[str, s
 
     Measured once per device and process, on a pinned table of :data:`MEASURE_BYTES` (allocated for the
     measurement and freed after): 131,072 random rows gathered and scattered by the UVA engine, by the
-    CPU engine with each staging chunk size of :data:`CHUNK_CHOICES_MIB` (the fastest is kept for the CPU
-    engine and the CPU part of the hybrid), and by the hybrid engine at several splits around the one at
-    which both parts would take equally long (the fastest split is kept); the fastest engine wins.
-    Without CuPy or a suitable GPU the answer is ``"cpu"``.
+    CPU engine in each way of :data:`CPU_CHOICES` (the fastest is kept for the CPU engine and the CPU part
+    of the hybrid), and by the hybrid engine, starting from the split at which both parts would take
+    equally long (then re-balanced as it runs, see :data:`ADAPT_SPLIT`); the fastest engine wins. Without
+    CuPy or a suitable GPU the answer is ``"cpu"``.
     """
     if not torch.cuda.is_available():
         return {"gather": "cpu", "scatter": "cpu"}
@@ -121,11 +134,22 @@ def engine_choice(device: torch.device | str | int | None = None) -> dict[str, s
 
 
 def _hybrid_fraction(device: torch.device, op: str) -> float:
-    """Share of the rows that the hybrid engine gives the UVA kernel (measured with :func:`engine_choice`)."""
+    """Share of the rows that the hybrid engine gives the UVA kernel: measured with :func:`engine_choice`,
+    then re-balanced from the previous call's timings (:data:`ADAPT_SPLIT`)."""
     key = (device.index, op)
     if key not in _fractions:
         engine_choice(device)
-    return _fractions.get(key, 0.5)
+    f = _fractions.get(key, 0.5)
+    probe = _probes.pop(key, None)
+    if ADAPT_SPLIT and probe is not None:
+        k, n, start, uva_end, cpu_end = probe
+        if 0 < k < n and uva_end.query() and cpu_end.query():
+            per_uva = start.elapsed_time(uva_end) / k  # GPU milliseconds per row of each part
+            per_cpu = start.elapsed_time(cpu_end) / (n - k)
+            if per_uva > 0 and per_cpu > 0:
+                f = min(0.95, max(0.05, f + 0.5 * (per_cpu / (per_uva + per_cpu) - f)))
+                _fractions[key] = f
+    return f
 
 
 def _measure(device: torch.device) -> dict[str, str]:
@@ -138,8 +162,11 @@ def _measure(device: torch.device) -> dict[str, str]:
     idx_dev = torch.randperm(rows, generator=g)[:n].sort().values.to(device)
     buf = torch.randn(n, dim, device=device)
     best: dict[str, str] = {}
+    report = _measured.setdefault(device.index, {})
     with torch.cuda.device(device):
         for op in ("gather", "scatter"):
+            key = (device.index, op)
+
             def run(eng, op=op):  # as gather() / scatter() do it: indices on the device only
                 if op == "gather":
                     table._gather_unique(idx_dev, None, buf, eng)
@@ -158,21 +185,30 @@ def _measure(device: torch.device) -> dict[str, str]:
                 return sorted(samples)[len(samples) // 2]
 
             times = {"uva": timed("uva")}
-            by_chunk = {}
-            for mib in CHUNK_CHOICES_MIB:
-                _chunks[(device.index, op)] = mib << 20
-                by_chunk[mib << 20] = timed("cpu")
-            chunk = min(by_chunk, key=by_chunk.__getitem__)
-            _chunks[(device.index, op)] = chunk
-            times["cpu"] = by_chunk[chunk]
+            by_way = {}
+            for way in CPU_CHOICES:
+                _movers[key], _chunks[key], _threads[key] = way[0], way[1] << 20, way[2]
+                by_way[way] = timed("cpu")
+            way = min(by_way, key=by_way.__getitem__)
+            _movers[key], _chunks[key], _threads[key] = way[0], way[1] << 20, way[2]
+            times["cpu"] = by_way[way]
             even = times["cpu"] / (times["uva"] + times["cpu"])  # the split if the two added up
-            by_split = {}
-            for f in sorted({round(even, 2), round(even - 0.1, 2), round(even + 0.1, 2), 0.3, 0.4, 0.5, 0.6, 0.7}):
-                _fractions[(device.index, op)] = min(0.95, max(0.05, f))
-                by_split[_fractions[(device.index, op)]] = timed("hybrid")
-            _fractions[(device.index, op)] = min(by_split, key=by_split.__getitem__)
-            times["hybrid"] = by_split[_fractions[(device.index, op)]]
+            if ADAPT_SPLIT:
+                _fractions[key] = min(0.95, max(0.05, even))
+                for _ in range(12):  # let the split settle
+                    run("hybrid")
+                    torch.cuda.synchronize(device)
+                times["hybrid"] = timed("hybrid")
+            else:
+                by_split = {}
+                for f in sorted({round(even, 2), round(even - 0.1, 2), round(even + 0.1, 2), 0.3, 0.5, 0.7}):
+                    _fractions[key] = min(0.95, max(0.05, f))
+                    by_split[_fractions[key]] = timed("hybrid")
+                _fractions[key] = min(by_split, key=by_split.__getitem__)
+                times["hybrid"] = by_split[_fractions[key]]
             best[op] = min(times, key=times.__getitem__)
+            report[op] = {**{f"cpu {w[0]} {w[1]} MiB {w[2]} threads": t for w, t in by_way.items()}, **times,
+                          "uva share": _fractions[key]}
     table.close()
     return best
 
@@ -193,9 +229,9 @@ class _Staging:
     BYTES = 64 << 20
     UNIT = 1 << 20
     CHUNK_BYTES: int | None = None  # a fixed chunk size; None: as measured by engine_choice, else DEFAULT_CHUNK
-    # The worker pool has no per-call cost worth the name (torch's CPU indexing had about 0.2 ms per call on
-    # a 16-core VM with an H200), so chunks are small: the first DMA starts early.
-    DEFAULT_CHUNK = 4 << 20
+    # torch's CPU indexing costs about 0.2 ms per call however small (its thread pool waking up, measured on a
+    # 16-core VM with an H200), so its chunks are large; engine_choice measures smaller ones for the pool.
+    DEFAULT_CHUNK = 16 << 20
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -270,20 +306,42 @@ def _wide(t: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------------------------------------
 # The CPU engine's row copies: a pool of worker threads
 
-CPU_THREADS: int | None = None
-"""Threads (the calling thread included) that copy rows for the CPU engine; ``None``:
-``torch.get_num_threads()``."""
+CPU_COPY: str | None = None
+"""How the CPU engine copies rows between the table and staging memory: ``"torch"`` (one multi-threaded
+torch ``index_select`` / ``index_copy_`` per staging chunk, in the calling thread) or ``"pool"`` (numpy
+``take`` / ``put`` by the threads of a worker pool, several per chunk, which run without the GIL while they
+copy); ``None``: as :func:`engine_choice` measured (``"torch"`` where nothing was measured, such as on a
+CPU compute device)."""
 
-MIN_PIECE_BYTES = 64 << 10
-"""The least that one thread copies at a time (each piece costs a few microseconds of Python)."""
+CPU_THREADS: int | None = None
+"""Threads (the calling thread included) of the ``"pool"`` way; ``None``: as measured, else
+``min(8, torch.get_num_threads())`` (the GIL, taken briefly around each piece, limits how many help)."""
+
+MIN_PIECE_BYTES = 512 << 10
+"""The least that one pool thread copies at a time (each piece costs a few microseconds under the GIL)."""
 
 FANOUT = 4
 """How many sleeping workers each thread wakes when a copy starts (a tree: the caller does not pay for
 every wake-up itself)."""
 
 
-def _cpu_threads() -> int:
-    return max(1, int(CPU_THREADS or torch.get_num_threads()))
+def _copy_plan(index: int | None, op: str) -> tuple[str, int]:
+    """``(way, threads)`` of the CPU engine for ``op`` on CUDA device ``index`` (None: a CPU device)."""
+    key = (index, op)
+    way = CPU_COPY or _movers.get(key, "torch")
+    if way not in ("torch", "pool"):
+        raise ValueError(f"offload CPU_COPY must be 'torch', 'pool' or None, got {way!r}")
+    if way == "torch":
+        return way, 1
+    return way, max(1, int(CPU_THREADS or _threads.get(key) or min(8, torch.get_num_threads())))
+
+
+def _wide_pair(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`_wide` views of two row tensors with the same row size, in one element type."""
+    wa, wb = _wide(a), _wide(b)
+    if wa.dtype != wb.dtype:
+        wa, wb = a.view(torch.uint8), b.view(torch.uint8)
+    return wa, wb
 
 
 def _row_array(t: Tensor) -> np.ndarray:
@@ -460,8 +518,10 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool)
 
 
-def _run_rows(fn, rounds: list[tuple[int, int]], row_bytes: int, *, on_ready=None, gates=None) -> None:
-    """Run ``fn(s, e)`` over every row range of ``rounds`` on the worker pool and the calling thread.
+def _run_rows(fn, rounds: list[tuple[int, int]], row_bytes: int, *, threads: int, on_ready=None,
+              gates=None) -> None:
+    """Run ``fn(s, e)`` over every row range of ``rounds`` on ``threads`` threads: the calling thread and
+    ``threads - 1`` of the worker pool (for ``threads=1``, one call per round in the calling thread).
 
     ``on_ready(r)`` runs in the calling thread as soon as round ``r`` is complete (rounds complete in any
     order). ``gates[r]`` (an object with ``query()`` and ``synchronize()``, such as a CUDA event) holds
@@ -470,13 +530,21 @@ def _run_rows(fn, rounds: list[tuple[int, int]], row_bytes: int, *, on_ready=Non
     """
     if not rounds:
         return
-    job = _Job(fn, rounds, row_bytes, _cpu_threads())
+    if threads <= 1:
+        for r, (s, e) in enumerate(rounds):
+            if gates is not None:
+                gates[r].synchronize()
+            fn(s, e)
+            if on_ready is not None:
+                on_ready(r)
+        return
+    job = _Job(fn, rounds, row_bytes, threads)
     nrounds = len(rounds)
     opened = 0
     if gates is None:
         job.open(nrounds)
         opened = nrounds
-    workers = min(_cpu_threads(), len(job.pieces)) - 1
+    workers = min(threads, len(job.pieces)) - 1
     if workers > 0:
         _get_pool().start(job, workers)
     try:
@@ -524,8 +592,11 @@ def _as_index(idx, device: torch.device) -> Tensor:
 
 
 def _host_index(idx: Tensor) -> Tensor:
-    """``idx`` (int64, on a CUDA device) in page-locked host memory, once the current stream has written it:
-    an asynchronous copy and one event wait (``idx.cpu()`` copies through pageable memory)."""
+    """``idx`` (int64) in host memory: as it is when it is there, else in page-locked memory once the current
+    stream has written it (an asynchronous copy and one event wait; ``idx.cpu()`` goes through pageable
+    memory)."""
+    if idx.device.type == "cpu":
+        return idx
     host = torch.empty(idx.shape, dtype=idx.dtype, pin_memory=True)
     host.copy_(idx, non_blocking=True)
     ev = torch.cuda.Event()
@@ -560,13 +631,14 @@ class HostTable:
 
     Engines:
         ``"uva"`` launches a CuPy kernel that reads (writes) the page-locked rows directly over PCIe.
-        ``"cpu"`` copies rows on a pool of CPU threads (numpy ``take``, which runs without the GIL) into
-        page-locked staging memory and copies each chunk to the GPU as soon as its rows are there, so CPU
-        gathering and the DMA overlap (scatter is the reverse: each chunk's rows are written into the
-        table as soon as its copy from the GPU has landed).
+        ``"cpu"`` copies rows into page-locked staging memory chunk by chunk, with torch's multi-threaded
+        indexing or with numpy on a pool of threads (whichever :func:`engine_choice` measured faster, see
+        :data:`CPU_COPY`), and copies each chunk to the GPU as soon as its rows are there, so CPU gathering
+        and the DMA overlap (scatter is the reverse: each chunk's rows are written into the table as soon
+        as its copy from the GPU has landed).
         ``"hybrid"`` runs both at once on disjoint parts of the rows (the split is measured).
         ``"auto"`` uses :func:`engine_choice`, measured once per device. On a CPU compute device every
-        engine is the thread pool's plain CPU indexing.
+        engine is plain CPU indexing.
 
     Indices are checked before any engine touches host memory: they must be integers in
     ``[0, num_rows)``, else :class:`IndexError` names the first bad value and the table size. ``gather``
@@ -775,18 +847,24 @@ class HostTable:
         self.synchronize(reads=op == "scatter")  # the CPU part must not overtake earlier GPU accesses
         main = torch.cuda.current_stream(self.device)
         side = self._side_stream()
+        start, uva_end, cpu_end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        start.record(main)
         side.wait_stream(main)
         cpu_idx = (uniq[k:] if uniq_cpu is None else uniq_cpu[k:])
         if op == "gather":
             _uva.gather_rows(self._data, uniq[:k], rows[:k])
+            uva_end.record(main)
             self._note_gpu_access("read")
             with torch.cuda.stream(side):
                 self._gather_cpu(_host_index(cpu_idx), rows[k:])
         else:
             _uva.scatter_rows(self._data, uniq[:k], rows[:k])
+            uva_end.record(main)
             self._note_gpu_access("write")
             with torch.cuda.stream(side):
                 self._scatter_cpu(_host_index(cpu_idx), rows[k:])
+        cpu_end.record(side)  # gather: when the last copy lands; scatter: when the host has written the rows
+        _probes[(self.device.index, op)] = (k, n, start, uva_end, cpu_end)
         main.wait_stream(side)
         rows.record_stream(side)
 
@@ -816,52 +894,73 @@ class HostTable:
         return got
 
     def _host_rows(self, op: str, idx_cpu: Tensor, rows: Tensor) -> None:
-        """A CPU compute device: ``rows[:] = table[idx]`` or ``table[idx] = rows`` on the worker pool."""
+        """A CPU compute device: ``rows[:] = table[idx]`` or ``table[idx] = rows``, in one torch indexing
+        call or on the worker pool (see :data:`CPU_COPY`)."""
+        way, threads = _copy_plan(None, op)
+        if op == "gather" and (not rows.is_contiguous() or rows.dtype != self.dtype):
+            raise ValueError(f"gather needs a contiguous {self.dtype} output, got {rows.dtype}")
+        if op == "scatter":
+            rows = rows.detach().to(self.dtype).contiguous()
+        if way == "torch":
+            table_w, rows_w = _wide_pair(self._data, rows)
+            if op == "gather":
+                torch.index_select(table_w, 0, idx_cpu, out=rows_w)
+            else:
+                table_w.index_copy_(0, idx_cpu, rows_w)
+            return
         row_bytes = self.dim * self._data.element_size()
-        if op == "gather":
-            if not rows.is_contiguous() or rows.dtype != self.dtype:
-                raise ValueError(f"gather needs a contiguous {self.dtype} output, got {rows.dtype}")
-            dst = _row_array(rows)
-        else:
-            src = _row_array(rows.detach().to(self.dtype).contiguous())
-            dst = self._rows_np()
-        table, idx = self._rows_np(), idx_cpu.numpy()
+        table, idx, other = self._rows_np(), idx_cpu.numpy(), _row_array(rows)
         per = max(1, (_Staging.CHUNK_BYTES or _Staging.DEFAULT_CHUNK) // row_bytes)
         rounds = [(s, min(idx.shape[0], s + per)) for s in range(0, idx.shape[0], per)]
         if op == "gather":
-            _run_rows(lambda s, e: _take(table, idx[s:e], dst[s:e]), rounds, row_bytes)
+            _run_rows(lambda s, e: _take(table, idx[s:e], other[s:e]), rounds, row_bytes, threads=threads)
         else:
-            _run_rows(lambda s, e: _put(dst, idx[s:e], src[s:e]), rounds, row_bytes)
+            _run_rows(lambda s, e: _put(table, idx[s:e], other[s:e]), rounds, row_bytes, threads=threads)
+
+    def _rows_np(self) -> np.ndarray:
+        """The table as numpy rows (see :func:`_row_array`), made once."""
+        got = getattr(self, "_np_rows", None)
+        if got is None:
+            got = self._np_rows = _row_array(self._data)
+        return got
 
     def _gather_cpu(self, uniq_cpu: Tensor, out: Tensor) -> None:
-        """The CPU engine's gather to the GPU: the pool's threads copy rows into page-locked staging memory
-        chunk by chunk, and each chunk's copy to ``out`` is queued (on the current stream) as soon as its
-        rows are there."""
+        """The CPU engine's gather to the GPU: rows are copied into page-locked staging memory chunk by
+        chunk (by torch or the worker pool, see :data:`CPU_COPY`), and each chunk's copy to ``out`` is
+        queued (on the current stream) as soon as its rows are there."""
         n = uniq_cpu.numel()
+        if n == 0:
+            return
         stage = _staging_for(self.device)
         stream = torch.cuda.current_stream(self.device)
         row_bytes = self.dim * self._data.element_size()
+        way, threads = _copy_plan(self.device.index, "gather")
         with stage.lock:
             per = stage.rows_per_chunk(row_bytes, "gather")
             if per == 0:  # a row longer than the staging memory: copy directly
                 out.copy_(self._data.index_select(0, uniq_cpu), non_blocking=False)
                 return
-            src, idx = self._rows_np(), uniq_cpu.numpy()
             for b0, b1 in stage.batches(n, row_bytes, per):
                 piece, ev = stage.take((b1 - b0) * row_bytes)
                 view = piece.view(self.dtype).view(b1 - b0, self.dim)
-                dst = _row_array(view)
                 rounds = [(s, min(b1, s + per)) for s in range(b0, b1, per)]
+                if way == "torch":
+                    src_w, dst_w = _wide_pair(self._data, view)
 
-                def fn(s, e, dst=dst, b0=b0):
-                    _take(src, idx[s:e], dst[s - b0:e - b0])
+                    def fn(s, e, src_w=src_w, dst_w=dst_w, b0=b0):
+                        torch.index_select(src_w, 0, uniq_cpu[s:e], out=dst_w[s - b0:e - b0])
+                else:
+                    src, idx, dst = self._rows_np(), uniq_cpu.numpy(), _row_array(view)
+
+                    def fn(s, e, src=src, idx=idx, dst=dst, b0=b0):
+                        _take(src, idx[s:e], dst[s - b0:e - b0])
 
                 def on_ready(r, view=view, rounds=rounds, b0=b0):
                     s, e = rounds[r]
                     out[s:e].copy_(view[s - b0:e - b0], non_blocking=True)
 
                 try:
-                    _run_rows(fn, rounds, row_bytes, on_ready=on_ready)
+                    _run_rows(fn, rounds, row_bytes, threads=threads, on_ready=on_ready)
                 finally:  # after every copy that was queued, also when a piece failed
                     ev.record(stream)
 
@@ -889,18 +988,20 @@ class HostTable:
 
     def _scatter_cpu(self, uniq_cpu: Tensor, rows: Tensor) -> None:
         """The CPU engine's scatter from the GPU: each chunk of ``rows`` is copied into page-locked staging
-        memory (queued on the current stream, all at once), and the pool's threads write a chunk's rows into
-        the table as soon as its copy has finished."""
+        memory (queued on the current stream, all at once), and its rows are written into the table (by
+        torch or the worker pool, see :data:`CPU_COPY`) as soon as its copy has finished."""
         n = uniq_cpu.numel()
+        if n == 0:
+            return
         stage = _staging_for(self.device)
         stream = torch.cuda.current_stream(self.device)
         row_bytes = self.dim * self._data.element_size()
+        way, threads = _copy_plan(self.device.index, "scatter")
         with stage.lock:
             per = stage.rows_per_chunk(row_bytes, "scatter")
             if per == 0:
                 self._data.index_copy_(0, uniq_cpu, rows.cpu())
                 return
-            dst, idx = self._rows_np(), uniq_cpu.numpy()
             batches = stage.batches(n, row_bytes, per)
             # the next batch's copies may be queued while this one's rows are written only if its staging
             # cannot overlap this one's
@@ -917,18 +1018,25 @@ class HostTable:
                     gate.record(stream)
                     gates.append(gate)
                 ev.record(stream)
-                return b0, _row_array(view), rounds, gates
+                return b0, view, rounds, gates
 
             pending = stage_in(*batches[0])
             for k in range(len(batches)):
-                b0, src, rounds, gates = pending
+                b0, view, rounds, gates = pending
                 if ahead and k + 1 < len(batches):
                     pending = stage_in(*batches[k + 1])
+                if way == "torch":
+                    dst_w, src_w = _wide_pair(self._data, view)
 
-                def fn(s, e, src=src, b0=b0):
-                    _put(dst, idx[s:e], src[s - b0:e - b0])
+                    def fn(s, e, src_w=src_w, dst_w=dst_w, b0=b0):
+                        dst_w.index_copy_(0, uniq_cpu[s:e], src_w[s - b0:e - b0])
+                else:
+                    dst, idx, src = self._rows_np(), uniq_cpu.numpy(), _row_array(view)
 
-                _run_rows(fn, rounds, row_bytes, gates=gates)
+                    def fn(s, e, src=src, idx=idx, dst=dst, b0=b0):
+                        _put(dst, idx[s:e], src[s - b0:e - b0])
+
+                _run_rows(fn, rounds, row_bytes, threads=threads, gates=gates)
                 if not ahead and k + 1 < len(batches):
                     pending = stage_in(*batches[k + 1])
 

@@ -74,6 +74,11 @@ def anchors(s):
     s.update(h2d=h2d, d2h=d2h, buf=buf, dbuf=dbuf)
 
 
+def _split(engine, op):
+    """The hybrid engine's UVA share after a measurement (it re-balances as it runs)."""
+    return {"uva_share": _table._fractions.get((dev.index or 0, op))} if engine == "hybrid" else {}
+
+
 def part_a(s):
     data, table, idx, idx_cpu, uniq, uniq_sorted = (s[k] for k in ("data", "table", "idx", "idx_cpu", "uniq",
                                                                     "uniq_sorted"))
@@ -90,6 +95,9 @@ def part_a(s):
     t = wall_seconds(lambda: data[idx_cpu].to(dev), 3, 1, 1)
     emit(part="A", op="gather", impl="anchor: host[idx].cuda()", ms=t * 1e3, GBps=nbytes / t / 1e9, ratio=h2d / t)
 
+    t0 = time.perf_counter()
+    choice = offload.engine_choice(dev)  # first: the cpu and hybrid engines use what it measured
+    measure_s = time.perf_counter() - t0
     for engine in ("uva", "cpu", "hybrid"):
         table.engine = engine
         try:
@@ -101,7 +109,7 @@ def part_a(s):
                                lambda: table.gather(uniq_sorted, unique=True, out=dbuf))]:
                 t = wall_seconds(fn, 10)
                 emit(part="A", op="gather", impl=f"offload {engine}: {label}", ms=t * 1e3, GBps=nbytes / t / 1e9,
-                     ratio=h2d / t, correct=ok)
+                     ratio=h2d / t, correct=ok, **_split(engine, "gather"))
             src = torch.randn(n, dim, device=dev)
             table.scatter(uniq, src, unique=True)
             torch.cuda.synchronize()
@@ -111,16 +119,15 @@ def part_a(s):
                                lambda src=src: table.scatter(uniq, src, unique=True))]:
                 t = wall_seconds(fn, 10)
                 emit(part="A", op="scatter", impl=f"offload {engine}: {label}", ms=t * 1e3, GBps=nbytes / t / 1e9,
-                     ratio=d2h / t, correct=ok)
+                     ratio=d2h / t, correct=ok, **_split(engine, "scatter"))
         except Exception as e:  # report and go on
             emit(part="A", impl=f"offload {engine}", error=repr(e)[:400])
     table.engine = None
     src = torch.randn(n, dim, device=dev)
-    t0 = time.perf_counter()
-    choice = offload.engine_choice(dev)
-    emit(part="A", note="auto engine choice", choice=choice, measure_s=time.perf_counter() - t0,
-         uva_share={k[1]: v for k, v in _table._fractions.items()},
-         chunk_mib={k[1]: v >> 20 for k, v in _table._chunks.items()})
+    emit(part="A", note="auto engine choice", choice=choice, measure_s=measure_s,
+         uva_share_now={k[1]: v for k, v in _table._fractions.items()},
+         cpu_way={k[1]: (_table._movers.get(k), _table._chunks.get(k, 0) >> 20, _table._threads.get(k))
+                  for k in _table._chunks}, measured=_table._measured)
     for label, fn, anchor in [("gather(idx) [dedup + bounds check]", lambda: table.gather(idx), h2d),
                               ("gather(unique sorted idx, unique=True)",
                                lambda: table.gather(uniq_sorted, unique=True, out=dbuf), h2d),
@@ -250,74 +257,73 @@ def host_side(s):
 def pool_overhead(s):
     """The worker pool's fixed cost: a call whose pieces do nothing, on 1 (the caller alone) to 16 threads,
     with each thread waking FANOUT others (and the caller waking them all)."""
-    old = _table.CPU_THREADS, _table.FANOUT
+    old = _table.FANOUT
     try:
-        for threads in (1, 4, 8, 16):
+        for threads in (2, 4, 8, 16):
             for fanout in ((4, 16) if threads > 4 else (4,)):
-                _table.CPU_THREADS, _table.FANOUT = threads, fanout
+                _table.FANOUT = fanout
                 rounds = [(0, threads)]
                 for _ in range(20):
-                    _table._run_rows(lambda a, b: None, rounds, 1 << 20)
+                    _table._run_rows(lambda a, b: None, rounds, 1 << 20, threads=threads)
                 t0 = time.perf_counter()
                 for _ in range(200):
-                    _table._run_rows(lambda a, b: None, rounds, 1 << 20)
+                    _table._run_rows(lambda a, b: None, rounds, 1 << 20, threads=threads)
                 emit(part="X", what="pool: empty call", threads=threads, fanout=fanout,
                      us=(time.perf_counter() - t0) / 200 * 1e6)
     finally:
-        _table.CPU_THREADS, _table.FANOUT = old
+        _table.FANOUT = old
 
 
 def cpu_side(s):
-    """CPU copies alone (no DMA): the pool's numpy take / put between the table and page-locked memory, by
-    thread count, against torch's multi-threaded index_select / index_copy_."""
+    """CPU copies alone (no DMA): torch's multi-threaded index_select / index_copy_ in one call and in
+    chunks, and the pool's numpy take / put by thread count and chunk, between the table and page-locked
+    memory."""
     data, n, dim, nbytes = s["data"], s["n"], s["dim"], s["nbytes"]
     ic = s["uniq_sorted"].cpu()
     pin = torch.empty(n, dim, pin_memory=True)
     src_rows, pin_rows, idx = _table._row_array(data), _table._row_array(pin), ic.numpy()
     w_data, w_pin = _table._wide(data), _table._wide(pin)
-    t = wall_seconds(lambda: torch.index_select(w_data, 0, ic, out=w_pin), 5)
-    emit(part="X", what=f"CPU alone: torch index_select, {torch.get_num_threads()} threads", ms=t * 1e3,
-         GBps=nbytes / t / 1e9)
-    t = wall_seconds(lambda: w_data.index_copy_(0, ic, w_pin), 5)
-    emit(part="X", what=f"CPU alone: torch index_copy_, {torch.get_num_threads()} threads", ms=t * 1e3,
-         GBps=nbytes / t / 1e9)
-    per = (4 << 20) // 512
-    rounds = [(a, min(n, a + per)) for a in range(0, n, per)]
-    old = _table.CPU_THREADS
-    try:
-        for threads in (1, 4, 8, 12, 16):
-            _table.CPU_THREADS = threads
-            tg = wall_seconds(lambda: _table._run_rows(
-                lambda a, b: _table._take(src_rows, idx[a:b], pin_rows[a:b]), rounds, 512), 5)
-            ts = wall_seconds(lambda: _table._run_rows(
-                lambda a, b: _table._put(src_rows, idx[a:b], pin_rows[a:b]), rounds, 512), 5)
-            emit(part="X", what="CPU alone: pool take / put", threads=threads, take_ms=tg * 1e3,
-                 take_GBps=nbytes / tg / 1e9, put_ms=ts * 1e3, put_GBps=nbytes / ts / 1e9)
-    finally:
-        _table.CPU_THREADS = old
+    for mib in (64, 16, 4, 1):
+        per = (mib << 20) // 512
+
+        def sel(per=per):
+            for a in range(0, n, per):
+                torch.index_select(w_data, 0, ic[a:a + per], out=w_pin[a:a + per])
+
+        def cop(per=per):
+            for a in range(0, n, per):
+                w_data.index_copy_(0, ic[a:a + per], w_pin[a:a + per])
+
+        tg, ts = wall_seconds(sel, 5), wall_seconds(cop, 5)
+        emit(part="X", what=f"CPU alone: torch, {torch.get_num_threads()} threads", chunk_mib=mib,
+             take_ms=tg * 1e3, take_GBps=nbytes / tg / 1e9, put_ms=ts * 1e3, put_GBps=nbytes / ts / 1e9)
+    for threads, mib in ((4, 8), (8, 4), (8, 8), (8, 16), (12, 8), (16, 8), (16, 16), (16, 64)):
+        per = (mib << 20) // 512
+        rounds = [(r0, min(n, r0 + per)) for r0 in range(0, n, per)]
+        tg = wall_seconds(lambda rounds=rounds, threads=threads: _table._run_rows(
+            lambda a, b: _table._take(src_rows, idx[a:b], pin_rows[a:b]), rounds, 512, threads=threads), 5)
+        ts = wall_seconds(lambda rounds=rounds, threads=threads: _table._run_rows(
+            lambda a, b: _table._put(src_rows, idx[a:b], pin_rows[a:b]), rounds, 512, threads=threads), 5)
+        emit(part="X", what="CPU alone: pool take / put", threads=threads, chunk_mib=mib, take_ms=tg * 1e3,
+             take_GBps=nbytes / tg / 1e9, put_ms=ts * 1e3, put_GBps=nbytes / ts / 1e9)
 
 
-def cpu_engine_chunks(s):
+def cpu_engine_ways(s):
+    """The CPU engine (staging + DMA) in each way of copying rows: torch in chunks, the pool by threads."""
     table, dbuf, h2d, d2h, uniq_sorted = (s[k] for k in ("table", "dbuf", "h2d", "d2h", "uniq_sorted"))
     src = torch.randn(s["n"], s["dim"], device=dev)
     table.engine = "cpu"
-    old = _table._Staging.CHUNK_BYTES, _table.CPU_THREADS
+    old = _table._Staging.CHUNK_BYTES, _table.CPU_COPY, _table.CPU_THREADS
     try:
-        for mib in (1, 2, 4, 8, 16):
-            _table._Staging.CHUNK_BYTES = mib << 20
+        for way, mib, threads in (("torch", 4, 1), ("torch", 8, 1), ("torch", 16, 1), ("torch", 32, 1),
+                                  ("pool", 8, 8), ("pool", 16, 8), ("pool", 8, 16), ("pool", 16, 16)):
+            _table._Staging.CHUNK_BYTES, _table.CPU_COPY, _table.CPU_THREADS = mib << 20, way, threads
             tg = wall_seconds(lambda: table.gather(uniq_sorted, unique=True, out=dbuf), 10)
             ts = wall_seconds(lambda: table.scatter(uniq_sorted, src, unique=True), 10)
-            emit(part="X", what="cpu engine chunk", chunk_mib=mib, gather_ms=tg * 1e3, gather_ratio=h2d / tg,
-                 scatter_ms=ts * 1e3, scatter_ratio=d2h / ts)
-        _table._Staging.CHUNK_BYTES = 4 << 20
-        for threads in (8, 12, 15):
-            _table.CPU_THREADS = threads
-            tg = wall_seconds(lambda: table.gather(uniq_sorted, unique=True, out=dbuf), 10)
-            ts = wall_seconds(lambda: table.scatter(uniq_sorted, src, unique=True), 10)
-            emit(part="X", what="cpu engine threads", chunk_mib=4, threads=threads, gather_ms=tg * 1e3,
+            emit(part="X", what="cpu engine", way=way, chunk_mib=mib, threads=threads, gather_ms=tg * 1e3,
                  gather_ratio=h2d / tg, scatter_ms=ts * 1e3, scatter_ratio=d2h / ts)
     finally:
-        _table._Staging.CHUNK_BYTES, _table.CPU_THREADS = old
+        _table._Staging.CHUNK_BYTES, _table.CPU_COPY, _table.CPU_THREADS = old
         table.engine = None
 
 
@@ -340,22 +346,38 @@ def hostalloc_table(s):
 
 
 def hybrid_split(s):
+    """The hybrid engine at fixed splits (re-balancing off), then re-balancing from each of two starts."""
     table, dbuf, h2d, d2h, uniq_sorted = (s[k] for k in ("table", "dbuf", "h2d", "d2h", "uniq_sorted"))
     src = torch.randn(s["n"], s["dim"], device=dev)
     offload.engine_choice(dev)
     saved = dict(_table._fractions)
-    emit(part="X", what="measured hybrid fractions (uva share)", fractions={str(k): v for k, v in saved.items()})
-    emit(part="X", what="measured cpu chunks", chunks={str(k): v >> 20 for k, v in _table._chunks.items()})
+    emit(part="X", what="engine_choice measurements (s)", measured=_table._measured)
+    emit(part="X", what="engine_choice ways", ways={str(k): v for k, v in _table._movers.items()},
+         chunks={str(k): v >> 20 for k, v in _table._chunks.items()},
+         threads={str(k): v for k, v in _table._threads.items()})
     table.engine = "hybrid"
-    for f in (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8):
-        _table._fractions[(dev.index or 0, "gather")] = f
-        _table._fractions[(dev.index or 0, "scatter")] = f
-        tg = wall_seconds(lambda: table.gather(uniq_sorted, unique=True, out=dbuf), 10)
-        ts = wall_seconds(lambda: table.scatter(uniq_sorted, src, unique=True), 10)
-        emit(part="X", what="hybrid split", uva_share=f, gather_ms=tg * 1e3, gather_ratio=h2d / tg,
-             scatter_ms=ts * 1e3, scatter_ratio=d2h / ts)
-    _table._fractions.update(saved)
-    table.engine = None
+    key_g, key_s = (dev.index or 0, "gather"), (dev.index or 0, "scatter")
+    old = _table.ADAPT_SPLIT
+    try:
+        _table.ADAPT_SPLIT = False
+        for f in (0.3, 0.4, 0.5, 0.6, 0.7, 0.8):
+            _table._fractions[key_g] = _table._fractions[key_s] = f
+            tg = wall_seconds(lambda: table.gather(uniq_sorted, unique=True, out=dbuf), 10)
+            ts = wall_seconds(lambda: table.scatter(uniq_sorted, src, unique=True), 10)
+            emit(part="X", what="hybrid split, fixed", uva_share=f, gather_ms=tg * 1e3, gather_ratio=h2d / tg,
+                 scatter_ms=ts * 1e3, scatter_ratio=d2h / ts)
+        _table.ADAPT_SPLIT = True
+        for f in (0.2, 0.9):
+            _table._fractions[key_g] = _table._fractions[key_s] = f
+            tg = wall_seconds(lambda: table.gather(uniq_sorted, unique=True, out=dbuf), 10, 20)
+            ts = wall_seconds(lambda: table.scatter(uniq_sorted, src, unique=True), 10, 20)
+            emit(part="X", what="hybrid split, re-balancing", start=f, gather_ms=tg * 1e3, gather_ratio=h2d / tg,
+                 gather_share=_table._fractions[key_g], scatter_ms=ts * 1e3, scatter_ratio=d2h / ts,
+                 scatter_share=_table._fractions[key_s])
+    finally:
+        _table.ADAPT_SPLIT = old
+        _table._fractions.update(saved)
+        table.engine = None
 
 
 def ceiling(s):
@@ -420,13 +442,14 @@ def main():
     emit(note="env", torch=torch.__version__, gpu=torch.cuda.get_device_name(), threads=torch.get_num_threads(),
          cupy=_uva.cupy.__version__ if _uva.cupy is not None else None, thp=thp, pcie=link,
          uva=dict(threads=_uva.THREADS, unroll=_uva.UNROLL, blocks_per_sm=_uva.BLOCKS_PER_SM, load=_uva.LOAD,
-                  store=_uva.STORE), chunk_mib=(_table._Staging.CHUNK_BYTES or _table._Staging.DEFAULT_CHUNK) >> 20)
+                  store=_uva.STORE), chunk_mib=(_table._Staging.CHUNK_BYTES or _table._Staging.DEFAULT_CHUNK) >> 20,
+         cpus=len(os.sched_getaffinity(0)), kernel=os.uname().release)
     s = setup()
     anchors(s)
     steps = [part_a]
     if args.explore or args.explore_all:
-        steps = [part_a, lambda s: kernel_variants(s, s["data"], "default shape"), concurrency, pool_overhead,
-                 cpu_side, cpu_engine_chunks, hybrid_split]
+        steps = [part_a, hybrid_split, cpu_engine_ways, cpu_side, pool_overhead,
+                 lambda s: kernel_variants(s, s["data"], "default shape"), concurrency]
         if args.explore_all:
             steps += [lambda s: kernel_variants(s, s["data"], "main"), hostalloc_table, huge_table]
     for step in steps:

@@ -193,13 +193,14 @@ def test_uva_kernel_refuses_out_of_range_indices():
 
 
 @pytest.mark.parametrize("engine", ["cpu", "hybrid"])
-@pytest.mark.parametrize("threads", [1, 6])
+@pytest.mark.parametrize("way,threads", [("torch", 1), ("pool", 1), ("pool", 6)])
 @pytest.mark.parametrize("chunk", [4 << 10, (12 << 10) + 100, 40 << 10])
-def test_cpu_engine_staging_rotation_wraps(monkeypatch, engine, threads, chunk):
-    """The CPU engine (alone and as the hybrid's CPU part) with tiny staging memory (16 units of 4 KiB):
-    chunks of 1, 3 (a size that is no multiple of the row) or 10 units, cut into pieces among 1 or 6
-    threads; the rotation wraps around many times, batches are taken one after the other, and every result
-    equals plain indexing of an independent copy of the table, down to n = 1 and n below the threads."""
+def test_cpu_engine_staging_rotation_wraps(monkeypatch, engine, way, threads, chunk):
+    """The CPU engine (alone and as the hybrid's CPU part, whose split starts at 30% UVA rows and then
+    re-balances) with tiny staging memory (16 units of 4 KiB): chunks of 1, 3 (a size that is no multiple
+    of the row) or 10 units, copied by torch or cut into pieces among 1 or 6 pool threads; the rotation
+    wraps around many times, batches are taken one after the other, and every result equals plain indexing
+    of an independent copy of the table, down to n = 1 and n below the threads."""
     if engine == "hybrid":
         pytest.importorskip("cupy")
     from offload import _table
@@ -208,9 +209,10 @@ def test_cpu_engine_staging_rotation_wraps(monkeypatch, engine, threads, chunk):
     monkeypatch.setattr(_table._Staging, "BYTES", 64 << 10)
     monkeypatch.setattr(_table._Staging, "UNIT", 4 << 10)
     monkeypatch.setattr(_table._Staging, "CHUNK_BYTES", chunk)
+    monkeypatch.setattr(_table, "CPU_COPY", way)
     monkeypatch.setattr(_table, "CPU_THREADS", threads)
     monkeypatch.setattr(_table, "MIN_PIECE_BYTES", 1024)
-    for op in ("gather", "scatter"):  # the hybrid gives the UVA kernel 30% of the rows
+    for op in ("gather", "scatter"):
         monkeypatch.setitem(_table._fractions, (dev.index, op), 0.3)
     old = _table._staging.pop(dev.index, None)
     try:
@@ -227,6 +229,8 @@ def test_cpu_engine_staging_rotation_wraps(monkeypatch, engine, threads, chunk):
             t.scatter(idx.cuda(), vals.cuda(), unique=True)
             expected[idx] = vals
             assert torch.equal(t.data, expected)
+            if engine == "hybrid":  # the timings the next call re-balances from
+                assert _table._probes[(dev.index, "scatter")][1] == n
         assert _table._staging[dev.index].units == 16
     finally:  # later users get staging of the default size again
         _table._staging.pop(dev.index, None)
@@ -243,6 +247,7 @@ def test_cpu_engine_worker_exception_reaches_the_caller(monkeypatch, op):
 
     from offload import _table
 
+    monkeypatch.setattr(_table, "CPU_COPY", "pool")
     monkeypatch.setattr(_table, "CPU_THREADS", 4)
     monkeypatch.setattr(_table, "MIN_PIECE_BYTES", 4096)
     monkeypatch.setattr(_table._Staging, "CHUNK_BYTES", 64 << 10)

@@ -244,24 +244,25 @@ def test_distinct_indices_in_any_order_keep_their_order(device):
 # The CPU engine's worker pool (on a CPU compute device every gather and scatter runs on it)
 
 
-def _pool_settings(monkeypatch, threads, chunk_bytes, piece_bytes=1):
+def _pool_settings(monkeypatch, threads, chunk_bytes, piece_bytes=1, way="pool"):
     from offload import _table
 
+    monkeypatch.setattr(_table, "CPU_COPY", way)
     monkeypatch.setattr(_table, "CPU_THREADS", threads)
     monkeypatch.setattr(_table, "MIN_PIECE_BYTES", piece_bytes)
     monkeypatch.setattr(_table._Staging, "CHUNK_BYTES", chunk_bytes)
 
 
-@pytest.mark.parametrize("threads", [1, 3, 8])
+@pytest.mark.parametrize("way,threads", [("torch", 1), ("pool", 1), ("pool", 3), ("pool", 8)])
 @pytest.mark.parametrize("chunk_rows", [1, 3.3, 64, 10_000])
 @pytest.mark.parametrize("n", [1, 2, 7, 1000])
 @pytest.mark.parametrize("dtype,dim", [(torch.float32, 5), (torch.bfloat16, 3), (torch.float64, 16)])
-def test_pooled_gather_and_scatter_match_indexing(monkeypatch, threads, chunk_rows, n, dtype, dim):
-    """Rows copied in chunks of 1, 3.3 (chunk sizes that are no multiple of the row size), 64 or more rows
-    than asked for, cut into pieces among 1, 3 or 8 threads (so n = 1 and 2 leave workers without work),
-    equal plain indexing of an independent copy of the table."""
+def test_pooled_gather_and_scatter_match_indexing(monkeypatch, way, threads, chunk_rows, n, dtype, dim):
+    """Rows copied by torch or by the pool in chunks of 1, 3.3 (chunk sizes that are no multiple of the row
+    size), 64 or more rows than asked for, cut into pieces among 1, 3 or 8 threads (so n = 1 and 2 leave
+    workers without work), equal plain indexing of an independent copy of the table."""
     row_bytes = dim * torch.empty((), dtype=dtype).element_size()
-    _pool_settings(monkeypatch, threads, int(chunk_rows * row_bytes))
+    _pool_settings(monkeypatch, threads, int(chunk_rows * row_bytes), way=way)
     g = torch.Generator().manual_seed(n * 31 + threads)
     ref = (torch.randn(3000, dim, generator=g) * 100).to(dtype)
     t = offload.HostTable.from_tensor(ref, device="cpu", engine="cpu")
@@ -323,7 +324,6 @@ class _Gate:
 def test_run_rows_covers_every_row_once_and_respects_gates(monkeypatch):
     from offload import _table
 
-    monkeypatch.setattr(_table, "CPU_THREADS", 6)
     monkeypatch.setattr(_table, "MIN_PIECE_BYTES", 1)
     rounds = [(0, 5), (5, 6), (6, 40), (40, 41), (41, 100)]
     gates = [_Gate(0.01 * (r + 1)) for r in range(len(rounds))]
@@ -344,11 +344,59 @@ def test_run_rows_covers_every_row_once_and_respects_gates(monkeypatch):
     def on_ready(r):
         ready.append(r)
 
-    _table._run_rows(fn, rounds, 8, gates=gates)
+    _table._run_rows(fn, rounds, 8, threads=6, gates=gates)
     assert hits.tolist() == [1] * 100 and not early
     hits[:] = 0
-    _table._run_rows(fn, rounds, 8, on_ready=on_ready)  # without gates: every round at once
+    _table._run_rows(fn, rounds, 8, threads=6, on_ready=on_ready)  # without gates: every round at once
     assert hits.tolist() == [1] * 100 and sorted(ready) == list(range(len(rounds)))
+    hits[:], ready[:] = 0, []
+    gates = [_Gate(0.005 * (r + 1)) for r in range(len(rounds))]
+    _table._run_rows(fn, rounds, 8, threads=1, gates=gates, on_ready=on_ready)  # the caller alone, in order
+    assert hits.tolist() == [1] * 100 and not early and ready == list(range(len(rounds)))
+
+
+class _Timed:
+    """A stand-in for a timing CUDA event that completed ``ms`` after the start event."""
+
+    def __init__(self, ms, done=True):
+        self.ms, self.done = ms, done
+
+    def query(self):
+        return self.done
+
+    def elapsed_time(self, other):
+        return other.ms - self.ms
+
+
+def test_hybrid_split_moves_halfway_to_the_balance(monkeypatch):
+    """The hybrid split follows the previous call's GPU times: UVA rows that cost three times as much as
+    CPU-staged rows call for a UVA share of 1/4, and the split moves halfway there; unfinished events or
+    an empty part leave it alone."""
+    from offload import _table
+
+    dev = torch.device("cuda", 0)
+    monkeypatch.setattr(_table, "ADAPT_SPLIT", True)
+    monkeypatch.setitem(_table._fractions, (0, "gather"), 0.5)
+    start = _Timed(0.0)
+    # 500 UVA rows took 1.5 ms (3 us a row), 500 CPU rows 0.5 ms (1 us a row): balanced at 1 / (3 + 1)
+    monkeypatch.setitem(_table._probes, (0, "gather"), (500, 1000, start, _Timed(1.5), _Timed(0.5)))
+    assert _table._hybrid_fraction(dev, "gather") == pytest.approx(0.5 + 0.5 * (0.25 - 0.5))
+    assert (0, "gather") not in _table._probes  # each call's times are used once
+    f = _table._fractions[(0, "gather")]
+    monkeypatch.setitem(_table._probes, (0, "gather"), (500, 1000, start, _Timed(1.5, done=False), _Timed(0.5)))
+    assert _table._hybrid_fraction(dev, "gather") == f
+    monkeypatch.setitem(_table._probes, (0, "gather"), (0, 1000, start, _Timed(0.0), _Timed(0.5)))
+    assert _table._hybrid_fraction(dev, "gather") == f
+    monkeypatch.setitem(_table._probes, (0, "gather"), (990, 1000, start, _Timed(0.001), _Timed(50.0)))
+    assert _table._hybrid_fraction(dev, "gather") == pytest.approx(f + 0.5 * (1 - f), abs=1e-4)
+    for _ in range(10):  # the UVA part stays far cheaper: the share stops at 0.95
+        monkeypatch.setitem(_table._probes, (0, "gather"), (990, 1000, start, _Timed(0.001), _Timed(50.0)))
+        _table._hybrid_fraction(dev, "gather")
+    assert _table._fractions[(0, "gather")] == 0.95
+    monkeypatch.setattr(_table, "ADAPT_SPLIT", False)
+    g = _table._fractions[(0, "gather")]
+    monkeypatch.setitem(_table._probes, (0, "gather"), (500, 1000, start, _Timed(1.5), _Timed(0.5)))
+    assert _table._hybrid_fraction(dev, "gather") == g
 
 
 def test_worker_exception_reaches_the_caller(monkeypatch):
@@ -356,8 +404,7 @@ def test_worker_exception_reaches_the_caller(monkeypatch):
     pool works on afterwards, and an exception of on_ready (the caller's part) surfaces too."""
     from offload import _table
 
-    monkeypatch.setattr(_table, "CPU_THREADS", 4)
-    monkeypatch.setattr(_table, "MIN_PIECE_BYTES", 1)
+    _pool_settings(monkeypatch, 4, 1 << 20)
     main = threading.get_ident()
     running = [0]
     lock = threading.Lock()
@@ -376,10 +423,10 @@ def test_worker_exception_reaches_the_caller(monkeypatch):
                 running[0] -= 1
 
     with pytest.raises(KeyError, match="failed in a worker"):
-        _table._run_rows(fn, [(0, 40), (40, 80)], 8)
+        _table._run_rows(fn, [(0, 40), (40, 80)], 8, threads=4)
     assert running[0] == 0 and failed
     hits = np.zeros(80, dtype=np.int64)
-    _table._run_rows(lambda s, e: hits.__setitem__(slice(s, e), hits[s:e] + 1), [(0, 40), (40, 80)], 8)
+    _table._run_rows(lambda s, e: hits.__setitem__(slice(s, e), hits[s:e] + 1), [(0, 40), (40, 80)], 8, threads=4)
     assert hits.tolist() == [1] * 80
 
     def bad_ready(r):
@@ -393,7 +440,7 @@ def test_worker_exception_reaches_the_caller(monkeypatch):
             running[0] -= 1
 
     with pytest.raises(RuntimeError, match="could not be shipped"):
-        _table._run_rows(slow, [(0, 40), (40, 80)], 8, on_ready=bad_ready)
+        _table._run_rows(slow, [(0, 40), (40, 80)], 8, threads=4, on_ready=bad_ready)
     assert running[0] == 0
 
     src, t = _table_of(rows=500, dim=4)
