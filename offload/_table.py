@@ -113,10 +113,10 @@ def engine_choice(device: torch.device | str | int | None = None) -> dict[str, s
 
     Measured once per device and process, on a pinned table of :data:`MEASURE_BYTES` (allocated for the
     measurement and freed after): 131,072 random rows gathered and scattered by the UVA engine, by the
-    CPU engine in each way of :data:`CPU_CHOICES` (the fastest is kept for the CPU engine and the CPU part
-    of the hybrid), and by the hybrid engine, starting from the split at which both parts would take
-    equally long (then re-balanced as it runs, see :data:`ADAPT_SPLIT`); the fastest engine wins. Without
-    CuPy or a suitable GPU the answer is ``"cpu"``.
+    CPU engine in each way of :data:`CPU_CHOICES` (the fastest is kept for it), and by the hybrid engine
+    with its CPU part in each of those ways (the fastest is kept for it), starting from the split at which
+    both parts would take equally long and re-balancing as it runs (see :data:`ADAPT_SPLIT`); the fastest
+    engine wins. Without CuPy or a suitable GPU the answer is ``"cpu"``.
     """
     if not torch.cuda.is_available():
         return {"gather": "cpu", "scatter": "cpu"}
@@ -195,10 +195,19 @@ def _measure(device: torch.device) -> dict[str, str]:
             even = times["cpu"] / (times["uva"] + times["cpu"])  # the split if the two added up
             if ADAPT_SPLIT:
                 _fractions[key] = min(0.95, max(0.05, even))
-                for _ in range(12):  # let the split settle
-                    run("hybrid")
-                    torch.cuda.synchronize(device)
-                times["hybrid"] = timed("hybrid")
+                hkey = (device.index, f"{op} hybrid")
+                by_hybrid = {}
+                for w in CPU_CHOICES:  # the hybrid's CPU part moves fewer rows: its best way may differ
+                    _movers[hkey], _chunks[hkey], _threads[hkey] = w[0], w[1] << 20, w[2]
+                    for _ in range(6):  # let the split settle
+                        run("hybrid")
+                        torch.cuda.synchronize(device)
+                    by_hybrid[w] = (timed("hybrid"), _fractions[key])
+                w = min(by_hybrid, key=lambda w: by_hybrid[w][0])
+                _movers[hkey], _chunks[hkey], _threads[hkey] = w[0], w[1] << 20, w[2]
+                times["hybrid"], _fractions[key] = by_hybrid[w]
+                report[op] = {f"hybrid, cpu part {v[0]} {v[1]} MiB {v[2]} threads": t[0]
+                              for v, t in by_hybrid.items()}
             else:
                 by_split = {}
                 for f in sorted({round(even, 2), round(even - 0.1, 2), round(even + 0.1, 2), 0.3, 0.5, 0.7}):
@@ -207,8 +216,8 @@ def _measure(device: torch.device) -> dict[str, str]:
                 _fractions[key] = min(by_split, key=by_split.__getitem__)
                 times["hybrid"] = by_split[_fractions[key]]
             best[op] = min(times, key=times.__getitem__)
-            report[op] = {**{f"cpu {w[0]} {w[1]} MiB {w[2]} threads": t for w, t in by_way.items()}, **times,
-                          "uva share": _fractions[key]}
+            report[op] = {**{f"cpu {w[0]} {w[1]} MiB {w[2]} threads": t for w, t in by_way.items()},
+                          **report.get(op, {}), **times, "uva share": _fractions[key]}
     table.close()
     return best
 
@@ -242,9 +251,13 @@ class _Staging:
         self.events: list[torch.cuda.Event | None] = [None] * self.units
         self.next = 0
 
-    def rows_per_chunk(self, row_bytes: int, op: str) -> int:
-        """Rows per chunk for rows of ``row_bytes`` (0: a row does not fit, copy directly)."""
-        want = type(self).CHUNK_BYTES or _chunks.get((self.device.index, op), self.DEFAULT_CHUNK)
+    def rows_per_chunk(self, row_bytes: int, use: str) -> int:
+        """Rows per chunk for rows of ``row_bytes`` (0: a row does not fit, copy directly) for ``use``
+        (see :func:`_copy_plan`)."""
+        key = (self.device.index, use)
+        if key not in _chunks:
+            key = (self.device.index, use.split()[0])
+        want = type(self).CHUNK_BYTES or _chunks.get(key, self.DEFAULT_CHUNK)
         return min(max(want, row_bytes), self.nbytes) // row_bytes
 
     def batches(self, n: int, row_bytes: int, per: int) -> list[tuple[int, int]]:
@@ -325,9 +338,14 @@ FANOUT = 4
 every wake-up itself)."""
 
 
-def _copy_plan(index: int | None, op: str) -> tuple[str, int]:
-    """``(way, threads)`` of the CPU engine for ``op`` on CUDA device ``index`` (None: a CPU device)."""
-    key = (index, op)
+def _copy_plan(index: int | None, use: str) -> tuple[str, int]:
+    """``(way, threads)`` of the CPU engine on CUDA device ``index`` (None: a CPU device) for ``use``:
+    ``"gather"`` or ``"scatter"`` (the CPU engine), or ``"gather hybrid"`` or ``"scatter hybrid"`` (the
+    hybrid's CPU part, measured apart: it moves fewer rows; where it was not measured, as the CPU
+    engine)."""
+    key = (index, use)
+    if key not in _movers:
+        key = (index, use.split()[0])
     way = CPU_COPY or _movers.get(key, "torch")
     if way not in ("torch", "pool"):
         raise ValueError(f"offload CPU_COPY must be 'torch', 'pool' or None, got {way!r}")
@@ -856,13 +874,13 @@ class HostTable:
             uva_end.record(main)
             self._note_gpu_access("read")
             with torch.cuda.stream(side):
-                self._gather_cpu(_host_index(cpu_idx), rows[k:])
+                self._gather_cpu(_host_index(cpu_idx), rows[k:], "gather hybrid")
         else:
             _uva.scatter_rows(self._data, uniq[:k], rows[:k])
             uva_end.record(main)
             self._note_gpu_access("write")
             with torch.cuda.stream(side):
-                self._scatter_cpu(_host_index(cpu_idx), rows[k:])
+                self._scatter_cpu(_host_index(cpu_idx), rows[k:], "scatter hybrid")
         cpu_end.record(side)  # gather: when the last copy lands; scatter: when the host has written the rows
         _probes[(self.device.index, op)] = (k, n, start, uva_end, cpu_end)
         main.wait_stream(side)
@@ -924,7 +942,7 @@ class HostTable:
             got = self._np_rows = _row_array(self._data)
         return got
 
-    def _gather_cpu(self, uniq_cpu: Tensor, out: Tensor) -> None:
+    def _gather_cpu(self, uniq_cpu: Tensor, out: Tensor, use: str = "gather") -> None:
         """The CPU engine's gather to the GPU: rows are copied into page-locked staging memory chunk by
         chunk (by torch or the worker pool, see :data:`CPU_COPY`), and each chunk's copy to ``out`` is
         queued (on the current stream) as soon as its rows are there."""
@@ -934,9 +952,9 @@ class HostTable:
         stage = _staging_for(self.device)
         stream = torch.cuda.current_stream(self.device)
         row_bytes = self.dim * self._data.element_size()
-        way, threads = _copy_plan(self.device.index, "gather")
+        way, threads = _copy_plan(self.device.index, use)
         with stage.lock:
-            per = stage.rows_per_chunk(row_bytes, "gather")
+            per = stage.rows_per_chunk(row_bytes, use)
             if per == 0:  # a row longer than the staging memory: copy directly
                 out.copy_(self._data.index_select(0, uniq_cpu), non_blocking=False)
                 return
@@ -986,7 +1004,7 @@ class HostTable:
             self._scatter_cpu(_host_index(uniq) if uniq_cpu is None else uniq_cpu, rows)
         self._patch_prefetches(uniq, rows)
 
-    def _scatter_cpu(self, uniq_cpu: Tensor, rows: Tensor) -> None:
+    def _scatter_cpu(self, uniq_cpu: Tensor, rows: Tensor, use: str = "scatter") -> None:
         """The CPU engine's scatter from the GPU: each chunk of ``rows`` is copied into page-locked staging
         memory (queued on the current stream, all at once), and its rows are written into the table (by
         torch or the worker pool, see :data:`CPU_COPY`) as soon as its copy has finished."""
@@ -996,9 +1014,9 @@ class HostTable:
         stage = _staging_for(self.device)
         stream = torch.cuda.current_stream(self.device)
         row_bytes = self.dim * self._data.element_size()
-        way, threads = _copy_plan(self.device.index, "scatter")
+        way, threads = _copy_plan(self.device.index, use)
         with stage.lock:
-            per = stage.rows_per_chunk(row_bytes, "scatter")
+            per = stage.rows_per_chunk(row_bytes, use)
             if per == 0:
                 self._data.index_copy_(0, uniq_cpu, rows.cpu())
                 return
