@@ -1,13 +1,13 @@
 """Grouped-weight versions of torch.nn layers: B independent copies of a layer as one module.
 
 Every parameter has shape ``(B, *torch_shape)``; inputs carry the model axis merged into dim 0
-(models-major, see :mod:`batch_layers._base`).
+(models-major by default, samples-major where a ``BatchModule`` chooses it; see :mod:`batch_layers._base`).
 """
 
 from ._activation import PReLU
 from ._attention import MultiheadAttention
 from ._backend import get_backend, set_backend, use_backend, use_cupy, use_torch
-from ._base import AbstractBatchModule, ForwardContext, current_forward, forward_context
+from ._base import AbstractBatchModule, ForwardContext, SamplesOrderError, current_forward, forward_context
 from ._batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d
 from ._bilinear import Bilinear
 from ._conv import Conv1d, Conv2d, Conv3d
@@ -69,6 +69,7 @@ __all__ = [
     "PReLU",
     "RMSNorm",
     "RNNCell",
+    "SamplesOrderError",
     "SyncBatchNorm",
     "batched_embedding",
     "check_indices",

@@ -1,15 +1,18 @@
 """The base class of every batched layer and the layout of the merged model axis.
 
 B models of one architecture run as one module. Between layers, a tensor that belongs to all B models
-has the model axis merged into dim 0, **models-major**: row ``b * n + i`` is sample ``i`` of model
-``b``, so ``x.view(B, -1, ...)`` recovers the model axis for free. Models-major keeps every reshape that
-merges dims to the right of dim 0 (``x.view(-1, d)`` on ``(B*n, seq, d)``) correct; the measurements
-behind the choice are in ``docs/design.md``.
+has the model axis merged into dim 0. By default **models-major**: row ``b * n + i`` is sample ``i`` of
+model ``b``, so ``x.view(B, -1, ...)`` recovers the model axis for free, and every reshape that merges
+dims to the right of dim 0 (``x.view(-1, d)`` on ``(B*n, seq, d)``) stays correct. A ``BatchModule``
+whose layers all support it may run **samples-major** instead (row ``i * B + b``): there the grouped
+``(n, B*C, H, W)`` layout of convolutions and batch norms is a free view of the merged tensor, and a
+layer refuses any input whose dim 0 is not exactly ``B * n``. The measurements behind both are in
+``docs/design.md``.
 
-A forward started by ``torchmb.BatchModule`` records the number of samples per model, so layers can
-refuse a tensor whose dim 0 is not ``B * n * k`` (a model that moved the merged axis elsewhere) instead
-of silently mixing models, and can recognise the *shared* input (one ``(n, ...)`` tensor that every
-model sees) without materialising B copies of it.
+A forward started by ``torchmb.BatchModule`` records the number of samples per model and the order, so
+layers can refuse a tensor whose dim 0 is not ``B * n * k`` (a model that moved the merged axis
+elsewhere) instead of silently mixing models, and can recognise the *shared* input (one ``(n, ...)``
+tensor that every model sees) without materialising B copies of it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch import Tensor, nn
 __all__ = [
     "AbstractBatchModule",
     "ForwardContext",
+    "SamplesOrderError",
     "check_merged_rows",
     "current_forward",
     "forward_context",
@@ -41,11 +45,18 @@ class ForwardContext:
         batch: the number of models B.
         samples: samples per model ``n`` at the model's input.
         shared: whether the input is one ``(n, ...)`` tensor shared by all models.
+        order: the order of the merged model axis between layers.
     """
 
     batch: int
     samples: int
     shared: bool = False
+    order: MergedOrder = "models"
+
+
+class SamplesOrderError(ValueError):
+    """A tensor whose dim 0 holds more than ``B * n`` rows met a layer in the samples-major merged order,
+    where only the models-major order keeps such rows apart by model."""
 
 
 _FORWARD: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("torchmb_forward", default=None)
@@ -87,10 +98,17 @@ def is_shared_input(x: Tensor, batch: int) -> bool:
 
 
 def check_merged_rows(x: Tensor, batch: int, owner: str, what: str = "input") -> None:
-    """Refuse a tensor whose dim 0 is not a multiple of ``B * n``, the merged model axis."""
+    """Refuse a tensor whose dim 0 is not a multiple of ``B * n``, the merged model axis (exactly ``B * n``
+    in the samples-major order, where merging other dims into dim 0 would interleave models)."""
     context = current_forward()
     rows = x.shape[0] if x.dim() else 0
     step = batch * (context.samples if context is not None else 1)
+    if context is not None and context.order == "samples" and rows != step and x.dim():
+        raise SamplesOrderError(
+            f"{owner}: expected the {what}'s dim 0 to be exactly B * n = {batch} * {context.samples} in the "
+            f"samples-major merged order, got shape {tuple(x.shape)}; the model merged other dims into dim 0, "
+            "which only the models-major order keeps correct: build the BatchModule with merged_order='models'"
+        )
     if x.dim() == 0 or rows % step != 0:
         where = f"B * n = {batch} * {context.samples}" if context is not None else f"B = {batch}"
         raise ValueError(
@@ -108,9 +126,12 @@ class AbstractBatchModule(nn.Module):
     and named in ``shared_buffers``.
 
     ``merged_order`` says how ``forward`` wants the merged dim 0 of its inputs and outputs:
-    ``"models"`` (torchmb's native layout, no copies) or ``"samples"`` (row ``i * B + b``, the layout
-    torchmb 0.2 handed to custom modules; ``BatchModule`` reorders around such a module). Code that
-    goes through :meth:`split` and :meth:`merge` works with either.
+    ``"models"`` (torchmb's default layout) or ``"samples"`` (row ``i * B + b``, the layout torchmb 0.2
+    handed to custom modules; ``BatchModule`` reorders around such a module). Code that goes through
+    :meth:`split` and :meth:`merge` works with either. A class that runs in both lists them in
+    ``merged_orders``; ``BatchModule`` then sets the instance's ``merged_order`` to its own.
+    ``grouped_layout`` marks the classes that gain from the samples-major order (convolutions and batch
+    norms, whose grouped layout is then a free view).
 
     Args:
         batch: number of models B.
@@ -118,6 +139,8 @@ class AbstractBatchModule(nn.Module):
 
     base_class: ClassVar[type[nn.Module]] = nn.Module
     merged_order: ClassVar[MergedOrder] = "samples"
+    merged_orders: ClassVar[tuple[MergedOrder, ...]] = ()  # () means (merged_order,)
+    grouped_layout: ClassVar[bool] = False
     shared_buffers: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, batch: int) -> None:
@@ -138,6 +161,18 @@ class AbstractBatchModule(nn.Module):
     def check_merged(self, x: Tensor, what: str = "input") -> None:
         """Refuse a tensor whose dim 0 cannot hold B models' samples."""
         check_merged_rows(x, self.batch, type(self).__name__, what)
+
+    @classmethod
+    def runs_in(cls, order: MergedOrder) -> bool:
+        """Whether this class's ``forward`` supports the merged ``order``."""
+        return order in (cls.merged_orders or (cls.merged_order,))
+
+    def expand_shared(self, x: Tensor) -> Tensor:
+        """A shared ``(n, ...)`` input as the merged ``(B*n, ...)`` tensor of B models (a copy), in this
+        module's order."""
+        if self.merged_order == "models":
+            return x.expand(self.batch, *x.shape).reshape(-1, *x.shape[1:])
+        return x.unsqueeze(1).expand(x.shape[0], self.batch, *x.shape[1:]).reshape(-1, *x.shape[1:])
 
     def merged_dim(self, x: Tensor, feature_dims: int = 1) -> int:
         """The dim of ``x`` holding the merged model axis, for layers that take any leading dims.
@@ -215,27 +250,38 @@ def is_channels_last(x: Tensor) -> bool:
     return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
 
 
-def to_grouped(x: Tensor, batch: int) -> Tensor:
-    """``(B*n, C, *S)`` models-major to ``(n, B*C, *S)``: the models become channel groups.
+def to_grouped(x: Tensor, batch: int, order: MergedOrder = "models") -> Tensor:
+    """``(B*n, C, *S)`` in the merged ``order`` to ``(n, B*C, *S)``: the models become channel groups.
 
-    A channels-last input gives a channels-last result, ``(n, H, W, B*C)`` in memory, so cuDNN runs its
-    NHWC kernels (often the faster ones for grouped convolutions); any other gives a contiguous one.
+    Samples-major, this is a view of a contiguous input. A channels-last input gives a channels-last
+    result, ``(n, H, W, B*C)`` in memory, so cuDNN runs its NHWC kernels; any other gives a contiguous one.
     """
     n = x.shape[0] // batch
     if is_channels_last(x):
         channels, height, width = x.shape[1:]
-        grouped = x.view(batch, n, channels, height, width).permute(1, 3, 4, 0, 2).contiguous()
+        if order == "models":
+            grouped = x.view(batch, n, channels, height, width).permute(1, 3, 4, 0, 2).contiguous()
+        else:
+            grouped = x.view(n, batch, channels, height, width).permute(0, 3, 4, 1, 2).contiguous()
         return grouped.view(n, height, width, batch * channels).permute(0, 3, 1, 2)
+    if order == "samples":
+        return x.reshape(n, batch * x.shape[1], *x.shape[2:])
     return x.reshape(batch, n, *x.shape[1:]).transpose(0, 1).reshape(n, batch * x.shape[1], *x.shape[2:])
 
 
-def to_models(y: Tensor, batch: int) -> Tensor:
-    """``(n, B*C, *S)`` back to the models-major ``(B*n, C, *S)``, keeping a channels-last layout."""
+def from_grouped(y: Tensor, batch: int, order: MergedOrder = "models") -> Tensor:
+    """``(n, B*C, *S)`` back to the merged ``(B*n, C, *S)`` in ``order``, keeping a channels-last layout."""
     n = y.shape[0]
     if is_channels_last(y):
         height, width = y.shape[2:]
         channels = y.shape[1] // batch
-        models = y.permute(0, 2, 3, 1).view(n, height, width, batch, channels).permute(3, 0, 1, 2, 4).contiguous()
-        return models.view(batch * n, height, width, channels).permute(0, 3, 1, 2)
+        rows = y.permute(0, 2, 3, 1).view(n, height, width, batch, channels)
+        if order == "models":
+            merged = rows.permute(3, 0, 1, 2, 4).contiguous()
+        else:
+            merged = rows.permute(0, 3, 1, 2, 4).contiguous()
+        return merged.view(batch * n, height, width, channels).permute(0, 3, 1, 2)
+    if order == "samples":
+        return y.reshape(n * batch, y.shape[1] // batch, *y.shape[2:])
     y = y.view(n, batch, -1, *y.shape[2:]).transpose(0, 1)
     return y.reshape(batch * n, *y.shape[2:])

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._base import AbstractBatchModule, copy_into_every_model, to_grouped, to_models
+from ._base import AbstractBatchModule, copy_into_every_model, from_grouped, to_grouped
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d"]  # and _NormBase, shared with instance norm
 
@@ -92,6 +92,8 @@ class _BatchNorm(_NormBase):
     """
 
     expected_dims: ClassVar[tuple[int, ...]]
+    merged_orders = ("models", "samples")
+    grouped_layout = True
 
     def _check_input_dim(self, x: Tensor) -> None:
         if x.dim() not in self.expected_dims:
@@ -108,7 +110,7 @@ class _BatchNorm(_NormBase):
             channels = models.transpose(0, 1).reshape(x.shape[0], batch * self.num_features, *x.shape[2:])
         else:  # a channels-last input stays channels-last: cuDNN's NHWC batch norm
             self.check_merged(x)
-            channels = to_grouped(x, batch)
+            channels = to_grouped(x, batch, self.merged_order)
         use_batch_stats = self.training or not self.track_running_stats
         weight = None if self.weight is None else self.weight.reshape(-1)
         bias = None if self.bias is None else self.bias.reshape(-1)
@@ -127,7 +129,7 @@ class _BatchNorm(_NormBase):
                 0.0 if self.momentum is None else self.momentum,
                 self.eps,
             )
-        return to_models(y, batch)
+        return from_grouped(y, batch, self.merged_order)
 
     def _cumulative_average_forward(self, channels: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
         """``momentum=None``: each model averages its running stats over its own batch count."""

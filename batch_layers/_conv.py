@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.utils import _ntuple, _reverse_repeat_tuple
 
-from ._base import AbstractBatchModule, autocast_dtype, copy_into_every_model, to_grouped, to_models
+from ._base import AbstractBatchModule, autocast_dtype, copy_into_every_model, from_grouped, to_grouped
 
 __all__ = ["Conv1d", "Conv2d", "Conv3d"]
 
@@ -29,38 +29,40 @@ def reset_conv_slices(weight: Tensor, bias: Tensor | None, kernel_size: tuple[in
 
 
 class _GroupedConv(torch.autograd.Function):
-    """The models-as-groups convolution (or transposed convolution), saving the models-major input
-    instead of its grouped copy.
+    """The models-as-groups convolution (or transposed convolution), saving the merged input instead of
+    its grouped copy.
 
     Autograd through the plain formulation keeps the ``(n, B*C, *S)`` copy of every conv input alive
-    until backward, beside the models-major tensor the previous layer (usually a ReLU) saves anyway:
-    one extra activation per convolution. This function saves the models-major input and redoes the
-    layout copy in backward. The backward is ``aten.convolution_backward``, itself differentiable.
+    until backward, beside the merged tensor the previous layer (usually a ReLU) saves anyway: one extra
+    activation per convolution. This function saves the merged input and redoes the layout change in
+    backward. The backward is ``aten.convolution_backward``, itself differentiable. In the samples-major
+    order (``order="samples"``) every layout change of a contiguous tensor here is a view.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, batch, stride, padding, dilation, groups, transposed, output_padding):
+    def forward(ctx, x, weight, bias, batch, stride, padding, dilation, groups, transposed, output_padding, order):
         dtype = autocast_dtype(x.device.type)
+        config = (stride, padding, dilation, groups, transposed, output_padding)
         if dtype is None:
-            y = _grouped(x, weight, bias, batch, stride, padding, dilation, groups, transposed, output_padding)
+            y = _grouped(to_grouped(x, batch, order), weight, bias, *config)
         else:  # autocast does not reach a custom backward: cast here, once
             x, weight = x.to(dtype), weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
             with torch.autocast(x.device.type, enabled=False):
-                y = _grouped(x, weight, bias, batch, stride, padding, dilation, groups, transposed, output_padding)
+                y = _grouped(to_grouped(x, batch, order), weight, bias, *config)
         ctx.save_for_backward(x, weight)
-        ctx.config = (batch, stride, padding, dilation, groups, transposed, output_padding, bias is not None)
-        return to_models(y, batch)
+        ctx.config = (batch, *config, bias is not None, order)
+        return from_grouped(y, batch, order)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        batch, stride, padding, dilation, groups, transposed, output_padding, has_bias = ctx.config
+        batch, stride, padding, dilation, groups, transposed, output_padding, has_bias, order = ctx.config
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2]]
         out_channels = weight.shape[1] * groups if transposed else weight.shape[0]
         grad_x, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
-            to_grouped(grad.to(x.dtype), batch),
-            to_grouped(x, batch),
+            to_grouped(grad.to(x.dtype), batch, order),
+            to_grouped(x, batch, order),
             weight,
             [out_channels] if has_bias else None,
             stride,
@@ -71,15 +73,13 @@ class _GroupedConv(torch.autograd.Function):
             groups,
             mask,
         )
-        grad_x = to_models(grad_x, batch) if mask[0] else None
+        grad_x = from_grouped(grad_x, batch, order) if mask[0] else None
         grads = (grad_x, grad_weight if mask[1] else None, grad_bias if mask[2] else None)
-        return (*grads, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None)
 
 
-def _grouped(x, weight, bias, batch, stride, padding, dilation, groups, transposed, output_padding) -> Tensor:
-    return torch.convolution(
-        to_grouped(x, batch), weight, bias, stride, padding, dilation, transposed, output_padding, groups
-    )
+def _grouped(grouped, weight, bias, stride, padding, dilation, groups, transposed, output_padding) -> Tensor:
+    return torch.convolution(grouped, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
 
 
 class _ConvNd(AbstractBatchModule):
@@ -91,6 +91,8 @@ class _ConvNd(AbstractBatchModule):
     """
 
     merged_order = "models"
+    merged_orders = ("models", "samples")
+    grouped_layout = True
     dims: ClassVar[int]
 
     def __init__(
@@ -204,28 +206,30 @@ class _ConvNd(AbstractBatchModule):
         weight = self.weight.reshape(batch * self.out_channels, *self.weight.shape[2:])
         bias = None if self.bias is None else self.bias.reshape(-1)
         if self.is_shared(x):
-            n = x.shape[0]
             if self.groups == 1:  # every model reads the same input: one dense conv against all filters
-                y = self._conv(x, weight, bias, 1)
-                y = y.view(n, batch, self.out_channels, *y.shape[2:]).transpose(0, 1)
-                return y.reshape(batch * n, self.out_channels, *y.shape[3:])
-            x = x.expand(batch, *x.shape).reshape(batch * n, *x.shape[1:])
+                return from_grouped(self._conv(x, weight, bias, 1), batch, self.merged_order)
+            x = self.expand_shared(x)
         self.check_merged(x)
         per_call = self._models_per_call(x, batch)
         if per_call >= batch:
-            return self._grouped_forward(x, weight, bias, batch)
-        # Too many models for one kernel's 32-bit indexing: convolve them a slice of models at a time.
+            return self._grouped_forward(x, weight, bias, batch, self.merged_order)
+        # Too many models for one kernel's 32-bit indexing: convolve them a slice of models at a time
+        # (slices of rows only models-major).
         n, out = x.shape[0] // batch, self.out_channels
+        samples_major = self.merged_order == "samples"
+        if samples_major:
+            x = x.view(n, batch, *x.shape[1:]).transpose(0, 1).reshape(x.shape)
         chunks = []
         for start in range(0, batch, per_call):
             stop = min(start + per_call, batch)
             chunk_bias = None if bias is None else bias[start * out : stop * out]
             chunks.append(
                 self._grouped_forward(
-                    x[start * n : stop * n], weight[start * out : stop * out], chunk_bias, stop - start
+                    x[start * n : stop * n], weight[start * out : stop * out], chunk_bias, stop - start, "models"
                 )
             )
-        return torch.cat(chunks)
+        y = torch.cat(chunks)
+        return y.view(batch, n, *y.shape[1:]).transpose(0, 1).reshape(y.shape) if samples_major else y
 
     def _models_per_call(self, x: Tensor, batch: int) -> int:
         """How many models one grouped convolution may take: cuDNN's kernels index with 32 bits."""
@@ -236,10 +240,10 @@ class _ConvNd(AbstractBatchModule):
         per_model = n * max(self.in_channels, self.out_channels) * spatial
         return max(1, _INDEX_LIMIT // max(per_model, 1))
 
-    def _grouped_forward(self, x: Tensor, weight: Tensor, bias: Tensor | None, batch: int) -> Tensor:
+    def _grouped_forward(self, x: Tensor, weight: Tensor, bias: Tensor | None, batch: int, order: str) -> Tensor:
         if self._numeric_padding is None:  # uneven 'same' padding: torch's own conv pads it
-            grouped = to_grouped(x, batch)
-            return to_models(self._conv(grouped, weight, bias, batch * self.groups), batch)
+            grouped = to_grouped(x, batch, order)
+            return from_grouped(self._conv(grouped, weight, bias, batch * self.groups), batch, order)
         if self.padding_mode != "zeros":
             x = F.pad(x, self._explicit_padding, mode=self.padding_mode)
         return _GroupedConv.apply(
@@ -253,6 +257,7 @@ class _ConvNd(AbstractBatchModule):
             batch * self.groups,
             False,
             self.output_padding,
+            order,
         )
 
     def extra_repr(self) -> str:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.utils import _ntuple
 
-from ._base import AbstractBatchModule, copy_into_every_model
+from ._base import AbstractBatchModule, copy_into_every_model, from_grouped
 from ._conv import _GroupedConv, reset_conv_slices
 
 __all__ = ["ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d"]
@@ -26,6 +26,8 @@ class _ConvTransposeNd(AbstractBatchModule):
     """
 
     merged_order = "models"
+    merged_orders = ("models", "samples")
+    grouped_layout = True
     dims: ClassVar[int]
 
     def __init__(
@@ -130,14 +132,12 @@ class _ConvTransposeNd(AbstractBatchModule):
         batch, out_channels = self.batch, self.out_channels
         bias = None if self.bias is None else self.bias.reshape(-1)
         if self.is_shared(x):
-            n = x.shape[0]
             if self.groups == 1:
                 # (B, C_in, C_out, *k) -> (C_in, B*C_out, *k): every model's filters side by side, one dense conv.
                 weight = self.weight.transpose(0, 1).reshape(self.in_channels, batch * out_channels, *self.kernel_size)
                 y = conv(x, weight, bias, self.stride, self.padding, output_padding, 1, self.dilation)
-                y = y.view(n, batch, out_channels, *y.shape[2:]).transpose(0, 1)
-                return y.reshape(batch * n, out_channels, *y.shape[3:])
-            x = x.expand(batch, *x.shape).reshape(batch * n, *x.shape[1:])
+                return from_grouped(y, batch, self.merged_order)
+            x = self.expand_shared(x)
         self.check_merged(x)
         weight = self.weight.reshape(batch * self.in_channels, *self.weight.shape[2:])
         return _GroupedConv.apply(
@@ -151,6 +151,7 @@ class _ConvTransposeNd(AbstractBatchModule):
             batch * self.groups,
             True,
             tuple(output_padding),
+            self.merged_order,
         )
 
     def extra_repr(self) -> str:

@@ -30,6 +30,7 @@ class _Dropout(AbstractBatchModule):
     """
 
     merged_order = "models"
+    merged_orders = ("models", "samples")
     base_class: ClassVar[type[nn.Module]]
 
     def __init__(self, p: float = 0.5, inplace: bool = False, *, batch: int) -> None:
@@ -45,7 +46,7 @@ class _Dropout(AbstractBatchModule):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.training and self.p > 0 and self.is_shared(x):
-            x = x.expand(self.batch, *x.shape).reshape(-1, *x.shape[1:])  # one mask per model
+            x = self.expand_shared(x)  # one mask per model
         return self.base_class.forward(self, x)
 
 

@@ -44,6 +44,8 @@ class _BatchedLinear(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         rows, weight = ctx.saved_tensors
         grad = grad.to(rows.dtype)
+        if grad.stride(0) < grad.stride(1):  # models interleaved (samples-major): per-model sums would depend on B
+            grad = grad.contiguous()
         grad_rows = torch.bmm(grad, weight) if ctx.needs_input_grad[0] else None
         grad_weight = torch.bmm(grad.transpose(1, 2), rows) if ctx.needs_input_grad[1] else None
         grad_bias = grad.sum(1) if ctx.has_bias and ctx.needs_input_grad[2] else None
@@ -78,6 +80,7 @@ class Linear(AbstractBatchModule):
 
     base_class: ClassVar[type[nn.Module]] = nn.Linear
     merged_order = "models"
+    merged_orders = ("models", "samples")
 
     def __init__(
         self,
@@ -127,15 +130,28 @@ class Linear(AbstractBatchModule):
         dim = self.merged_dim(x)
         if dim:  # sequence-first layout: bring the model axis to the front for the batched product
             return self.forward(x.movedim(dim, 0)).movedim(0, dim)
-        rows = x.reshape(self.batch, -1, self.in_features)
+        if self.merged_order == "models":
+            rows = x.reshape(self.batch, -1, self.in_features)
+            y = _BatchedLinear.apply(rows, self.weight, self.bias)
+            return y.view(*x.shape[:-1], self.out_features)
+        # Samples-major: a (n*B, in) input is a strided (B, n, in) view, which the batched product reads
+        # as it is; the output is laid back samples-major (a copy).
+        self.check_merged(x)
+        samples = x.shape[0] // self.batch
+        rows = x.reshape(samples, self.batch, -1, self.in_features).transpose(0, 1)
+        rows = rows.reshape(self.batch, -1, self.in_features)
         y = _BatchedLinear.apply(rows, self.weight, self.bias)
-        return y.view(*x.shape[:-1], self.out_features)
+        y = y.view(self.batch, samples, *x.shape[1:-1], self.out_features).transpose(0, 1)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def _shared_forward(self, x: Tensor) -> Tensor:
         # One GEMM against all models' weights side by side: (m, in) @ (in, B*out), no B-fold input copy.
         rows = x.reshape(-1, self.in_features)
         bias = None if self.bias is None else self.bias.reshape(-1)
         y = F.linear(rows, self.weight.reshape(-1, self.in_features), bias)
+        if self.merged_order == "samples":  # (n, *, B, out) -> (n, B, *, out): a view without middle dims
+            y = y.view(x.shape[0], -1, self.batch, self.out_features).transpose(1, 2)
+            return y.reshape(self.batch * x.shape[0], *x.shape[1:-1], self.out_features)
         y = y.view(-1, self.batch, self.out_features).transpose(0, 1)
         return y.reshape(self.batch * x.shape[0], *x.shape[1:-1], self.out_features)
 

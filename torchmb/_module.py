@@ -10,7 +10,13 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from batch_layers import AbstractBatchModule, ForwardContext, OffloadedBatchEmbedding, forward_context
+from batch_layers import (
+    AbstractBatchModule,
+    ForwardContext,
+    OffloadedBatchEmbedding,
+    SamplesOrderError,
+    forward_context,
+)
 
 from ._generic import batch_generically, is_generic
 from ._registry import lookup_batch_module
@@ -37,6 +43,15 @@ class BatchModule(nn.Module):
             model ``i`` by seeding torch with ``seed + i`` and calling ``reset_parameters()`` on each of
             its submodules in ``model.modules()`` order, exactly as a plain model would be initialised.
         seed: base seed for ``init="independent"``; drawn from torch's generator when ``None``.
+        merged_order: the order of the merged model axis between layers. ``"models"`` (row ``b*n + i``)
+            keeps every reshape that merges dims into dim 0 correct; ``"samples"`` (row ``i*B + b``)
+            makes the grouped layout of convolutions and batch norms a free view, saving two layout
+            copies per such layer forward and three backward, but refuses (with an error) a layer input
+            whose dim 0 is not exactly ``B*n``. ``"auto"`` takes ``"samples"`` when every batched layer
+            supports it and one is a convolution or batch norm, else ``"models"``; should the first
+            forward then meet such an input, it is undone (buffers and random state restored) and rerun
+            models-major, which the module keeps from then on. The order is internal: inputs and outputs
+            are ``(B, n, ...)`` either way.
 
     Shape:
         - Input: every tensor argument ``(B, n, *)``; with ``shared_input=True`` every tensor argument is
@@ -60,6 +75,7 @@ class BatchModule(nn.Module):
         *,
         init: Literal["copy", "independent"] = "copy",
         seed: int | None = None,
+        merged_order: Literal["auto", "models", "samples"] = "auto",
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
@@ -68,11 +84,15 @@ class BatchModule(nn.Module):
             raise ValueError(f"batch must be a positive int (the number of models), got {batch!r}")
         if init not in ("copy", "independent"):
             raise ValueError(f"init must be 'copy' or 'independent', got {init!r}")
+        if merged_order not in ("auto", "models", "samples"):
+            raise ValueError(f"merged_order must be 'auto', 'models' or 'samples', got {merged_order!r}")
         self.batch = batch
         # A pristine copy to build plain models from (unbatch); kept out of the module tree on purpose.
         object.__setattr__(self, "_template", copy.deepcopy(model))
         self.generic_modules: list[str] = []
         self.module = self._convert(copy.deepcopy(model), "")  # first: refuses what cannot be batched
+        self.merged_order = self._choose_order(merged_order)
+        self._order_on_trial = merged_order == "auto" and self.merged_order == "samples"
         self._plain_shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
         if self.generic_modules:
             logger.info(
@@ -87,10 +107,7 @@ class BatchModule(nn.Module):
     def _convert(self, module: nn.Module, name: str) -> nn.Module:
         batch_class = lookup_batch_module(type(module))
         if batch_class is not None:
-            batched = batch_class.from_module(module, self.batch)
-            if batched.merged_order == "samples":
-                _reorder_around(batched)
-            return batched
+            return batch_class.from_module(module, self.batch)
         if any(p is not None for p in module._parameters.values()):
             self.generic_modules.append(name or type(module).__name__)
             return batch_generically(module, self.batch)
@@ -111,6 +128,33 @@ class BatchModule(nn.Module):
             module.use_nested_tensor = False
         return module
 
+    def _choose_order(self, requested: str) -> str:
+        """The merged order for ``requested``; sets every batched layer's order or reorders around it."""
+        layers = [(name, m) for name, m in self.module.named_modules() if isinstance(m, AbstractBatchModule)]
+        unable = [name or type(m).__name__ for name, m in layers if not m.runs_in("samples")]
+        unable += self.generic_modules  # the torch.func path splits models-major
+        if requested == "samples" and unable:
+            raise ValueError(
+                "merged_order='samples' needs every batched layer to support the samples-major order; these do "
+                f"not: {', '.join(unable)}"
+            )
+        order = requested
+        if requested == "auto":
+            order = "samples" if not unable and any(m.grouped_layout for _, m in layers) else "models"
+        self._set_order(order)
+        return order
+
+    def _set_order(self, order: str) -> None:
+        for layer in self.module.modules():
+            if not isinstance(layer, AbstractBatchModule):
+                continue
+            if layer.runs_in(order):
+                if layer.merged_order != order:
+                    layer.merged_order = order
+            elif not getattr(layer, "_reordered", False):  # a samples-only custom layer in a models-major model
+                _reorder_around(layer)
+        self.merged_order = order
+
     def _initialise_independently(self, seed: int | None) -> None:
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()))
@@ -130,19 +174,57 @@ class BatchModule(nn.Module):
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, *args: Any, shared_input: bool = False, **kwargs: Any) -> Any:
+        if self._order_on_trial:
+            return self._forward_on_trial(args, shared_input, kwargs)
+        return self._forward(args, shared_input, kwargs)
+
+    def _forward_on_trial(self, args: tuple, shared_input: bool, kwargs: dict) -> Any:
+        """The first forward of an automatically chosen samples-major order: should a layer refuse it,
+        undo what the forward changed (buffers such as running statistics, the random state) and run
+        models-major, for good."""
+        buffers = [(buffer, buffer.detach().clone()) for buffer in self.buffers()]
+        devices = sorted({t.device.index or 0 for t in self.parameters() if t.is_cuda})
+        capturing = bool(devices) and torch.cuda.is_current_stream_capturing()
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = [] if capturing else [torch.cuda.get_rng_state(d) for d in devices]
+        try:
+            out = self._forward(args, shared_input, kwargs)
+        except SamplesOrderError as error:
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+            torch.set_rng_state(cpu_rng)
+            for device, state in zip(devices, cuda_rng):
+                torch.cuda.set_rng_state(state, device)
+            self._set_order("models")
+            self._order_on_trial = False
+            logger.info("torchmb: running models-major, since the model merges other dims into dim 0: %s", error)
+            return self._forward(args, shared_input, kwargs)
+        self._order_on_trial = False
+        return out
+
+    def _forward(self, args: tuple, shared_input: bool, kwargs: dict) -> Any:
         if len(args) == 1 and not kwargs and type(args[0]) is Tensor:  # the common call: no pytree walk
             (x,) = args
             samples = self._samples([x], shared_input)
-            out = self._run(samples, shared_input, x if shared_input else x.reshape(-1, *x.shape[2:]))
+            out = self._run(samples, shared_input, x if shared_input else self._merge_input(x))
         else:
             leaves, spec = tree_flatten((args, kwargs))
             tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
             samples = self._samples(tensors, shared_input)
             if not shared_input:
-                leaves = [leaf.reshape(-1, *leaf.shape[2:]) if isinstance(leaf, Tensor) else leaf for leaf in leaves]
+                leaves = [self._merge_input(leaf) if isinstance(leaf, Tensor) else leaf for leaf in leaves]
             call_args, call_kwargs = tree_unflatten(leaves, spec)
             out = self._run(samples, shared_input, *call_args, **call_kwargs)
-        return self._split_output(out) if type(out) is Tensor else tree_map(self._split_output, out)
+        if type(out) is Tensor:
+            return self._split_output(out, samples)
+        return tree_map(lambda value: self._split_output(value, samples), out)
+
+    def _merge_input(self, x: Tensor) -> Tensor:
+        """``(B, n, ...)`` to the merged ``(B*n, ...)`` in this module's order (samples-major: a copy)."""
+        if self.merged_order == "models":
+            return x.reshape(-1, *x.shape[2:])
+        return x.transpose(0, 1).reshape(-1, *x.shape[2:])
 
     def _samples(self, tensors: list[Tensor], shared_input: bool) -> int:
         """n, the samples per model, after checking every tensor argument's leading dims."""
@@ -162,10 +244,10 @@ class BatchModule(nn.Module):
         return tensors[0].shape[1]
 
     def _run(self, samples: int, shared_input: bool, *args: Any, **kwargs: Any) -> Any:
-        with forward_context(ForwardContext(self.batch, samples, shared_input)):
+        with forward_context(ForwardContext(self.batch, samples, shared_input, self.merged_order)):
             return self.module(*args, **kwargs)
 
-    def _split_output(self, value: Any) -> Any:
+    def _split_output(self, value: Any, samples: int) -> Any:
         if not isinstance(value, Tensor):
             return value
         if value.dim() == 0 or value.shape[0] % self.batch:
@@ -173,7 +255,15 @@ class BatchModule(nn.Module):
                 f"the model returned a tensor of shape {tuple(value.shape)} whose dim 0 is not a multiple of "
                 f"batch={self.batch}; outputs must keep the merged (B*n) axis in dim 0"
             )
-        return value.view(self.batch, -1, *value.shape[1:])
+        if self.merged_order == "models":
+            return value.view(self.batch, -1, *value.shape[1:])
+        if value.shape[0] != self.batch * samples:
+            raise SamplesOrderError(
+                f"the model returned a tensor of shape {tuple(value.shape)}; in the samples-major merged order "
+                f"outputs must have exactly B * n = {self.batch} * {samples} rows in dim 0 (build the "
+                "BatchModule with merged_order='models' for a model that merges other dims into dim 0)"
+            )
+        return value.view(samples, self.batch, *value.shape[1:]).transpose(0, 1).contiguous()
 
     # -- per-model state --------------------------------------------------------------------------
     def _is_per_model(self, key: str, value: Tensor) -> bool:
@@ -314,7 +404,7 @@ class BatchModule(nn.Module):
 
     def extra_repr(self) -> str:
         generic = f", torch.func path: {', '.join(self.generic_modules)}" if self.generic_modules else ""
-        return f"batch={self.batch}{generic}"
+        return f"batch={self.batch}, merged_order={self.merged_order!r}{generic}"
 
 
 def _sequence_first_around(module: AbstractBatchModule) -> None:
@@ -348,3 +438,4 @@ def _reorder_around(module: AbstractBatchModule) -> None:
 
     module.register_forward_pre_hook(lambda _, args, kwargs: tree_map(to_samples, (args, kwargs)), with_kwargs=True)
     module.register_forward_hook(lambda _, args, out: tree_map(to_models, out))
+    module._reordered = True

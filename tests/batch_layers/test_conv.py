@@ -8,7 +8,7 @@ from support.layer_cases import LayerCase, run_case
 from torch import nn
 
 import batch_layers
-from batch_layers._base import is_channels_last, to_grouped, to_models
+from batch_layers._base import ForwardContext, forward_context, from_grouped, is_channels_last, to_grouped
 from batch_layers._conv import _GroupedConv
 from torchmb import BatchModule
 
@@ -22,12 +22,14 @@ def test_backward_keeps_the_models_major_input_not_a_grouped_copy() -> None:
     assert saved_weight.data_ptr() == conv.weight.data_ptr()
 
 
-def test_double_backward_matches_finite_differences() -> None:
+@pytest.mark.parametrize("order", ["models", "samples"])
+def test_double_backward_matches_finite_differences(order: str) -> None:
     conv = batch_layers.Conv1d(2, 3, 3, stride=2, padding=1, batch=2, dtype=torch.float64)
     x = torch.randn(2 * 2, 2, 7, dtype=torch.float64, requires_grad=True)
 
     def fn(x, weight, bias):
-        return _GroupedConv.apply(x, weight.reshape(6, 2, 3), bias.reshape(6), 2, (2,), (1,), (1,), 2, False, (0,))
+        config = (2, (2,), (1,), (1,), 2, False, (0,), order)
+        return _GroupedConv.apply(x, weight.reshape(6, 2, 3), bias.reshape(6), *config)
 
     assert torch.autograd.gradcheck(fn, (x, conv.weight, conv.bias))
     assert torch.autograd.gradgradcheck(fn, (x, conv.weight, conv.bias))
@@ -109,8 +111,9 @@ def test_channels_last_inputs_give_the_same_results() -> None:
         torch.testing.assert_close(a.grad, b, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("order", ["models", "samples"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_channels_last_stays_channels_last_and_matches_plain_models(device: str) -> None:
+def test_channels_last_stays_channels_last_and_matches_plain_models(device: str, order: str) -> None:
     torch.manual_seed(0)
     batch = 3
 
@@ -121,37 +124,50 @@ def test_channels_last_stays_channels_last_and_matches_plain_models(device: str)
         ).to(device, memory_format=torch.channels_last)
 
     plain = [make() for _ in range(batch)]
-    batched = BatchModule(make(), batch)
+    batched = BatchModule(make(), batch, merged_order=order)
     batched.load_state_dicts([m.state_dict() for m in plain])
-    x = torch.randn(batch * 5, 3, 9, 9, device=device).to(memory_format=torch.channels_last)
+    x = torch.randn(batch, 5, 3, 9, 9, device=device)  # (B, n, C, H, W)
     seen = []
     for layer in batched.module:
         layer.register_forward_hook(lambda _, args, out: seen.append((args[0], out)))
-    merged = x.detach().requires_grad_()
-    got = batched.module(merged)
+    rows = x if order == "models" else x.transpose(0, 1)
+    merged = rows.reshape(batch * 5, 3, 9, 9).contiguous(memory_format=torch.channels_last).requires_grad_()
+    with forward_context(ForwardContext(batch, 5, order=order)):
+        got = batched.module(merged)
     for layer_input, layer_output in seen:
         assert is_channels_last(layer_input) and is_channels_last(layer_output), "a copy back to NCHW crept in"
     got.square().sum().backward()
+    got_per_model = got.view(batch, 5, *got.shape[1:]) if order == "models" else got.view(5, batch, *got.shape[1:])
+    grad_per_model = merged.grad.view(*rows.shape)
+    if order == "samples":
+        got_per_model, grad_per_model = got_per_model.transpose(0, 1), grad_per_model.transpose(0, 1)
     for i, model in enumerate(plain):
-        own = x[i * 5 : (i + 1) * 5].detach().requires_grad_()
+        own = x[i].contiguous(memory_format=torch.channels_last).requires_grad_()
         expected = model(own)
         expected.square().sum().backward()
-        torch.testing.assert_close(got[i * 5 : (i + 1) * 5], expected, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(merged.grad[i * 5 : (i + 1) * 5], own.grad, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got_per_model[i], expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(grad_per_model[i], own.grad, atol=1e-5, rtol=1e-5)
         for name, param in model.named_parameters():
             torch.testing.assert_close(batched.module.get_parameter(name).grad[i], param.grad, atol=1e-4, rtol=1e-5)
         for name, buffer in model.named_buffers():
             torch.testing.assert_close(batched.module.get_buffer(name)[i], buffer, atol=1e-6, rtol=1e-6)
 
 
-def test_grouped_layouts_round_trip_in_both_memory_formats() -> None:
-    x = torch.randn(2 * 3, 4, 5, 6)
+@pytest.mark.parametrize("order", ["models", "samples"])
+def test_grouped_layouts_round_trip_in_both_memory_formats(order: str) -> None:
+    per_model = torch.randn(2, 3, 4, 5, 6)  # (B, n, C, H, W)
+    if order == "models":
+        x = per_model.reshape(6, 4, 5, 6)
+    else:
+        x = per_model.transpose(0, 1).reshape(6, 4, 5, 6)
+    expected = per_model.transpose(0, 1).reshape(3, 8, 5, 6)  # (n, B*C, H, W)
     for memory_format in (torch.contiguous_format, torch.channels_last):
         merged = x.contiguous(memory_format=memory_format)
-        grouped = to_grouped(merged, 2)
-        expected = x.view(2, 3, 4, 5, 6).transpose(0, 1).reshape(3, 8, 5, 6)
+        grouped = to_grouped(merged, 2, order)
         torch.testing.assert_close(grouped, expected, rtol=0, atol=0)
         assert grouped.is_contiguous(memory_format=memory_format)
-        back = to_models(grouped, 2)
+        if order == "samples" and memory_format == torch.contiguous_format:
+            assert grouped.data_ptr() == merged.data_ptr()  # a view: no copy
+        back = from_grouped(grouped, 2, order)
         torch.testing.assert_close(back, x, rtol=0, atol=0)
         assert back.is_contiguous(memory_format=memory_format)

@@ -7,6 +7,7 @@ import torch
 from support.layer_cases import LAYER_CASES, LayerCase, run_case
 
 import batch_layers
+from torchmb import lookup_batch_module
 
 # Each case in the modes it is compared in (dropout-like layers are random in train mode; their masks
 # have tests of their own, named by the case's skip_reason).
@@ -22,6 +23,25 @@ def test_layer_matches_independent_torch_layers(case: LayerCase, mode: str) -> N
 @pytest.mark.parametrize(("case", "mode"), CASE_MODES)
 def test_layer_matches_independent_torch_layers_cuda(case: LayerCase, mode: str) -> None:
     run_case(case, mode, "cuda")
+
+
+SAMPLES_MAJOR_MODES = [
+    pytest.param(case, mode, id=f"{case.name}-{mode}")
+    for case in LAYER_CASES
+    for mode in case.modes
+    if case.refuses is None and lookup_batch_module(type(case.make())).runs_in("samples")
+]
+
+
+@pytest.mark.parametrize(("case", "mode"), SAMPLES_MAJOR_MODES)
+def test_layer_matches_independent_torch_layers_samples_major(case: LayerCase, mode: str) -> None:
+    run_case(case, mode, "cpu", order="samples")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("case", "mode"), SAMPLES_MAJOR_MODES)
+def test_layer_matches_independent_torch_layers_samples_major_cuda(case: LayerCase, mode: str) -> None:
+    run_case(case, mode, "cuda", order="samples")
 
 
 def test_every_registered_layer_has_a_case() -> None:

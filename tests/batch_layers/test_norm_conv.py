@@ -265,7 +265,8 @@ def test_conv_transpose_backward_keeps_the_models_major_input() -> None:
     assert saved_weight.data_ptr() == conv.weight.data_ptr()
 
 
-def test_conv_transpose_double_backward_matches_finite_differences() -> None:
+@pytest.mark.parametrize("order", ["models", "samples"])
+def test_conv_transpose_double_backward_matches_finite_differences(order: str) -> None:
     from batch_layers._conv import _GroupedConv
 
     conv = batch_layers.ConvTranspose1d(2, 4, 3, stride=2, padding=1, output_padding=1, groups=2, batch=2,
@@ -275,7 +276,8 @@ def test_conv_transpose_double_backward_matches_finite_differences() -> None:
     def fn(x, weight, bias):
         # B=2 models x 2 groups: weight (B*C_in, C_out/groups, k), 4 groups.
         # stride 2, padding 1, dilation 1, transposed, output_padding 1
-        return _GroupedConv.apply(x, weight.reshape(4, 2, 3), bias.reshape(8), 2, (2,), (1,), (1,), 4, True, (1,))
+        config = (2, (2,), (1,), (1,), 4, True, (1,), order)
+        return _GroupedConv.apply(x, weight.reshape(4, 2, 3), bias.reshape(8), *config)
 
     assert torch.autograd.gradcheck(fn, (x, conv.weight, conv.bias))
     assert torch.autograd.gradgradcheck(fn, (x, conv.weight, conv.bias))

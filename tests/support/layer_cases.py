@@ -7,6 +7,7 @@ gradients, parameter gradients and (after two steps) buffers, model by model.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -16,9 +17,13 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 import batch_layers
+from batch_layers import ForwardContext, forward_context
 from torchmb import lookup_batch_module
 
 BATCH, SAMPLES = 3, 4
+# Sums over samples (weight gradients) run in another order than the plain layer's: a few float32 ulps
+# of relative difference on top of each case's absolute tolerance.
+RTOL = 1e-6
 
 
 @dataclass
@@ -105,13 +110,15 @@ def batched_from(plain_layers: list[nn.Module]) -> batch_layers.AbstractBatchMod
     return batched
 
 
-def _merged(x: Tensor) -> Tensor:
-    merged = x.reshape(-1, *x.shape[2:])
+def _merged(x: Tensor, order: str = "models") -> Tensor:
+    merged = (x if order == "models" else x.transpose(0, 1)).reshape(-1, *x.shape[2:])
     return merged.requires_grad_() if merged.is_floating_point() else merged
 
 
-def _per_model(t: Tensor, i: int, dim: int = 0) -> Tensor:
+def _per_model(t: Tensor, i: int, dim: int = 0, order: str = "models") -> Tensor:
     t = t.movedim(dim, 0)
+    if order == "samples":
+        return t.reshape(-1, BATCH, *t.shape[1:])[:, i].reshape(-1, *t.shape[1:]).movedim(0, dim)
     return t.reshape(BATCH, -1, *t.shape[1:])[i].reshape(-1, *t.shape[1:]).movedim(0, dim)
 
 
@@ -132,7 +139,9 @@ def _call(layer: nn.Module, case: LayerCase, inputs: list[Tensor]) -> list[Tenso
     return [t for t in tree_flatten(layer(*inputs[:split], **kwargs))[0] if isinstance(t, Tensor)]
 
 
-def run_case(case: LayerCase, mode: str, device: str, steps: int = 2) -> None:
+def run_case(case: LayerCase, mode: str, device: str, steps: int = 2, order: str = "models") -> None:
+    """Compare the batched layer with B plain ones; ``order`` is the merged order it runs in (as a
+    ``BatchModule`` of that order would set it, with that forward's context)."""
     if case.refuses is not None:
         with pytest.raises(TypeError, match=case.refuses):
             batched_from([case.make()])
@@ -142,12 +151,16 @@ def run_case(case: LayerCase, mode: str, device: str, steps: int = 2) -> None:
     torch.manual_seed(0)
     plain = [case.make().to(device) for _ in range(BATCH)]
     batched = batched_from(plain).to(device)
+    batched.merged_order = order
     for layer in (*plain, batched):
         layer.train(mode == "train")
     for _ in range(steps):  # twice, so running statistics updated by the first step are used by the second
         inputs = case.inputs(device)
-        merged = [_merged(x) for x in inputs]
-        y_batched = _call(batched, case, merged)
+        merged = [_merged(x, order) for x in inputs]
+        # Samples-major, layers check their inputs against the forward's n: run them inside one.
+        scope = forward_context(ForwardContext(BATCH, inputs[0].shape[1], order=order)) if order == "samples" else None
+        with scope or contextlib.nullcontext():
+            y_batched = _call(batched, case, merged)
         out_dims = case.out_dims or (0,) * len(y_batched)
         grads = [torch.randn_like(y) for y in y_batched]
         torch.autograd.backward(y_batched, grads)
@@ -157,24 +170,25 @@ def run_case(case: LayerCase, mode: str, device: str, steps: int = 2) -> None:
             with _reference_backend(layer):
                 y_own = _call(layer, case, own)
                 assert len(y_own) == len(y_batched), f"{case.name}: {len(y_batched)} outputs, plain has {len(y_own)}"
-                torch.autograd.backward(y_own, [_per_model(g, i, d) for g, d in zip(grads, out_dims)])
+                torch.autograd.backward(y_own, [_per_model(g, i, d, order) for g, d in zip(grads, out_dims)])
             for y_b, y_i, d in zip(y_batched, y_own, out_dims):
-                torch.testing.assert_close(_per_model(y_b, i, d), y_i, atol=case.atol, rtol=0)
+                torch.testing.assert_close(_per_model(y_b, i, d, order), y_i, atol=case.atol, rtol=RTOL)
             for x_merged, x_own in zip(merged, own):
                 if x_own.requires_grad:
-                    torch.testing.assert_close(_per_model(x_merged.grad, i), x_own.grad, atol=case.atol, rtol=0)
+                    grad = _per_model(x_merged.grad, i, 0, order)
+                    torch.testing.assert_close(grad, x_own.grad, atol=case.atol, rtol=RTOL)
             for name, param in layer.named_parameters():
                 torch.testing.assert_close(
                     batched.get_parameter(name).grad[i],
                     param.grad,
                     atol=case.atol,
-                    rtol=0,
+                    rtol=RTOL,
                     msg=lambda m, name=name: f"{name}: {m}",
                 )
         batched.zero_grad()
     for i, layer in enumerate(plain):
         for name, value in layer.state_dict().items():
-            torch.testing.assert_close(batched.state_dict()[name][i], value, atol=case.atol, rtol=0)
+            torch.testing.assert_close(batched.state_dict()[name][i], value, atol=case.atol, rtol=RTOL)
 
 
 # -- transposed convolutions, bilinear, norms, PReLU, dropout, refusals --------------------------------------
