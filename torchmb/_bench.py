@@ -2,7 +2,8 @@
 
 For each workload and number of models B, in one process and on one device:
 
-- ``torchmb``: ``BatchModule`` (and, where asked, its shared-input path);
+- ``torchmb``: ``BatchModule`` (and, where asked, its shared-input path); ``torchmb-models``: the same
+  with the models-major merged order forced (``auto`` takes samples-major for convolutional models);
 - ``vmap``: a ``torch.func`` ensemble (``stack_module_state`` + ``functional_call`` + ``vmap``), eager,
   and ``vmap+compile`` under ``torch.compile`` (compile time reported separately);
 - ``loop``: a Python loop over B separate models, each with its own optimizer (up to B=64);
@@ -63,6 +64,7 @@ WORKLOADS = {
 
 IMPLEMENTATIONS = (
     "torchmb",
+    "torchmb-models",
     "torchmb-shared",
     "torchmb+graph",
     "vmap",
@@ -151,6 +153,19 @@ def _step_functions(
         batched_opt.step()
 
     steps["torchmb"] = torchmb_step
+    if "torchmb-models" in implementations:
+        models_major = BatchModule(make(), batch, merged_order="models")
+        models_major.load_state_dicts([m.state_dict() for m in plain])
+        models_major_opt = torch.optim.SGD(models_major.parameters(), lr=0.01)
+
+        def models_major_step() -> None:
+            models_major_opt.zero_grad(set_to_none=True)
+            with amp():
+                loss = _summed_cross_entropy(models_major(x_models), y, samples)
+            loss.backward()
+            models_major_opt.step()
+
+        steps["torchmb-models"] = models_major_step
 
     def torchmb_body(x, targets):
         with amp():

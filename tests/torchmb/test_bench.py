@@ -18,7 +18,7 @@ def test_quick_cpu_bench_measures_every_implementation(tmp_path, capsys) -> None
     seen = {(r["workload"], r["B"], r["impl"]) for r in rows}
     for workload in ("mlp", "lenet"):
         for batch in (1, 4):
-            for impl in ("torchmb", "torchmb-shared", "vmap", "vmap-shared", "loop", "limit"):
+            for impl in ("torchmb", "torchmb-models", "torchmb-shared", "vmap", "vmap-shared", "loop", "limit"):
                 assert (workload, batch, impl) in seen
     for row in rows:
         assert "error" not in row, row
