@@ -181,6 +181,16 @@ def _compact(mask: Tensor, count: int) -> Tensor:
     return out[:count]
 
 
+def _compact_values(mask: Tensor, count: int, values: Tensor) -> Tensor:
+    """``values[mask]`` (the caller knows that ``count`` entries are true) without a host synchronisation: each
+    true entry goes to its 1-based rank, every other one to the dropped entry 0."""
+    dest = torch.cumsum(mask, 0)
+    dest.mul_(mask)
+    out = torch.empty(count + 1, dtype=values.dtype, device=values.device)
+    out.scatter_(0, dest, values)
+    return out[1:]
+
+
 def _stream_ctx(stream):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
@@ -505,11 +515,12 @@ class OffloadedEmbedding(nn.Module):
 
     @staticmethod
     def _install(cache: _Cache, slots: Tensor, ids: Tensor, rows: Tensor, use: int) -> None:
+        # (``dirty`` keeps the slot's old flag: a row is admitted for a step that will store it, and a clean
+        # row marked dirty only costs :meth:`flush` a write of unchanged values)
         cache.weight.index_copy_(0, slots, rows)
         cache.ids.index_copy_(0, slots, ids)
         cache.slot_of.index_copy_(0, ids, slots)
         cache.last_use.index_fill_(0, slots, use)
-        cache.dirty.index_fill_(0, slots, False)
 
     def flush(self) -> None:
         """Write every dirty cached row (and its optimizer state) back to the host tables."""
@@ -717,7 +728,7 @@ class OffloadedEmbedding(nn.Module):
             for t in (ids, miss):
                 t.record_stream(side)
         with _stream_ctx(side):
-            miss_ids = ids.index_select(0, _compact(miss, n_miss)[:n_admit])
+            miss_ids = _compact_values(miss, n_miss, ids)[:n_admit]
             victims = self._evict(cache, n_admit, protect_from=cache.clock, defer=True)
             rows = torch.empty(n_admit, self.embedding_dim, dtype=self.table.dtype, device=device)
             self.table._gather_unique(miss_ids, None, rows, self.table.resolved_engine("gather"))

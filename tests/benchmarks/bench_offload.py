@@ -151,7 +151,7 @@ def count_syncs(fn, steps=5):
     return sum(where.values()) / steps, {k: v / steps for k, v in sorted(where.items())}
 
 
-def profile_steps(step, label, steps=5):
+def profile_steps(step, label, steps=5, trace=True):
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
@@ -195,7 +195,8 @@ def profile_steps(step, label, steps=5):
         with open(os.path.join(out, f"profile-{len(RESULTS)}.txt"), "w") as f:
             f.write(label + "\n" + table + "\n")
             f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=60))
-        prof.export_chrome_trace(os.path.join(out, f"trace-{len(RESULTS)}.json"))
+        if trace:
+            prof.export_chrome_trace(os.path.join(out, f"trace-{len(RESULTS)}.json"))
 
 
 def part_c(state, profile=False):
@@ -263,7 +264,7 @@ def part_c(state, profile=False):
     sopt = torch.optim.SparseAdam(list(sparse.parameters()), lr=1e-3)
     step, _ = run(sparse, sopt, SPARSE)
     if profile:
-        profile_steps(step, "SparseAdam on the GPU")
+        profile_steps(step, "SparseAdam on the GPU", trace=False)
     del sparse, sopt, step
     gc.collect()
     torch.cuda.empty_cache()
@@ -284,6 +285,8 @@ def part_c(state, profile=False):
                 m.flush()
                 m._drop_cache()
                 m.cache_bytes, m.cache_rows = None, r
+            gc.collect()
+            torch.cuda.empty_cache()  # (the old caches' blocks would fragment the capped memory)
 
         def configure(model, opts, adam):
             if adam not in opts:
@@ -298,7 +301,8 @@ def part_c(state, profile=False):
                    (((512 << 20) // row_bytes, (1 << 30) // row_bytes), True, "foreach"),
                    ("cap", True, "foreach"), ("cap", False, "foreach"), ("cap", True, "fused")]
         for rows, prefetch, adam in configs:
-            if rows == "cap":
+            from_cap = rows == "cap"
+            if from_cap:
                 # The cap is the constraint: the caches get what is left of it after the data, the tables'
                 # slot maps (8 bytes per row), 1.5x the uncached step's working memory and 128 MiB of slack,
                 # split between the tables in proportion to their lookups per step (1 : 1 + neg): with
@@ -323,16 +327,17 @@ def part_c(state, profile=False):
                     emit(part="C", note=f"warm-up steps until the caches were full: {n_warm}", config=label)
                 torch.cuda.synchronize()
                 step, _ = run(model, opt, label, prefetch)
-                if rows == (0, 0) and prefetch:
+                if rows == (0, 0) and prefetch and not from_cap:
                     work = torch.cuda.max_memory_allocated() - base
                     emit(part="C", note="working memory of an uncached step", gib=work / 2**30)
-                if profile and rows != (0, 0) and prefetch:
+                if profile and from_cap and prefetch:  # (the configurations the report is about)
                     per_step, where = count_syncs(step)
                     emit(part="C", impl_sync=label, syncs_per_step=per_step, where=where)
-                    if adam == "fused":
-                        profile_steps(step, label)
+                    profile_steps(step, label, trace=adam == "fused")
             except torch.OutOfMemoryError as e:
+                # (a step that ran out of memory is left half done: the remaining configurations are skipped)
                 emit(part="C", impl=label, error=repr(e)[:300])
+                break
             gc.collect()
         best = max(v for k, v in res.items() if k.startswith("offload"))
         emit(part="C", offload_best_over_sparse_gpu=best / res[SPARSE],
@@ -411,7 +416,8 @@ def main():
                     help="the machine's host memory, where MemTotal grows as memory is used (part D)")
     args = ap.parse_args()
     emit(note="env", torch=torch.__version__, gpu=torch.cuda.get_device_name(), threads=torch.get_num_threads(),
-         cupy=offload._uva.cupy.__version__ if offload._uva.cupy is not None else None)
+         cupy=offload._uva.cupy.__version__ if offload._uva.cupy is not None else None,
+         engine=offload.engine_choice(dev), offload_path=os.path.dirname(offload.__file__))
     state: dict = {}
     for p in args.parts:
         try:
