@@ -319,6 +319,8 @@ def test_cache_stats_count_each_distinct_row_once(device, prefetch):
     stats = emb.cache_stats()
     assert stats["misses"] == seen
     assert stats["hits"] + stats["misses"] == sum(per_step)
+    if prefetch:  # one prefetch per step: its admissions were counted on the host, nothing on the device
+        assert emb._cache.prefetch_hits > 0 and emb._cache.prefetch_hits_dev is None
 
 
 def test_out_of_range_with_a_cache_raises_before_any_host_access(monkeypatch):
@@ -724,3 +726,34 @@ def test_evicted_rows_are_written_back_in_ascending_row_order(monkeypatch):
     emb.flush()
     torch.testing.assert_close(emb.table.data, ref.weight.detach())
     torch.testing.assert_close(emb.state_tables["sum"].data, ref_opt.state[ref.weight]["sum"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cache_stats_with_two_prefetches_per_step(device):
+    """Prefetching the next step's rows twice (two tensors, the same indices): the first admits them, the
+    second finds them cached, and the step's hits on them are still not counted again (each row misses once,
+    hits at every later step); training equals SparseAdam."""
+    w0 = init_weight()
+    data = batches(STEPS, False, device, seed=33, dist="heavy")
+    ref = nn.Embedding(N, D, sparse=True, _weight=w0.clone()).to(device)
+    ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=0.01)
+    emb = offload.OffloadedEmbedding(N, D, _weight=w0.clone(), device=device, cache_rows=N)
+    opt = offload.attach(torch.optim.Adam(emb.parameters(), lr=0.01))
+    for i, (idx, target) in enumerate(data):
+        ref_opt.zero_grad()
+        loss_fn(ref(idx), target).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        out = emb(idx)
+        if i + 1 < len(data):
+            emb.prefetch(data[i + 1][0].clone())
+            emb.prefetch(data[i + 1][0])
+        loss_fn(out, target).backward()
+        opt.step()
+    per_step = [idx.unique().numel() for idx, _ in data]
+    seen = torch.cat([idx.reshape(-1) for idx, _ in data]).unique().numel()
+    stats = emb.cache_stats()
+    assert stats["misses"] == seen
+    assert stats["hits"] + stats["misses"] == sum(per_step)
+    emb.flush()
+    torch.testing.assert_close(emb.table.data, ref.weight.detach().cpu(), rtol=1e-4, atol=1e-5)
