@@ -449,6 +449,10 @@ def main():
             ratio = r.get("ratio")
             print(f"| {r.get('part')} | {r.get('impl', r.get('dist'))} | {ms:.3f} | {rate:.4g} | "
                   f"{'' if ratio is None else f'{ratio:.2f}'} |")
+        elif "profile" in r:
+            print(f"| {r.get('part')} | profile: {r['profile']} | {r['window_ms_per_step']:.3f} (profiled) | "
+                  f"launches {r['launches_per_step']:.0f}, syncs {r['sync_calls_per_step']:.1f}, GPU busy "
+                  f"{r['gpu_busy_ms_per_step']:.3f} ms | |")
         elif any(k.endswith("over_uniform") or "_over_" in k for k in r):
             print(f"| {r.get('part')} | {json.dumps(r)} | | | |")
 
