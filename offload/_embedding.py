@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from . import _uva
 from ._optim import row_state_spec
-from ._table import HostTable, Prefetch, _as_index, _check_bounds
+from ._table import HostTable, Prefetch, _as_index, _check_bounds, get_engine
 
 __all__ = ["OffloadedEmbedding", "attach", "detach"]
 
@@ -56,7 +56,18 @@ def _stage_rows(rows: Tensor) -> Tensor:
     return out
 
 
-def _commit(ids: Tensor, writes: list[tuple[HostTable, Tensor]]) -> None:
+def _cache_engine(table: HostTable, op: str) -> str:
+    """The engine that moves a GPU cache's rows: with the default choice (``"auto"``) the UVA kernel where it
+    can run, as its gathers and write-backs are stream-ordered (prefetch admissions and write-backs of evicted
+    rows then run on side streams with no host synchronisation, which the CPU and hybrid engines need for
+    their host indices); an explicit engine is honoured."""
+    if ((table.engine or get_engine()) == "auto" and table.device.type == "cuda" and table.pinned
+            and _uva.available(table.device)):
+        return "uva"
+    return table.resolved_engine(op)
+
+
+def _commit(ids: Tensor, writes: list[tuple[HostTable, Tensor]], engines: list[str] | None = None) -> None:
     """Write ``rows`` to rows ``ids`` of every table, all or nothing.
 
     Phase 1 copies every table's rows to host memory (where GPU faults, out-of-memory and the like can
@@ -65,7 +76,10 @@ def _commit(ids: Tensor, writes: list[tuple[HostTable, Tensor]]) -> None:
     """
     if ids.numel() == 0:
         return
-    engines = [t.resolved_engine("scatter") for t, _ in writes] if ids.device.type == "cuda" else []
+    if ids.device.type != "cuda":
+        engines = []
+    elif engines is None:
+        engines = [t.resolved_engine("scatter") for t, _ in writes]
     if engines and all(e in ("uva", "hybrid") for e in engines):
         # Stream-ordered kernels writing host memory: validate and compile everything first, so that
         # nothing can fail between the first launch and the last.
@@ -461,10 +475,11 @@ class OffloadedEmbedding(nn.Module):
         if ids.numel() == 0:
             return
         current = torch.cuda.current_stream(ids.device) if ids.device.type == "cuda" else None
-        if ids.device.type != "cuda" or not all(t.resolved_engine("scatter") == "uva" for t, _ in writes):
+        engines = [_cache_engine(t, "scatter") for t, _ in writes] if ids.device.type == "cuda" else None
+        if engines is None or not all(e == "uva" for e in engines):
             if after is not None:
                 current.wait_event(after)
-            _commit(ids, writes)
+            _commit(ids, writes, engines)
             return
         if self._wb_stream is None:
             self._wb_stream = torch.cuda.Stream(ids.device)
@@ -475,7 +490,7 @@ class OffloadedEmbedding(nn.Module):
         else:
             wb.wait_stream(current)
         with torch.cuda.stream(wb):
-            _commit(ids, writes)
+            _commit(ids, writes, engines)
             ev = torch.cuda.Event()
             ev.record(wb)
         for t in [ids] + [r for _, r in writes]:
@@ -611,7 +626,7 @@ class OffloadedEmbedding(nn.Module):
         miss_pos = _compact(miss, n_miss)
         miss_ids = ids.index_select(0, miss_pos)
         miss_rows = torch.empty(n_miss, self.embedding_dim, dtype=self.table.dtype, device=self.table.device)
-        self.table._gather_unique(miss_ids, None, miss_rows, self.table.resolved_engine("gather"))
+        self.table._gather_unique(miss_ids, None, miss_rows, _cache_engine(self.table, "gather"))
         chunk.miss_pos = miss_pos
         n_admit = max(0, min(n_miss, cache.capacity - cache.protected))
         if n_admit:
@@ -731,11 +746,11 @@ class OffloadedEmbedding(nn.Module):
             miss_ids = _compact_values(miss, n_miss, ids)[:n_admit]
             victims = self._evict(cache, n_admit, protect_from=cache.clock, defer=True)
             rows = torch.empty(n_admit, self.embedding_dim, dtype=self.table.dtype, device=device)
-            self.table._gather_unique(miss_ids, None, rows, self.table.resolved_engine("gather"))
+            self.table._gather_unique(miss_ids, None, rows, _cache_engine(self.table, "gather"))
             self._install(cache, victims, miss_ids, rows, cache.clock + 1)
             for k in self._spec:
                 t = self._state_tables[k]
-                t._gather_unique(miss_ids, None, rows, t.resolved_engine("gather"))
+                t._gather_unique(miss_ids, None, rows, _cache_engine(t, "gather"))
                 cache.states[k].index_copy_(0, victims, rows)
             cache.gen += 1
             if cache.first_gen is None:

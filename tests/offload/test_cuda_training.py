@@ -87,14 +87,18 @@ def test_skip_gram_with_evicting_caches_and_prefetch_equals_sparse_adam_on_the_g
                                    atol=1e-7)
 
 
-def test_skip_gram_step_synchronises_only_in_prefetch():
-    """With caches that hold every row, a prefetched step of two tables costs exactly one host
-    synchronisation per prefetch (deduplication, bounds check and miss count read back together) and none
-    in the switch-in, the backward pass, fused Adam or the write-back."""
+@pytest.mark.parametrize("engine,cache_rows", [("uva", 20_000), ("auto", 20_000), ("auto", 6500)])
+def test_skip_gram_step_synchronises_only_in_prefetch(engine, cache_rows):
+    """A prefetched step of two tables costs exactly one host synchronisation per prefetch (deduplication,
+    bounds check and miss count read back together) and none in the switch-in, the backward pass, fused
+    Adam, the admissions or the write-backs of evicted rows: also with the default engine ("auto"), whose
+    cache transfers are the UVA kernel's whatever it picks for plain gathers (the CPU and hybrid engines
+    need host indices)."""
     pytest.importorskip("cupy")
     rows, dim = 20_000, 32
     data = _batches(12, rows, 1024, 5, seed=5)
-    model = SkipGram(lambda: offload.OffloadedEmbedding(rows, dim, device="cuda", engine="uva", cache_rows=rows))
+    model = SkipGram(lambda: offload.OffloadedEmbedding(rows, dim, device="cuda", engine=engine,
+                                                        cache_rows=cache_rows))
     opt = offload.attach(torch.optim.Adam(model.parameters(), lr=0.01, fused=True))
     _train(model, opt, data[:6], prefetch=True)
     torch.cuda.synchronize()
@@ -110,3 +114,5 @@ def test_skip_gram_step_synchronises_only_in_prefetch():
              if "synchroniz" in str(w.message) and w.filename.replace("\\", "/").split("/")[-2] == "offload"]
     # the first step's indices were not prefetched (a new list): its two lookups read back once each
     assert len(syncs) == 2 + 2 * 5, syncs
+    if cache_rows < rows:  # (room for two steps' rows of the context table, not for all it sees: it evicted)
+        assert model.out.cache_stats()["misses"] > cache_rows

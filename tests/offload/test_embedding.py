@@ -703,9 +703,9 @@ def test_evicted_rows_are_written_back_in_ascending_row_order(monkeypatch):
     written = []
     real = _embedding._commit
 
-    def recording(ids, writes):
+    def recording(ids, writes, engines=None):
         written.append(ids.cpu().clone())
-        return real(ids, writes)
+        return real(ids, writes, engines)
 
     monkeypatch.setattr(_embedding, "_commit", recording)
     w0 = init_weight()
