@@ -593,15 +593,18 @@ class OffloadedEmbedding(nn.Module):
         return ids, inverse, slots, miss, vals[3]
 
     def _fetch(self, ids: Tensor, slots: Tensor | None = None, miss: Tensor | None = None,
-               n_miss: int = 0, first: bool = True, prefetched: int | None = None) -> tuple[_Chunk, Tensor]:
+               n_miss: int = 0, first: bool = True, prefetched: int | None = None,
+               reserved: bool = False) -> tuple[_Chunk, Tensor]:
         """Rows ``ids`` (distinct, checked; with a cache, their ``slots`` and the ``n_miss`` rows not cached as
         ``miss``, from :meth:`_distinct`) for a new chunk of the working set: from the cache, a pending
         :meth:`prefetch`, or the host tables; per-row state starts gathering on a side stream. Rows from the
         host are admitted to the cache (evicting the least recently used rows) as far as it has room.
 
         ``first``: the chunk starts the step. ``prefetched``: the number of rows that the one :meth:`prefetch`
-        since the last step admitted for exactly these rows, all of which it found cached or admitted (it
-        then marked them used by this step already, and its admissions are this chunk's prefetch hits)."""
+        since the last step admitted for exactly these rows, all of which it found cached or admitted (its
+        admissions are this chunk's prefetch hits).
+        ``reserved``: a prefetch of exactly these indices counted their cached rows in ``cache.reserved`` (which
+        became ``cache.protected`` at this step), so they are not counted again."""
         cache = self._cache
         self._join(host=cache is None or n_miss > 0)
         if cache is None:
@@ -609,17 +612,18 @@ class OffloadedEmbedding(nn.Module):
         self._release_pending()
         n = ids.numel()
         chunk = _Chunk(ids=ids, slots=slots)
+        # This step's cached rows are not evicted for its misses (a miss marks the scratch row). (Always: the
+        # prefetch marked them for this step, but a later lookup of the step before may have marked some since.)
+        cache.last_use.index_fill_(0, slots, cache.clock)
         if prefetched is not None:
             cache.prefetch_hits += prefetched
-        else:
-            # this step's cached rows are not evicted for its misses (a miss marks the scratch row)
-            cache.last_use.index_fill_(0, slots, cache.clock)
-            if first and cache.first_gen is not None:  # hits on rows that prefetches admitted since the last step
-                got = (cache.fresh.index_select(0, slots) >= cache.first_gen).sum()
-                cache.prefetch_hits_dev = got if cache.prefetch_hits_dev is None else cache.prefetch_hits_dev + got
+        elif first and cache.first_gen is not None:  # hits on rows that prefetches admitted since the last step
+            got = (cache.fresh.index_select(0, slots) >= cache.first_gen).sum()
+            cache.prefetch_hits_dev = got if cache.prefetch_hits_dev is None else cache.prefetch_hits_dev + got
         cache.hits += n - n_miss
         cache.misses += n_miss
-        cache.protected += n - n_miss
+        if not reserved:
+            cache.protected += n - n_miss
         if n_miss == 0:
             chunk.miss_pos = ids.new_empty(0)
             return chunk, cache.weight.index_select(0, slots)
@@ -628,7 +632,8 @@ class OffloadedEmbedding(nn.Module):
         miss_rows = torch.empty(n_miss, self.embedding_dim, dtype=self.table.dtype, device=self.table.device)
         self.table._gather_unique(miss_ids, None, miss_rows, _cache_engine(self.table, "gather"))
         chunk.miss_pos = miss_pos
-        n_admit = max(0, min(n_miss, cache.capacity - cache.protected))
+        # (slots reserved by a prefetch for the next step are not victims either)
+        n_admit = max(0, min(n_miss, cache.capacity - cache.protected - cache.reserved))
         if n_admit:
             # (evicted before the state gathers start: the write-back then does not hold them up)
             victims = self._evict(cache, n_admit, protect_from=cache.clock)
@@ -789,6 +794,7 @@ class OffloadedEmbedding(nn.Module):
             cache.clock += 1
             cache.protected, cache.reserved = cache.reserved, 0
         nxt, self._next = self._next, None
+        matched = cache is not None and nxt is not None and nxt.matches(flat)
         if nxt is not None and nxt.matches(flat):
             # the indices :meth:`prefetch` saw: deduplicated and bounds-checked there, no read-back here
             ids, inverse, slots, miss, n_miss = nxt.ids, nxt.inverse, None, None, 0
@@ -801,7 +807,7 @@ class OffloadedEmbedding(nn.Module):
                     prefetched = nxt.n_admit
         else:
             ids, inverse, slots, miss, n_miss = self._distinct(flat, cache)
-        chunk, rows = self._fetch(ids, slots, miss, n_miss, prefetched=prefetched)
+        chunk, rows = self._fetch(ids, slots, miss, n_miss, prefetched=prefetched, reserved=matched)
         if cache is not None:
             cache.prefetches, cache.first_gen = 0, None
         if self.max_norm is not None:

@@ -757,3 +757,58 @@ def test_cache_stats_with_two_prefetches_per_step(device):
     assert stats["hits"] + stats["misses"] == sum(per_step)
     emb.flush()
     torch.testing.assert_close(emb.table.data, ref.weight.detach().cpu(), rtol=1e-4, atol=1e-5)
+
+
+def _random_schedule_matches_sparse_adam(seed: int, device) -> None:
+    """One random schedule: cache size, per step a lookup, maybe a second lookup with other rows, and a
+    prefetch of the next step's indices (once, twice, of half of them plus rows of this step, or none)."""
+    import random
+
+    rnd = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    n = 300
+    w0 = torch.randn(n, D, generator=g)
+    ref = nn.Embedding(n, D, sparse=True, _weight=w0.clone()).to(device)
+    # (eps far below the gradients: SparseAdam and Adam place it differently)
+    ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=0.01, eps=1e-12)
+    emb = offload.OffloadedEmbedding(n, D, _weight=w0.clone(), device=device,
+                                     cache_rows=rnd.choice([5, 20, 40, 80, 150, 299]))
+    opt = offload.attach(torch.optim.Adam(emb.parameters(), lr=0.01, eps=1e-12))
+
+    def draw():
+        idx = torch.empty(rnd.randint(5, 60)).exponential_(generator=g) * rnd.choice([10, 40, 100])
+        return idx.long().clamp_(max=n - 1).to(device)
+
+    steps = [(draw(), draw() if rnd.random() < 0.3 else None) for _ in range(25)]
+    for i, (a, b) in enumerate(steps):
+        ta = torch.randn(a.numel(), D, generator=g).to(device)
+        tb = torch.randn(b.numel(), D, generator=g).to(device) if b is not None else None
+        for m, o in ((ref, ref_opt), (emb, opt)):
+            o.zero_grad()
+            loss = loss_fn(m(a), ta)
+            if m is emb and i + 1 < len(steps):
+                nxt, mode = steps[i + 1][0], rnd.choice("sdpn")
+                if mode == "s":
+                    emb.prefetch(nxt)
+                elif mode == "d":
+                    emb.prefetch(nxt.clone())
+                    emb.prefetch(nxt)
+                elif mode == "p":
+                    emb.prefetch(torch.cat([nxt[: nxt.numel() // 2], a[:3]]))
+            if b is not None:
+                loss = loss + loss_fn(m(b), tb)
+            loss.backward()
+            o.step()
+    emb.flush()
+    torch.testing.assert_close(emb.table.data, ref.weight.detach().cpu(), rtol=1e-4, atol=1e-5)
+    st = ref_opt.state[ref.weight]
+    torch.testing.assert_close(emb.state_tables["exp_avg"].data, st["exp_avg"].cpu(), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(emb.state_tables["exp_avg_sq"].data, st["exp_avg_sq"].cpu(), rtol=1e-4, atol=1e-7)
+
+
+def test_random_schedules_of_lookups_and_prefetches_equal_sparse_adam():
+    """Caches from 5 rows to all, second lookups after the prefetch (whose misses must not evict the rows
+    the prefetch reserved for the next step, nor this step's rows), repeated and partial prefetches: 40
+    random schedules, each the same as nn.Embedding(sparse=True) + SparseAdam."""
+    for seed in range(40):
+        _random_schedule_matches_sparse_adam(seed, "cpu")
