@@ -760,8 +760,10 @@ def test_cache_stats_with_two_prefetches_per_step(device):
 
 
 def _random_schedule_matches_sparse_adam(seed: int, device) -> None:
-    """One random schedule: cache size, per step a lookup, maybe a second lookup with other rows, and a
-    prefetch of the next step's indices (once, twice, of half of them plus rows of this step, or none)."""
+    """One random schedule: cache size, per step a lookup (sometimes after ``prepare`` of the step's rows),
+    maybe a second lookup with other rows, a prefetch of the next step's indices (once, twice, of half of them
+    plus rows of this step, or none), no-grad lookups of the whole table in the middle of a step and after it
+    (checked against the reference), and flushes."""
     import random
 
     rnd = random.Random(seed)
@@ -785,6 +787,8 @@ def _random_schedule_matches_sparse_adam(seed: int, device) -> None:
         tb = torch.randn(b.numel(), D, generator=g).to(device) if b is not None else None
         for m, o in ((ref, ref_opt), (emb, opt)):
             o.zero_grad()
+            if m is emb and rnd.random() < 0.15:
+                emb.prepare(a if b is None else torch.cat([a, b]))
             loss = loss_fn(m(a), ta)
             if m is emb and i + 1 < len(steps):
                 nxt, mode = steps[i + 1][0], rnd.choice("sdpn")
@@ -795,10 +799,20 @@ def _random_schedule_matches_sparse_adam(seed: int, device) -> None:
                     emb.prefetch(nxt)
                 elif mode == "p":
                     emb.prefetch(torch.cat([nxt[: nxt.numel() // 2], a[:3]]))
+            if m is emb and rnd.random() < 0.1:  # a read in the middle of a step must not disturb it
+                with torch.no_grad():
+                    emb(torch.arange(n, device=device))
             if b is not None:
                 loss = loss + loss_fn(m(b), tb)
             loss.backward()
             o.step()
+        r = rnd.random()
+        if r < 0.1:
+            emb.flush()
+        elif r < 0.2:
+            with torch.no_grad():
+                torch.testing.assert_close(emb(torch.arange(n, device=device)), ref.weight.detach(), rtol=1e-4,
+                                           atol=1e-5)
     emb.flush()
     torch.testing.assert_close(emb.table.data, ref.weight.detach().cpu(), rtol=1e-4, atol=1e-5)
     st = ref_opt.state[ref.weight]
