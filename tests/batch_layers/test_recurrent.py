@@ -204,7 +204,8 @@ def test_dropout_between_layers_is_independent_across_models(cls: type[nn.Module
     assert all(not torch.equal(out[0], out[i]) for i in range(1, B)), "models drew the same dropout mask"
     layer.eval()
     out = layer(x)[0]
-    assert all(torch.equal(out[0], out[i]) for i in range(1, B))
+    for i in range(1, B):  # no dropout: equal up to the rounding of the CPU's batched matmul kernels
+        torch.testing.assert_close(out[i], out[0])
 
 
 @pytest.mark.parametrize(
