@@ -4,11 +4,10 @@ nn.Embedding(sparse=True) + SparseAdam, and the host synchronisations of such a 
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 import torch.nn.functional as F
+from support.syncs import offload_syncs
 from torch import nn
 
 import offload
@@ -104,16 +103,7 @@ def test_skip_gram_step_synchronises_only_in_prefetch(engine, cache_rows):
     opt = offload.attach(torch.optim.Adam(model.parameters(), lr=0.01, fused=True))
     _train(model, opt, data[:6], prefetch=True)
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as got:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            _train(model, opt, data[6:], prefetch=True)  # 6 steps, 5 prefetches of each table
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    # (torch itself reports one synchronisation when the debug mode is switched on)
-    syncs = [f"{w.filename}:{w.lineno}" for w in got
-             if "synchroniz" in str(w.message) and w.filename.replace("\\", "/").split("/")[-2] == "offload"]
+    syncs = offload_syncs(lambda: _train(model, opt, data[6:], prefetch=True))  # 6 steps, 5 prefetches each
     # the first step's indices were not prefetched (a new list): its two lookups read back once each
     assert len(syncs) == 2 + 2 * 5, syncs
     if cache_rows < rows:  # (room for two steps' rows of the context table, not for all it sees: it evicted)

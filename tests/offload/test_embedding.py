@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from support.syncs import offload_syncs
 from torch import nn
 
 import offload
@@ -403,8 +404,6 @@ def test_a_cached_step_synchronises_with_the_host_at_most_once_per_lookup_and_pr
     """Deduplication, bounds check and the cache's miss count share one read-back; cache lookups, admission,
     eviction and write-back need none, and a step whose indices were prefetched into a cache that holds
     them all needs none at all (torch's sync debug mode counts the synchronisations)."""
-    import warnings
-
     pytest.importorskip("cupy")
     g = torch.Generator().manual_seed(25)
     n, d = 20_000, 16
@@ -414,15 +413,7 @@ def test_a_cached_step_synchronises_with_the_host_at_most_once_per_lookup_and_pr
     opt = offload.attach(torch.optim.Adam(emb.parameters(), lr=0.01))
     _train(emb, opt, data[:6], prefetch=True)
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as got:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            _train(emb, opt, data[6:], prefetch=True)  # 6 steps, 5 prefetches
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    ours = [f"{w.filename}:{w.lineno}" for w in got
-            if "synchroniz" in str(w.message) and w.filename.replace("\\", "/").split("/")[-2] == "offload"]
+    ours = offload_syncs(lambda: _train(emb, opt, data[6:], prefetch=True))  # 6 steps, 5 prefetches
     if cache_rows == n:
         assert len(ours) == 1 + 5, ours  # the first step (not prefetched) and the prefetches
     else:
