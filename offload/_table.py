@@ -97,6 +97,11 @@ CPU_CHOICES = (("torch", 8, 1), ("torch", 16, 1), ("torch", 32, 1), ("pool", 4, 
 """How the CPU engine copies rows, as :func:`engine_choice` tries them: ``(way, staging chunk MiB, threads)``
 (see :data:`CPU_COPY`)."""
 
+CPU_CHOICES_HOST = (("torch", 16, 1), ("torch", 32, 1), ("torch", 64, 1))
+"""The same for the CPU engine with indices in host memory, whose calls overlap one another (see
+:func:`engine_choice`); 64 MiB chunks copy the measuring call's rows in one piece. (On an H200 with 16 host
+cores the pool took 6 to 14 times as long as torch's indexing in back-to-back calls, so it is not tried.)"""
+
 ADAPT_SPLIT = True
 """Whether the hybrid engine re-balances its split after every call: from the GPU times of the previous
 call's two parts (CUDA events), it moves the split halfway towards the one at which both parts would end
@@ -107,28 +112,38 @@ _measured: dict[int, dict[str, dict[str, float]]] = {}  # device -> op -> what -
 _probes: dict[tuple[int, str], tuple] = {}  # the last hybrid call's (k, n, start, uva_end, cpu_end) events
 
 
+CHOICE_KEYS = ("gather", "scatter", "gather host", "scatter host")
+"""The keys of :func:`engine_choice`: the operation, and ``" host"`` for indices in host memory."""
+
+
 def engine_choice(device: torch.device | str | int | None = None) -> dict[str, str]:
-    """What ``"auto"`` picks on ``device`` for ``"gather"`` and ``"scatter"``: ``"uva"``, ``"cpu"`` or
-    ``"hybrid"`` (both at once on disjoint rows).
+    """What ``"auto"`` picks on ``device``: ``"uva"``, ``"cpu"`` or ``"hybrid"`` (both at once on disjoint
+    rows) for ``"gather"`` and ``"scatter"`` with indices on the GPU, and ``"uva"`` or ``"cpu"`` for
+    ``"gather host"`` and ``"scatter host"``, with indices in host memory (a CPU tensor, a numpy array or a
+    list).
 
     Measured once per device and process, on a pinned table of :data:`MEASURE_BYTES` (allocated for the
-    measurement and freed after): 131,072 random rows gathered and scattered by the UVA engine, by the
-    CPU engine in each way of :data:`CPU_CHOICES` (the fastest is kept for it), and by the hybrid engine
-    with its CPU part in each of those ways (the fastest is kept for it), starting from the split at which
-    both parts would take equally long and re-balancing as it runs (see :data:`ADAPT_SPLIT`); the fastest
-    engine wins. Without CuPy or a suitable GPU the answer is ``"cpu"``.
+    measurement and freed after). Device indices: 131,072 random rows gathered and scattered one call at a
+    time (each timed to its end) by the UVA engine, by the CPU engine in each way of :data:`CPU_CHOICES`
+    (the fastest is kept for it), and by the hybrid engine with its CPU part in each of those ways (the
+    fastest is kept for it), starting from the split at which both parts would take equally long and
+    re-balancing as it runs (see :data:`ADAPT_SPLIT`). Host indices: the same rows in back-to-back calls
+    timed together, as a training loop or data loader makes them, by the UVA engine (the indices are
+    copied to the GPU and checked there, which waits for the previous call) and by the CPU engine in each
+    way of :data:`CPU_CHOICES_HOST` (its calls check the indices on the host and overlap one another). The
+    fastest engine wins each key. Without CuPy or a suitable GPU every answer is ``"cpu"``.
     """
     if not torch.cuda.is_available():
-        return {"gather": "cpu", "scatter": "cpu"}
+        return dict.fromkeys(CHOICE_KEYS, "cpu")
     dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     if dev.type != "cuda":
-        return {"gather": "cpu", "scatter": "cpu"}
+        return dict.fromkeys(CHOICE_KEYS, "cpu")
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     with _choice_lock:
         got = _choice.get(index)
         if got is None:
-            got = _measure(torch.device("cuda", index)) if _uva.available(dev) else {"gather": "cpu",
-                                                                                     "scatter": "cpu"}
+            got = (_measure(torch.device("cuda", index)) if _uva.available(dev)
+                   else dict.fromkeys(CHOICE_KEYS, "cpu"))
             _choice[index] = got
     return dict(got)
 
@@ -218,6 +233,44 @@ def _measure(device: torch.device) -> dict[str, str]:
             best[op] = min(times, key=times.__getitem__)
             report[op] = {**{f"cpu {w[0]} {w[1]} MiB {w[2]} threads": t for w, t in by_way.items()},
                           **report.get(op, {}), **times, "uva share": _fractions[key]}
+        idx_host = idx_dev.cpu()
+        for op in ("gather", "scatter"):
+            use = f"{op} host"
+            key = (device.index, use)
+
+            def run_host(op=op):  # as gather() / scatter() do it, with the indices in host memory
+                if op == "gather":
+                    table.gather(idx_host, unique=True, out=buf)
+                else:
+                    table.scatter(idx_host, buf, unique=True)
+
+            def timed_host(eng, calls=16):  # back-to-back calls, timed together to the end of the last
+                table.engine = eng
+                for _ in range(2):
+                    run_host()
+                table.synchronize()
+                torch.cuda.synchronize(device)
+                samples = []
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    for _ in range(calls):
+                        run_host()
+                    table.synchronize()
+                    torch.cuda.synchronize(device)
+                    samples.append((time.perf_counter() - t0) / calls)
+                return sorted(samples)[len(samples) // 2]
+
+            times = {"uva": timed_host("uva")}
+            by_way = {}
+            for way in CPU_CHOICES_HOST:
+                _movers[key], _chunks[key], _threads[key] = way[0], way[1] << 20, way[2]
+                by_way[way] = timed_host("cpu")
+            way = min(by_way, key=by_way.__getitem__)
+            _movers[key], _chunks[key], _threads[key] = way[0], way[1] << 20, way[2]
+            times["cpu"] = by_way[way]
+            table.engine = "cpu"
+            best[use] = min(times, key=times.__getitem__)
+            report[use] = {**{f"cpu {w[0]} {w[1]} MiB {w[2]} threads": t for w, t in by_way.items()}, **times}
     table.close()
     return best
 
@@ -231,11 +284,13 @@ class _Staging:
     units of 1 MiB, handed out in rotation as pieces of whole units. Each unit remembers the event recorded
     after the copy that last used it, and is handed out again only once that copy has finished.
 
-    A gather or scatter takes one piece per batch of rows (the whole call when it fits) and moves it in
+    A gather or scatter takes one piece per batch of rows (the whole call when it fits in half of the
+    memory, so that the next call's rows can be copied in while this call's copies drain) and moves it in
     chunks ("rounds") of ``CHUNK_BYTES``: the pool's threads copy the rows of one chunk while the DMA
-    engine moves the chunks before it."""
+    engine moves the chunks before it. A piece may also be held by a deferred scatter (see
+    :data:`DEFER_SCATTER`) until its rows are written into the table: taking it writes them first."""
 
-    BYTES = 64 << 20
+    BYTES = 128 << 20  # two calls of 131,072 rows of 512 bytes
     UNIT = 1 << 20
     CHUNK_BYTES: int | None = None  # a fixed chunk size; None: as measured by engine_choice, else DEFAULT_CHUNK
     # torch's CPU indexing costs 0.08 ms (an H200 VM, 2026-11-22) to 0.2 ms (another) per call however small
@@ -249,6 +304,7 @@ class _Staging:
         self.buf = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
         self.lock = threading.RLock()
         self.events: list[torch.cuda.Event | None] = [None] * self.units
+        self.holders: list[_PendingWrite | None] = [None] * self.units
         self.next = 0
 
     def rows_per_chunk(self, row_bytes: int, use: str) -> int:
@@ -262,9 +318,9 @@ class _Staging:
 
     def batches(self, n: int, row_bytes: int, per: int) -> list[tuple[int, int]]:
         """Row ranges of ``n`` rows of ``row_bytes`` for one staging piece each, in whole chunks of ``per``
-        rows: all ``n`` at once when they fit, else at most a third of the staging memory each, so that one
-        batch can be held while the next is taken (see :meth:`max_pending`)."""
-        if n * row_bytes <= self.nbytes:
+        rows: all ``n`` at once when they fit in half of the staging memory, else at most a third of it each,
+        so that one batch can be held while the next is taken (see :meth:`max_pending`)."""
+        if n * row_bytes <= self.nbytes // 2:
             return [(0, n)]
         third = (self.units + 1) // 3 * self.UNIT
         step = per * max(1, third // (per * row_bytes))
@@ -276,14 +332,17 @@ class _Staging:
         k = -(-nbytes // self.UNIT)
         return max(0, (self.units - k + 1) // k - 1)
 
-    def take(self, nbytes: int) -> tuple[Tensor, torch.cuda.Event]:
-        """The next ``nbytes`` of staging memory, once the copies that last used them have finished, and the
-        event to record after the copy that uses them now."""
+    def take(self, nbytes: int, holder: _PendingWrite | None = None) -> tuple[Tensor, torch.cuda.Event]:
+        """The next ``nbytes`` of staging memory, once the deferred writes that hold them are written and the
+        copies that last used them have finished, and the event to record after the copy that uses them
+        now. ``holder``: the deferred write that will hold them (see :meth:`release`)."""
         k = -(-nbytes // self.UNIT)
         if self.next + k > self.units:
             self.next = 0
         start = self.next
         self.next = (start + k) % self.units
+        for p in {id(h): h for h in self.holders[start:start + k] if h is not None}.values():
+            p.land()  # a failure stays with the write, for its table to raise
         waited = set()
         for ev in self.events[start:start + k]:
             if ev is not None and id(ev) not in waited:
@@ -291,7 +350,17 @@ class _Staging:
                 waited.add(id(ev))
         ev = torch.cuda.Event()
         self.events[start:start + k] = [ev] * k
+        self.holders[start:start + k] = [holder] * k
+        if holder is not None:
+            holder.units = (start, k)
         return self.buf[start * self.UNIT:start * self.UNIT + nbytes], ev
+
+    def release(self, holder: _PendingWrite) -> None:
+        """The memory that ``holder`` took may be handed out again (once its copy has finished)."""
+        start, k = holder.units
+        for i in range(start, start + k):
+            if self.holders[i] is holder:
+                self.holders[i] = None
 
 
 _staging: dict[int, _Staging] = {}
@@ -592,6 +661,90 @@ def _run_rows(fn, rounds: list[tuple[int, int]], row_bytes: int, *, threads: int
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Deferred scatters of the CPU engine
+
+DEFER_SCATTER = True
+"""Whether the CPU engine's scatter with indices in host memory returns once the copy of its rows into
+page-locked staging memory is queued on the current stream, leaving them to be written into the table
+later: at the table's next use (any gather or scatter, :attr:`HostTable.data`, :meth:`HostTable.save_npy`,
+:meth:`HostTable.synchronize`, :meth:`HostTable.close`) or when their staging memory is taken again,
+whichever comes first. Back-to-back scatters then write one call's rows into the table while the next
+call's copy runs. Only for tables in private memory (not memory-mapped files or shared memory, whose
+writes are in place when scatter returns, as before) and calls of at most half the staging memory."""
+
+
+class _PendingWrite:
+    """The rows of one deferred scatter (see :data:`DEFER_SCATTER`): their copy from the GPU into staging
+    memory is queued (its end recorded by ``event``); :meth:`land` writes them into the table, once. It
+    never raises an ``Exception``: a failure is kept in :attr:`error`, which the table raises at its next
+    use, naming the rows."""
+
+    def __init__(self, stage: _Staging, data: Tensor, np_rows: np.ndarray | None, idx: Tensor, use: str):
+        self.stage = stage
+        self.data = data
+        self.np_rows = np_rows  # the table as numpy rows (the "pool" way), else None
+        self.idx = idx  # the caller's indices, copied
+        self.use = use
+        self.view: Tensor | None = None  # the staged rows
+        self.event: torch.cuda.Event | None = None
+        self.units = (0, 0)  # set by _Staging.take
+        self.done = False
+        self.error: RuntimeError | None = None
+
+    def _describe(self) -> str:
+        idx = self.idx
+        n = idx.numel()
+        lo, hi = (int(v) for v in torch.aminmax(idx))
+        head = ", ".join(str(int(v)) for v in idx[:8])
+        return f"{n} rows (indices {head}{', ...' if n > 8 else ''}; from {lo} to {hi})"
+
+    def cancel(self) -> None:
+        """Drop the write (its staging memory is handed out again once its copy has finished)."""
+        self.done = True
+        self.stage.release(self)
+        self.view = None
+
+    def land(self) -> None:
+        """Write the rows into the table, after their copy has finished (the caller holds the stage lock)."""
+        if self.done:
+            return
+        self.done = True
+        writing = False
+        try:
+            self.event.synchronize()
+            writing = True
+            view, idx = self.view, self.idx
+            row_bytes = view.shape[1] * view.element_size()
+            way, threads = _copy_plan(self.stage.device.index, self.use)
+            per = self.stage.rows_per_chunk(row_bytes, self.use)
+            n = idx.numel()
+            rounds = [(s, min(n, s + per)) for s in range(0, n, per)]
+            if way == "torch":
+                dst_w, src_w = _wide_pair(self.data, view)
+
+                def fn(s, e):
+                    dst_w.index_copy_(0, idx[s:e], src_w[s:e])
+            else:
+                dst, ii, src = self.np_rows, idx.numpy(), _row_array(view)
+
+                def fn(s, e):
+                    _put(dst, ii[s:e], src[s:e])
+
+            _run_rows(fn, rounds, row_bytes, threads=threads)
+            self.idx = None
+        except BaseException as exc:
+            what = "some of them may be written, others not" if writing else "none of them was written"
+            self.error = RuntimeError(f"an earlier scatter into this host table failed after it returned: "
+                                      f"its {self._describe()} did not all land ({what}): {exc!r}")
+            self.error.__cause__ = exc
+            if not isinstance(exc, Exception):  # KeyboardInterrupt and the like go on at once
+                raise
+        finally:
+            self.stage.release(self)
+            self.view = None
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Index preparation
 
 
@@ -607,6 +760,37 @@ def _as_index(idx, device: torch.device) -> Tensor:
     if idx.dtype == torch.bool or idx.dtype.is_floating_point or idx.dtype.is_complex:
         raise TypeError(f"indices must be an integer tensor, got dtype {idx.dtype}")
     return idx.reshape(-1).to(device=device, dtype=torch.int64, non_blocking=True)
+
+
+def _on_host(idx) -> bool:
+    """Whether indices are in host memory: a CPU tensor, or anything but a tensor (a numpy array, a list)."""
+    return not isinstance(idx, Tensor) or idx.device.type == "cpu"
+
+
+def _host_flat(idx) -> tuple[Tensor, bool]:
+    """Indices in host memory as a flat, contiguous int64 CPU tensor, and whether it is a copy (else it is
+    the caller's memory)."""
+    if not isinstance(idx, Tensor):
+        with _quiet_readonly():
+            idx = torch.as_tensor(idx)
+    if idx.dtype == torch.bool or idx.dtype.is_floating_point or idx.dtype.is_complex:
+        raise TypeError(f"indices must be an integer tensor, got dtype {idx.dtype}")
+    flat = idx.reshape(-1).to(torch.int64).contiguous()
+    return flat, flat.untyped_storage().data_ptr() != idx.untyped_storage().data_ptr()
+
+
+def _check_host_bounds(flat: Tensor, num_rows: int) -> None:
+    """Bounds-check non-empty indices in host memory (no GPU involved)."""
+    lo, hi = torch.aminmax(flat)
+    _check_bounds(int(lo), int(hi), num_rows)
+
+
+def _device_index(flat: Tensor, device: torch.device) -> Tensor:
+    """Host indices on ``device``, through page-locked memory: the copy is queued on the current stream and
+    the host does not wait for it."""
+    pinned = torch.empty(flat.shape, dtype=torch.int64, pin_memory=True)
+    pinned.copy_(flat)
+    return pinned.to(device, non_blocking=True)
 
 
 def _host_index(idx: Tensor) -> Tensor:
@@ -655,16 +839,23 @@ class HostTable:
         and the DMA overlap (scatter is the reverse: each chunk's rows are written into the table as soon
         as its copy from the GPU has landed).
         ``"hybrid"`` runs both at once on disjoint parts of the rows (the split is measured).
-        ``"auto"`` uses :func:`engine_choice`, measured once per device. On a CPU compute device every
-        engine is plain CPU indexing.
+        ``"auto"`` uses :func:`engine_choice`, measured once per device, apart for indices on the GPU and
+        indices in host memory. On a CPU compute device every engine is plain CPU indexing.
+
+    Indices in host memory (a CPU tensor, a numpy array, a list) with the ``"cpu"`` engine never wait for
+    the GPU: they are checked on the host, the rows are copied into staging memory while the previous
+    call's copy to the GPU may still run, and the call returns with its own copy queued on the current
+    stream. Such a gather copies the rows as indexed (repeats included: deduplicating on the host costs more
+    than it saves), and such a scatter writes the rows into the table after it returns (see
+    :data:`DEFER_SCATTER`), before anything else uses the table.
 
     Indices are checked before any engine touches host memory: they must be integers in
     ``[0, num_rows)``, else :class:`IndexError` names the first bad value and the table size. ``gather``
     deduplicates them (each row crosses PCIe once); ``scatter`` refuses duplicates.
 
-    GPU work is ordered on the current CUDA stream. ``"uva"`` writes land when the stream reaches them;
-    every CPU-side access of the table (the ``"cpu"`` engine, :attr:`data` readers that call
-    :meth:`synchronize`, :meth:`save_npy`) waits for them first.
+    GPU work is ordered on the current CUDA stream. ``"uva"`` writes land when the stream reaches them,
+    deferred ``"cpu"`` writes at the table's next use; every CPU-side access of the table (the ``"cpu"``
+    engine, :attr:`data` readers that call :meth:`synchronize`, :meth:`save_npy`) waits for them first.
 
     Batched layers store B models' tables as one ``HostTable`` of ``B * rows`` rows and address row ``i``
     of model ``b`` as ``b * rows + i`` (see :meth:`block`).
@@ -704,6 +895,10 @@ class HostTable:
         self._write_events: dict[int, torch.cuda.Event] = {}
         self._prefetches: weakref.WeakSet[Prefetch] = weakref.WeakSet()
         self._side: torch.cuda.Stream | None = None
+        self._pending: _PendingWrite | None = None  # a deferred scatter (see DEFER_SCATTER)
+        # whether scatters may be deferred: not for memory that outlives the process (a mapped file, shared
+        # memory), where rows must be in place when scatter returns
+        self._defer_ok = keepalive is None and not data.is_shared()
         self._pinned_here = False
         want_pin = torch.cuda.is_available() if pin is None else bool(pin)
         if want_pin and not data.is_pinned():
@@ -780,7 +975,9 @@ class HostTable:
             raise
 
     def close(self) -> None:
-        """Unpin the memory (the table stays readable on the CPU; the ``"uva"`` engine no longer applies)."""
+        """Write a deferred scatter and unpin the memory (the table stays readable on the CPU; the ``"uva"``
+        engine no longer applies)."""
+        self._land()
         if getattr(self, "_pinned_here", False):
             self.synchronize()
             unpin_tensor(self._data)
@@ -818,6 +1015,25 @@ class HostTable:
                 f"pinned={self.pinned}, engine={self.engine or get_engine()!r})")
 
     def synchronize(self, *, reads: bool = True) -> None:
+        """Wait until the GPU-side writes (and, with ``reads``, reads) of this table launched so far finished,
+        and write a deferred scatter into the table (see :data:`DEFER_SCATTER`), raising its error if that
+        failed."""
+        self._land()
+        self._wait_gpu(reads=reads)
+
+    def _land(self) -> None:
+        """Write this table's deferred scatter, if any; raise its error if it failed (once)."""
+        p = getattr(self, "_pending", None)
+        if p is None:
+            return
+        with p.stage.lock:
+            p.land()
+            if self._pending is p:
+                self._pending = None
+        if p.error is not None:
+            raise p.error
+
+    def _wait_gpu(self, *, reads: bool) -> None:
         """Wait until the GPU-side writes (and, with ``reads``, reads) of this table launched so far finished."""
         for ev in list(self._write_events.values()):
             ev.synchronize()
@@ -828,8 +1044,9 @@ class HostTable:
             self._read_events.clear()
 
     # -- engines -----------------------------------------------------------------------------------------
-    def resolved_engine(self, op: Literal["gather", "scatter"]) -> str:
-        """The engine that ``op`` uses now: ``"uva"``, ``"cpu"`` or ``"hybrid"``."""
+    def resolved_engine(self, op: Literal["gather", "scatter"], *, host_indices: bool = False) -> str:
+        """The engine that ``op`` uses now: ``"uva"``, ``"cpu"`` or ``"hybrid"``, for indices on the GPU or
+        (``host_indices=True``) in host memory."""
         want = self.engine or get_engine()
         if self.device.type != "cuda":
             if want in ("uva", "hybrid"):
@@ -842,7 +1059,12 @@ class HostTable:
             return want
         if want == "cpu" or not self.pinned:
             return "cpu"
-        return engine_choice(self.device)[op]
+        return engine_choice(self.device)[f"{op} host" if host_indices else op]
+
+    def _host_route(self, idx, op: str) -> bool:
+        """Whether ``op`` of ``idx`` takes the CPU engine's path for host indices (see the class notes)."""
+        return (self.device.type == "cuda" and _on_host(idx)
+                and self.resolved_engine(op, host_indices=True) == "cpu")
 
     def _note_gpu_access(self, kind: str) -> None:
         events = self._write_events if kind == "write" else self._read_events
@@ -891,6 +1113,7 @@ class HostTable:
         n = uniq.numel()
         if n == 0:
             return
+        self._land()
         if self.device.type != "cuda":
             self._host_rows("gather", uniq.cpu() if uniq_cpu is None else uniq_cpu, out)
             return
@@ -934,13 +1157,6 @@ class HostTable:
             _run_rows(lambda s, e: _take(table, idx[s:e], other[s:e]), rounds, row_bytes, threads=threads)
         else:
             _run_rows(lambda s, e: _put(table, idx[s:e], other[s:e]), rounds, row_bytes, threads=threads)
-
-    def _rows_np(self) -> np.ndarray:
-        """The table as numpy rows (see :func:`_row_array`), made once."""
-        got = getattr(self, "_np_rows", None)
-        if got is None:
-            got = self._np_rows = _row_array(self._data)
-        return got
 
     def _gather_cpu(self, uniq_cpu: Tensor, out: Tensor, use: str = "gather") -> None:
         """The CPU engine's gather to the GPU: rows are copied into page-locked staging memory chunk by
@@ -989,6 +1205,7 @@ class HostTable:
         n = uniq.numel()
         if n == 0:
             return
+        self._land()
         if self.device.type != "cuda":
             self._host_rows("scatter", uniq.cpu() if uniq_cpu is None else uniq_cpu, rows)
             self._patch_prefetches(uniq, rows)
@@ -1058,6 +1275,51 @@ class HostTable:
                 if not ahead and k + 1 < len(batches):
                     pending = stage_in(*batches[k + 1])
 
+    def _gather_host(self, flat: Tensor, out: Tensor) -> None:
+        """``out[:] = rows[flat]`` by the CPU engine for checked, non-empty host indices: no GPU sync, the copy
+        to ``out`` queued on the current stream."""
+        self._land()
+        self._wait_gpu(reads=False)  # UVA writes launched before
+        self._gather_cpu(flat, out, "gather host")
+
+    def _scatter_host(self, flat: Tensor, owned: bool, rows: Tensor) -> None:
+        """``table[flat] = rows`` by the CPU engine for checked, distinct, non-empty host indices (``owned``:
+        ``flat`` is no memory of the caller's). Deferred (see :data:`DEFER_SCATTER`): the rows' copy into
+        staging memory is queued, then the previous deferred scatter is written (while that copy runs)."""
+        if getattr(self, "_readonly", False):
+            raise RuntimeError("this HostTable is a read-only memory map (mmap_mode='r'); it cannot be scattered to")
+        rows = rows.to(device=self.device, dtype=self.dtype).contiguous()
+        n = flat.numel()
+        nbytes = n * self.dim * self._data.element_size()
+        stage = _staging_for(self.device)
+        stream = torch.cuda.current_stream(self.device)
+        self._wait_gpu(reads=True)  # GPU reads and writes launched before finish before the host writes
+        with stage.lock:
+            prev = self._pending
+            if prev is not None and prev.done:  # written already (its staging was taken): raise its error
+                self._land()
+                prev = None
+            if not (DEFER_SCATTER and self._defer_ok and nbytes <= stage.nbytes // 2):
+                self._land()
+                self._scatter_cpu(flat, rows, "scatter host")
+            else:
+                way, _ = _copy_plan(self.device.index, "scatter host")
+                p = _PendingWrite(stage, self._data, self._rows_np() if way == "pool" else None,
+                                  flat if owned else flat.clone(), "scatter host")
+                piece, p.event = stage.take(nbytes, holder=p)
+                p.view = piece.view(self.dtype).view(n, self.dim)
+                p.view.copy_(rows, non_blocking=True)
+                p.event.record(stream)
+                self._pending = p
+                if prev is not None:
+                    prev.land()  # while this call's copy runs
+                    if prev.error is not None:
+                        p.cancel()
+                        self._pending = None
+                        raise RuntimeError(f"{prev.error} (this scatter was not written either)") from prev.error
+        if self._prefetches:
+            self._patch_prefetches(_device_index(flat, self.device), rows)
+
     # -- public gather / scatter -------------------------------------------------------------------------
     def prepare(self, idx, *, unique: bool = False) -> tuple[Tensor, Tensor | None]:
         """Check and deduplicate indices: returns ``(rows, inverse)`` with ``rows`` the distinct indices,
@@ -1104,11 +1366,23 @@ class HostTable:
         """Rows ``idx`` on :attr:`device`, shaped ``idx.shape + (dim,)``.
 
         Args:
-            idx: integer indices of any shape (on any device).
+            idx: integer indices of any shape (on any device; see the class notes for host indices).
             unique: promise that ``idx`` holds no duplicates (skips deduplication; bounds are still checked).
             out: optional contiguous ``(idx.numel(), dim)`` tensor on :attr:`device` to write into.
         """
         shape = tuple(idx.shape) if isinstance(idx, Tensor) else tuple(np.shape(idx))
+        if self._host_route(idx, "gather"):
+            flat, _ = _host_flat(idx)
+            n = flat.numel()
+            if out is not None:
+                self._check_out(out, n)
+                rows = out
+            else:
+                rows = torch.empty(n, self.dim, dtype=self.dtype, device=self.device)
+            if n:
+                _check_host_bounds(flat, self.num_rows)
+                self._gather_host(flat, rows)
+            return rows.view(*shape, self.dim)
         if unique:
             flat = _as_index(idx, self.device)
             n = flat.numel()
@@ -1143,15 +1417,32 @@ class HostTable:
     def scatter(self, idx, rows: Tensor, *, unique: bool = False) -> None:
         """Write ``rows`` (shaped ``idx.shape + (dim,)``) to rows ``idx`` of the table.
 
-        Indices must be distinct (checked unless ``unique=True``: then the caller promises it). They are
-        written in ascending index order (sorted on the device first when they are not), which is what
-        makes writes to a large table fast.
+        Indices must be distinct (checked unless ``unique=True``: then the caller promises it). Indices on
+        the GPU are written in ascending index order (sorted on the device first when they are not), which
+        is what makes writes to a large table fast; host indices with the ``"cpu"`` engine in the order
+        given (their distinctness is checked with a sort on the host), after the call returns (see the
+        class notes).
         """
         flat_rows = rows.reshape(-1, self.dim) if rows.dim() >= 1 and rows.shape[-1] == self.dim else None
         n_idx = idx.numel() if isinstance(idx, Tensor) else int(np.size(idx))
         if flat_rows is None or flat_rows.shape[0] != n_idx:
             raise ValueError(f"scatter: rows must have shape idx.shape + ({self.dim},) = "
                              f"({n_idx}, {self.dim}) after flattening, got {tuple(rows.shape)}")
+        if self._host_route(idx, "scatter"):
+            flat, owned = _host_flat(idx)
+            if flat.numel() == 0:
+                return
+            if unique:
+                _check_host_bounds(flat, self.num_rows)
+            else:
+                keys = np.sort(flat.numpy())
+                _check_bounds(int(keys[0]), int(keys[-1]), self.num_rows)
+                dup = np.flatnonzero(keys[1:] == keys[:-1])
+                if dup.size:
+                    raise ValueError(f"scatter needs distinct indices, but index {int(keys[dup[0]])} appears "
+                                     "more than once")
+            self._scatter_host(flat, owned, flat_rows)
+            return
         flat = _as_index(idx, self.device)
         n = flat.numel()
         if n == 0:
@@ -1181,6 +1472,8 @@ class HostTable:
         Rows scattered to the table after this call (and before :meth:`Prefetch.release`) are patched
         into the prefetched copy, so it never goes stale.
         """
+        if unique and not _checked and self._host_route(idx, "gather"):
+            return self._prefetch_host(idx)
         if self.device.type != "cuda":
             uniq, inverse, ascending = self._prefetch_indices(idx, unique, _checked)
             buf = torch.empty(uniq.numel() + 1, self.dim, dtype=self.dtype)
@@ -1199,6 +1492,26 @@ class HostTable:
             ev = torch.cuda.Event()
             ev.record(side)
         p = Prefetch(self, uniq, inverse, buf, ev, sorted_=inverse is not None or _checked)
+        self._prefetches.add(p)
+        return p
+
+    def _prefetch_host(self, idx) -> Prefetch:
+        """:meth:`prefetch` of distinct host indices with the CPU engine: checked on the host, the rows staged
+        now, their copy (and the indices' copy, for patching) queued on the side stream."""
+        flat, _ = _host_flat(idx)
+        n = flat.numel()
+        if n:
+            _check_host_bounds(flat, self.num_rows)
+        side = self._side_stream()
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            buf = torch.empty(n + 1, self.dim, dtype=self.dtype, device=self.device)
+            if n:
+                self._gather_host(flat, buf[:-1])
+            ids = _device_index(flat, self.device)
+            ev = torch.cuda.Event()
+            ev.record(side)
+        p = Prefetch(self, ids, None, buf, ev)
         self._prefetches.add(p)
         return p
 

@@ -125,7 +125,9 @@ def test_engine_switch():
     with pytest.raises(ValueError, match="offload engine must be one of"):
         offload.set_engine("gpu")
     _, t = _table("cpu")
-    assert t.resolved_engine("gather") == "cpu"
+    assert t.resolved_engine("gather") == "cpu" == t.resolved_engine("scatter", host_indices=True)
+    # a CPU device: every engine (for indices anywhere) is the CPU's
+    assert offload.engine_choice("cpu") == dict.fromkeys(["gather", "scatter", "gather host", "scatter host"], "cpu")
     t.engine = "uva"
     with pytest.raises(RuntimeError, match="needs a CUDA compute device"):
         t.gather(torch.tensor([1]))
