@@ -25,17 +25,24 @@ def cuda_ms(fn: Callable[[], object], warmup: int = 3, iters: int = 20) -> float
     return statistics.median(times)
 
 
-def wall_seconds(fn: Callable[[], object], iters: int = 10, warmup: int = 2, repeats: int = 3) -> float:
+def wall_seconds(fn: Callable[[], object], iters: int = 10, warmup: int = 2, repeats: int = 3,
+                 finish: Callable[[], object] | None = None) -> float:
     """Median over ``repeats`` of the wall-clock seconds per call of ``iters`` back-to-back calls,
-    synchronised once at the end: launch and host overhead count, as in training."""
+    synchronised once at the end: launch and host overhead count, as in training. ``finish`` runs before
+    that synchronisation, inside the timing (e.g. ``HostTable.synchronize``, which writes a deferred
+    scatter)."""
     for _ in range(warmup):
         fn()
+    if finish is not None:
+        finish()
     torch.cuda.synchronize()
     means = []
     for _ in range(repeats):
         start = time.perf_counter()
         for _ in range(iters):
             fn()
+        if finish is not None:
+            finish()
         torch.cuda.synchronize()
         means.append((time.perf_counter() - start) / iters)
     return statistics.median(means)

@@ -2,7 +2,9 @@
 
 Default: part A, which bench_offload.py runs from here too: a 10M x 128 fp32 table of torch.empty +
 normal_, pinned in place; 131,072 rows gathered and scattered by each engine and by the ``auto`` choice,
-each figure against a pinned contiguous copy of the same bytes measured in the same run.
+with the indices on the GPU and in host memory, each figure against a pinned contiguous copy of the same
+bytes measured in the same run. Every figure is the time per call of back-to-back calls (the last one's
+work finished, deferred host writes included); the "one call" rows time single calls to their end.
 
 ``--explore`` adds the measurements that locate the limits: the UVA kernel on four access patterns
 (contiguous rows, a small window, the whole table sorted and unsorted), UVA traffic concurrent with a DMA
@@ -59,8 +61,9 @@ def setup():
     gen = torch.Generator(device=dev).manual_seed(0)
     idx = torch.randint(0, rows, (n,), device=dev, generator=gen)
     uniq = torch.randperm(rows, device=dev, generator=gen)[:n]
+    uniq_sorted = uniq.sort().values
     return dict(rows=rows, dim=dim, n=n, data=data, table=table, idx=idx, idx_cpu=idx.cpu(), uniq=uniq,
-                uniq_sorted=uniq.sort().values, nbytes=n * dim * 4)
+                uniq_cpu=uniq.cpu(), uniq_sorted=uniq_sorted, uniq_sorted_cpu=uniq_sorted.cpu(), nbytes=n * dim * 4)
 
 
 def anchors(s):
@@ -82,6 +85,7 @@ def _split(engine, op):
 def part_a(s):
     data, table, idx, idx_cpu, uniq, uniq_sorted = (s[k] for k in ("data", "table", "idx", "idx_cpu", "uniq",
                                                                     "uniq_sorted"))
+    uniq_sorted_cpu = s["uniq_sorted_cpu"]
     n, dim, nbytes, h2d, d2h, buf, dbuf = (s[k] for k in ("n", "dim", "nbytes", "h2d", "d2h", "buf", "dbuf"))
 
     def torch_staged():
@@ -92,6 +96,14 @@ def part_a(s):
     t = wall_seconds(torch_staged, 5)
     emit(part="A", op="gather", impl="anchor: torch index_select -> pinned buffer -> copy", ms=t * 1e3,
          GBps=nbytes / t / 1e9, ratio=h2d / t)
+
+    def torch_race():  # as /work/shared/bench/anchors.py times it: call i+1's indexing overlaps call i's copy
+        torch.index_select(data, 0, idx_cpu, out=buf)  # (and races on buf: its results may be wrong)
+        dbuf.copy_(buf, non_blocking=True)
+
+    t = wall_seconds(torch_race, 10)
+    emit(part="A", op="gather", impl="anchor: the same, back to back without a wait (races on the buffer)",
+         ms=t * 1e3, GBps=nbytes / t / 1e9, ratio=h2d / t)
     t = wall_seconds(lambda: data[idx_cpu].to(dev), 3, 1, 1)
     emit(part="A", op="gather", impl="anchor: host[idx].cuda()", ms=t * 1e3, GBps=nbytes / t / 1e9, ratio=h2d / t)
 
@@ -120,6 +132,8 @@ def part_a(s):
                 t = wall_seconds(fn, 10)
                 emit(part="A", op="scatter", impl=f"offload {engine}: {label}", ms=t * 1e3, GBps=nbytes / t / 1e9,
                      ratio=d2h / t, correct=ok, **_split(engine, "scatter"))
+            if engine != "hybrid":  # (the hybrid takes host indices to the GPU as before)
+                host_rows(s, engine, src)
         except Exception as e:  # report and go on
             emit(part="A", impl=f"offload {engine}", error=repr(e)[:400])
     table.engine = None
@@ -136,6 +150,63 @@ def part_a(s):
         t = wall_seconds(fn, 10)
         emit(part="A", op=label.split("(")[0], impl=f"offload auto: {label}", ms=t * 1e3, GBps=nbytes / t / 1e9,
              ratio=anchor / t)
+    host_rows(s, "auto", src)
+    emit(part="A", note="auto engine choice (host indices)", choice=offload.engine_choice(dev),
+         resolved={op: table.resolved_engine(op, host_indices=True) for op in ("gather", "scatter")})
+    # single calls, each to its end: the latency of one call
+    for label, fn, anchor in [("gather(unique sorted idx, unique=True), one call",
+                               lambda: table.gather(uniq_sorted, unique=True, out=dbuf), h2d),
+                              ("gather(unique sorted host idx, unique=True), one call",
+                               lambda: table.gather(uniq_sorted_cpu, unique=True, out=dbuf), h2d),
+                              ("scatter(idx, unique=True), one call",
+                               lambda: table.scatter(uniq, src, unique=True), d2h),
+                              ("scatter(unique sorted host idx, unique=True), one call",
+                               lambda: table.scatter(uniq_sorted_cpu, src, unique=True), d2h)]:
+        def one(fn=fn):
+            fn()
+            table.synchronize()
+            torch.cuda.synchronize()
+
+        t = wall_seconds(one, 10)
+        emit(part="A", op=label.split("(")[0], impl=f"offload auto: {label}", ms=t * 1e3, GBps=nbytes / t / 1e9,
+             ratio=anchor / t)
+    # HostArray over the same table (dataset rows by index), and batches() of it (shuffled, prefetched)
+    xs = offload.HostArray(None, _table=table, _row_shape=(dim,))
+    for label, fn in [("HostArray x[host idx]", lambda: xs[idx_cpu]), ("HostArray x[device idx]", lambda: xs[idx])]:
+        t = wall_seconds(fn, 10)
+        emit(part="A", op="gather", impl=f"offload auto: {label}", ms=t * 1e3, GBps=nbytes / t / 1e9, ratio=h2d / t)
+    it = offload.batches(xs, batch_size=n, shuffle=True, drop_last=True)
+    next(it)  # (draws the permutation of 10M rows)
+    torch.cuda.synchronize()
+    t0, k = time.perf_counter(), 0
+    for _ in it:
+        k += 1
+    torch.cuda.synchronize()
+    t = (time.perf_counter() - t0) / k
+    emit(part="A", op="gather", impl=f"offload auto: batches(HostArray, batch_size={n}, shuffle=True), per batch",
+         ms=t * 1e3, GBps=nbytes / t / 1e9, ratio=h2d / t, batches=k)
+
+
+def host_rows(s, engine, src):
+    """Part A's rows with the indices in host memory (``engine``: the table's engine, already set)."""
+    table, data, idx_cpu, uniq_cpu, uniq_sorted_cpu, dbuf = (s[k] for k in ("table", "data", "idx_cpu", "uniq_cpu",
+                                                                           "uniq_sorted_cpu", "dbuf"))
+    nbytes, h2d, d2h = s["nbytes"], s["h2d"], s["d2h"]
+    ok = torch.equal(table.gather(idx_cpu).cpu(), data[idx_cpu])
+    for label, fn in [("gather(host idx) [repeats, bounds check]", lambda: table.gather(idx_cpu)),
+                      ("gather(unique sorted host idx, unique=True)",
+                       lambda: table.gather(uniq_sorted_cpu, unique=True, out=dbuf))]:
+        t = wall_seconds(fn, 10)
+        emit(part="A", op="gather", impl=f"offload {engine}: {label}", ms=t * 1e3, GBps=nbytes / t / 1e9,
+             ratio=h2d / t, correct=ok, path=table.resolved_engine("gather", host_indices=True))
+    table.scatter(uniq_cpu, src)
+    ok = torch.equal(table.data[uniq_cpu], src.cpu())
+    for label, fn in [("scatter(host idx) [distinct check]", lambda: table.scatter(uniq_cpu, src)),
+                      ("scatter(unique sorted host idx, unique=True)",
+                       lambda: table.scatter(uniq_sorted_cpu, src, unique=True))]:
+        t = wall_seconds(fn, 10, finish=table.synchronize)
+        emit(part="A", op="scatter", impl=f"offload {engine}: {label}", ms=t * 1e3, GBps=nbytes / t / 1e9,
+             ratio=d2h / t, correct=ok, path=table.resolved_engine("scatter", host_indices=True))
 
 
 # --------------------------------------------------------------------------------------------------------
