@@ -172,7 +172,11 @@ def part_a(s):
              ratio=anchor / t)
     # HostArray over the same table (dataset rows by index), and batches() of it (shuffled, prefetched)
     xs = offload.HostArray(None, _table=table, _row_shape=(dim,))
-    for label, fn in [("HostArray x[host idx]", lambda: xs[idx_cpu]), ("HostArray x[device idx]", lambda: xs[idx])]:
+    fresh = [torch.randint(0, s["rows"], (n,)) for _ in range(8)]
+    calls = iter(range(1 << 30))
+    for label, fn in [("HostArray x[host idx]", lambda: xs[idx_cpu]), ("HostArray x[device idx]", lambda: xs[idx]),
+                      ("HostArray x[host idx], another of 8 random index sets each call",
+                       lambda: xs[fresh[next(calls) % 8]])]:
         t = wall_seconds(fn, 10)
         emit(part="A", op="gather", impl=f"offload auto: {label}", ms=t * 1e3, GBps=nbytes / t / 1e9, ratio=h2d / t)
     it = offload.batches(xs, batch_size=n, shuffle=True, drop_last=True)
