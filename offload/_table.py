@@ -106,7 +106,7 @@ CPU_CHOICES = (("torch", 8, 1), ("torch", 16, 1), ("torch", 32, 1), ("pool", 4, 
 CPU_CHOICES_HOST = (("torch", 16, 1), ("torch", 32, 1), ("torch", 64, 1))
 """The same for the CPU engine with indices in host memory, whose calls overlap one another (see
 :func:`engine_choice`); 64 MiB chunks copy the measuring call's rows in one piece. (On an H200 with 16 host
-cores the pool took 6 to 14 times as long as torch's indexing in back-to-back calls, so it is not tried.)"""
+cores the pool took 6 to 12 times as long as torch's indexing in back-to-back calls, so it is not tried.)"""
 
 ADAPT_SPLIT = True
 """Whether the hybrid engine re-balances its split after every call: from the GPU times of the previous
