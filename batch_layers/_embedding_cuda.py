@@ -32,20 +32,23 @@ dim, alignment) holds the compiled kernel and what follows from those keys; the 
 few that guard a ``data_ptr()`` (kept as cheap comparisons, with the full error messages built only on
 failure); and a launch packs its 8-byte arguments into a per-thread buffer for one ``cuLaunchKernel``
 through CuPy's driver binding (:data:`LAUNCH_MODE`), instead of ``cupy.cuda.Function.__call__``, which
-converts every argument on each call.
+converts every argument on each call. The launcher is ``offload._launch``'s (the offload package's UVA
+kernels use the same one; imports point from ``batch_layers`` to ``offload``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import struct
 import threading
-import warnings
-from collections import Counter
 
 import torch
 from torch import Tensor
+
+from offload._launch import KERNELS as _KERNELS  # noqa: F401 (the tests read it here)
+from offload._launch import LAUNCH_MODE, LAUNCHES, SLOW_LAUNCHES
+from offload._launch import compile_kernel as _compile
+from offload._launch import current_device as _current_device
+from offload._launch import launch as _launch
+from offload._launch import stream_ptr as _stream_ptr  # noqa: F401 (the benchmark times it here)
 
 from ._backend import get_backend
 
@@ -68,15 +71,11 @@ __all__ = [
     "use_kernels",
 ]
 
-#: Kernel launches per kernel name since import; tests use it to prove the CuPy path ran.
-LAUNCHES: Counter[str] = Counter()
-#: The launches among those that took the slower ``cupy.cuda.Function`` call instead of the direct
-#: ``cuLaunchKernel`` (see :data:`LAUNCH_MODE`).
-SLOW_LAUNCHES: Counter[str] = Counter()
+# (LAUNCHES, SLOW_LAUNCHES and LAUNCH_MODE are offload._launch's, shared with the offload kernels: kernel
+# launches per kernel name since import, the launches among them that took the slower cupy.cuda.Function
+# call, and how kernels are launched)
 
 _LOCK = threading.Lock()
-_KERNELS: dict[tuple, object] = {}
-_STREAMS: dict[tuple[int, int], object] = {}
 _RECORDS: dict[int, tuple[Tensor, Tensor, object]] = {}
 
 _COMMON = r"""
@@ -330,177 +329,6 @@ def use_kernels(device: torch.device) -> bool:
     return True
 
 
-class _RawStream:
-    """A stream handle for ``cupy.cuda.Function.__call__(..., stream=)``, which reads only ``.ptr``."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int) -> None:
-        self.ptr = ptr
-
-
-class _StreamProtocol:
-    """torch's raw stream behind the CUDA stream protocol (for ``cupy.cuda.Stream.from_external``)."""
-
-    def __init__(self, ptr: int) -> None:
-        self.ptr = ptr
-
-    def __cuda_stream__(self) -> tuple[int, int]:
-        return (0, self.ptr)
-
-
-def _stream_ptr_slow(index: int) -> int:
-    return torch.cuda.current_stream(index).cuda_stream
-
-
-#: ``_stream_ptr(index)``: the raw ``cudaStream_t`` of torch's current stream on device ``index``.
-_stream_ptr = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _stream_ptr_slow
-
-
-def _current_device_slow() -> int:
-    return torch.cuda.current_device()
-
-
-#: ``_current_device()``: the calling thread's current CUDA device index (no lazy-init check).
-_current_device = getattr(torch._C, "_cuda_getDevice", None) or _current_device_slow
-
-
-def _external_stream(ptr: int, index: int):
-    """A cached CuPy stream object wrapping torch's stream ``ptr`` (the slow, always-available path)."""
-    key = (index, ptr)
-    stream = _STREAMS.get(key)
-    if stream is None:
-        if hasattr(cupy.cuda, "ExternalStream"):
-            with warnings.catch_warnings():  # deprecated in CuPy 14 in favour of Stream.from_external
-                warnings.simplefilter("ignore", DeprecationWarning)
-                stream = cupy.cuda.ExternalStream(ptr, index)
-        else:
-            stream = cupy.cuda.Stream.from_external(_StreamProtocol(ptr))
-        _STREAMS[key] = stream
-    return stream
-
-
-class _Kernel:
-    """A compiled kernel of one device: the CuPy ``Function`` and ``RawKernel``, the raw ``CUfunction``
-    (0 where CuPy does not expose it) and how its arguments are packed for ``cuLaunchKernel``."""
-
-    __slots__ = ("function", "index", "name", "pack_into", "ptr", "raw")
-
-    def __init__(self, raw, function, name: str, index: int, fmt: str) -> None:
-        self.raw = raw
-        self.function = function
-        self.name = name
-        self.index = index
-        ptr = getattr(function, "ptr", 0) if function is not None else 0
-        self.ptr = ptr if isinstance(ptr, int) else 0
-        self.pack_into = struct.Struct("<" + fmt).pack_into  # every argument is 8 bytes (pointers, long longs)
-
-
-def _compile(kind: str, source: str, name: str, defines: dict[str, object], index: int, fmt: str) -> _Kernel:
-    """The kernel compiled once per (kind, device, defines) and cached. ``fmt`` is the ``struct`` code of
-    its arguments (``Q`` a pointer, ``q`` a long long), in order."""
-    key = (kind, index, *defines.values())
-    entry = _KERNELS.get(key)
-    if entry is None:
-        with _LOCK:
-            entry = _KERNELS.get(key)
-            if entry is None:
-                header = "".join(f"#define {k} {v}\n" for k, v in defines.items())
-                with cupy.cuda.Device(index):
-                    raw = cupy.RawKernel(header + source, name, options=("-std=c++17",))
-                    raw.compile()
-                    try:
-                        function = raw.kernel  # the loaded cupy.cuda.Function of this device
-                    except Exception:  # pragma: no cover - depends on the CuPy version
-                        function = None
-                entry = _Kernel(raw, function, name, index, fmt)
-                _KERNELS[key] = entry
-    return entry
-
-
-_MAX_ARGS = 16
-
-
-class _ArgBuffer(threading.local):
-    """Per-thread ``cuLaunchKernel`` argument storage: ``_MAX_ARGS`` 8-byte slots and the ``void*[]`` that
-    points at them. Per thread because the launch releases the GIL (the autograd engine runs backward
-    passes on its own threads)."""
-
-    def __init__(self) -> None:
-        self.values = (ctypes.c_int64 * _MAX_ARGS)()
-        base = ctypes.addressof(self.values)
-        self.pointers = (ctypes.c_void_p * _MAX_ARGS)(*(base + 8 * k for k in range(_MAX_ARGS)))
-        self.params = ctypes.addressof(self.pointers)
-        self.ready: set[int] = set()  # devices whose context this thread has made current
-
-
-_ARGS = _ArgBuffer()
-#: How kernels are launched: ``"driver"`` packs the arguments into a per-thread buffer and calls
-#: ``cuLaunchKernel`` once (a few hundred ns of Python); ``"cupy"`` calls ``cupy.cuda.Function``,
-#: which converts every argument on each call. Tests and the benchmark flip it.
-LAUNCH_MODE = ["driver" if cupy is not None and hasattr(getattr(cupy.cuda, "driver", None), "launchKernel")
-               else "cupy"]
-
-
-def _make_context_current(buf: _ArgBuffer, index: int) -> None:
-    """Once per thread and device: make sure a CUDA context is current before a driver-API launch (torch's
-    threads have one once they ran CUDA work; a fresh thread may not)."""
-    get = getattr(cupy.cuda.driver, "ctxGetCurrent", None)
-    if get is None or get() == 0:
-        cupy.cuda.runtime.free(0)  # the runtime makes the current device's primary context current
-    buf.ready.add(index)
-
-
-def _launch(kernel: _Kernel, grid: int, block: int, args: tuple) -> None:
-    """Launch ``kernel`` on torch's current stream of its device.
-
-    Fast path (``LAUNCH_MODE == "driver"``, the kernel's device current): the arguments go into this
-    thread's packed buffer and one ``cuLaunchKernel`` call (through CuPy's driver binding, which checks
-    the result and raises ``CUDADriverError``). Otherwise ``cupy.cuda.Function.__call__`` under the
-    kernel's device (or, without it, the ``RawKernel`` inside a CuPy external stream).
-    """
-    index = kernel.index
-    stream = _stream_ptr(index)
-    if kernel.ptr and LAUNCH_MODE[0] == "driver":
-        if _current_device() == index:
-            buf = _ARGS
-            if index not in buf.ready:
-                _make_context_current(buf, index)
-            kernel.pack_into(buf.values, 0, *args)
-            _DRIVER_LAUNCH(kernel.ptr, grid, 1, 1, block, 1, 1, 0, stream, buf.params, 0)
-        else:
-            with cupy.cuda.Device(index):
-                buf = _ARGS
-                if index not in buf.ready:
-                    _make_context_current(buf, index)
-                kernel.pack_into(buf.values, 0, *args)
-                _DRIVER_LAUNCH(kernel.ptr, grid, 1, 1, block, 1, 1, 0, stream, buf.params, 0)
-        LAUNCHES[kernel.name] += 1
-        return
-    _launch_cupy(kernel, grid, block, args, stream)
-
-
-def _launch_cupy(kernel: _Kernel, grid: int, block: int, args: tuple, stream: int) -> None:
-    index = kernel.index
-    switch = index != _current_device()
-    with cupy.cuda.Device(index) if switch else contextlib.nullcontext():
-        if kernel.function is not None and _DIRECT_LAUNCH[0]:
-            try:
-                kernel.function((grid,), (block,), args, stream=_RawStream(stream))
-            except (TypeError, AttributeError):  # pragma: no cover - a CuPy without duck-typed streams
-                _DIRECT_LAUNCH[0] = False
-            else:
-                LAUNCHES[kernel.name] += 1
-                SLOW_LAUNCHES[kernel.name] += 1
-                return
-        with _external_stream(stream, index):
-            kernel.raw((grid,), (block,), args)
-    LAUNCHES[kernel.name] += 1
-    SLOW_LAUNCHES[kernel.name] += 1
-
-
-_DIRECT_LAUNCH = [True]
-_DRIVER_LAUNCH = cupy.cuda.driver.launchKernel if LAUNCH_MODE[0] == "driver" else None
 _SMS: dict[int, int] = {}
 
 

@@ -11,6 +11,7 @@ import batch_layers
 from batch_layers import _backend
 from batch_layers import _embedding_cuda as ecuda
 from batch_layers._base import ForwardContext, forward_context
+from offload import _launch as offload_launch
 
 B, N = 3, 5
 
@@ -637,7 +638,7 @@ def test_launch_modes_agree_and_the_fast_one_runs(kernels, mode: str, monkeypatc
     # "driver" packs the arguments for one cuLaunchKernel; "cupy" goes through cupy.cuda.Function
     if mode == "driver" and ecuda.LAUNCH_MODE[0] != "driver":
         pytest.skip("this CuPy has no driver.launchKernel binding")
-    monkeypatch.setattr(ecuda, "LAUNCH_MODE", [mode])
+    monkeypatch.setattr(offload_launch, "LAUNCH_MODE", [mode])  # (the launcher is offload's, shared)
     torch.manual_seed(15)
     before, slow = dict(kernels), dict(ecuda.SLOW_LAUNCHES)
     _compare_embedding({"padding_idx": 2, "scale_grad_by_freq": True}, "cuda", num=50, dim=12, seq=9, high=20,
