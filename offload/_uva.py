@@ -9,26 +9,38 @@ grid is ``BLOCKS_PER_SM`` blocks per multiprocessor. Both are chosen by measurem
 large table the GPU's accesses are limited by address translation of the random host pages, and a
 smaller window of rows in flight translates better while still covering the PCIe latency.
 
-The kernels check every index against the table size themselves: a row whose index is outside
-``[0, num_rows)`` is skipped (nothing outside the table is read or written) and its position is recorded
-in a per-device flag that :func:`take_bad_position` reads. The tables check indices on the host before
-launching; this guard makes memory safety independent of that check.
+One launch moves the rows of up to :data:`MAX_TABLES` host tables of one shape by the same indices
+(:func:`gather_tables` / :func:`scatter_tables`: a row's weight and its optimizer state together), to or
+from device rows in order or addressed by a position array (a GPU cache's slots), in arrays whose rows may
+lie side by side in one tensor (one row stride). Launches go through :mod:`offload._launch` (one
+``cuLaunchKernel`` from packed arguments) with a plan per (op, device, vector width, group, tables, launch
+shape), and the checks that guard each ``data_ptr()`` are plain comparisons, the error messages built only
+on failure: a few microseconds of host time where ``cupy.cuda.Function`` inside device and stream contexts
+took 40-90.
+
+The kernels check every index against the table size themselves (and every position against the device
+rows): a row whose index is outside ``[0, num_rows)`` is skipped (nothing outside the table is read or
+written) and its position is recorded in a per-device flag that :func:`take_bad_position` reads. The
+tables check indices on the host before launching; this guard makes memory safety independent of that
+check.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
-import warnings
 
 import torch
+
+from . import _launch
 
 try:
     import cupy
 except (ImportError, OSError):  # pragma: no cover - depends on the machine
     cupy = None
 
-__all__ = ["available", "gather_rows", "launch_counts", "scatter_rows", "take_bad_position"]
+__all__ = ["available", "gather_rows", "gather_tables", "launch_counts", "scatter_rows", "scatter_tables",
+           "take_bad_position"]
 
 _VTYPES = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short", 1: "unsigned char"}
 
@@ -48,87 +60,138 @@ _LOADS = {"plain": "*p", "cs": "__ldcs(p)", "nc": "__ldg(p)"}
 _STORES = {"plain": "*p = v", "cs": "__stcs(p, v)", "wt": "__stwt(p, v)"}
 
 _SRC = r"""
-typedef {vtype} V;
-#define OFFLOAD_G {group}
-#define OFFLOAD_U {unroll}
-__device__ __forceinline__ V ld_host(const V* p) {{ return {load}; }}
-__device__ __forceinline__ void st_host(V* p, V v) {{ {store}; }}
+// V_T: the vector type rows are moved in. OFFLOAD_G threads move one item (a row of one table), each thread
+// group keeps OFFLOAD_U items in flight, OFFLOAD_K tables are moved by the same indices in one launch.
+// LD_HOST / ST_HOST: how host memory is read and written.
+typedef V_T V;
+typedef long long ll;
+typedef unsigned long long ull;
+__device__ __forceinline__ V ld_host(const V* p) { return LD_HOST(p); }
+__device__ __forceinline__ void st_host(V* p, V v) { ST_HOST(p, v); }
 
-// Reads the indices of this group's OFFLOAD_U rows; a row past the end or with an index outside the table
-// gets -1 (skipped), and an out-of-range index records its position in *bad (the smallest one wins).
-__device__ __forceinline__ void load_rows(const long long* __restrict__ idx, long long r0, long long nslots,
-                                          long long n, long long num_rows, unsigned long long* bad, int sub,
-                                          long long (&src)[OFFLOAD_U]) {{
+template <typename P>
+__device__ __forceinline__ P pick(int j, P a, P b, P c, P d) { return j == 0 ? a : j == 1 ? b : j == 2 ? c : d; }
+
+// Item i (< n * OFFLOAD_K) is table j = i % OFFLOAD_K of row r = i / OFFLOAD_K: host row idx[r] of table j and
+// device row pos[r] (r where pos is null) of array j. An index outside [0, num_rows) or a device row outside
+// [0, dev_rows) skips the item (-1) and records r in *bad (the smallest one wins).
+__device__ __forceinline__ void load_items(const ll* __restrict__ idx, const ll* __restrict__ pos, ll i0,
+                                           ll nslots, ll items, ll num_rows, ll dev_rows, ull* bad, int sub,
+                                           ll (&src)[OFFLOAD_U], ll (&dst)[OFFLOAD_U], int (&part)[OFFLOAD_U]) {
 #pragma unroll
-  for (int k = 0; k < OFFLOAD_U; ++k) {{
-    const long long r = r0 + k * nslots;
-    long long s = -1;
-    if (r < n) {{
+  for (int k = 0; k < OFFLOAD_U; ++k) {
+    const ll i = i0 + k * nslots;
+    ll s = -1, d = 0;
+    int j = 0;
+    if (i < items) {
+      const ll r = i / OFFLOAD_K;
+      j = (int)(i - r * OFFLOAD_K);
       s = idx[r];
-      if ((unsigned long long)s >= (unsigned long long)num_rows) {{
-        if (sub == 0) atomicMin(bad, (unsigned long long)r);
+      d = pos ? pos[r] : r;
+      if ((ull)s >= (ull)num_rows || (ull)d >= (ull)dev_rows) {
+        if (sub == 0) atomicMin(bad, (ull)r);
         s = -1;
-      }}
-    }}
+      }
+    }
     src[k] = s;
-  }}
-}}
+    dst[k] = d;
+    part[k] = j;
+  }
+}
 
-extern "C" __global__ void offload_gather(const V* __restrict__ table, const long long* __restrict__ idx,
-                                          V* __restrict__ out, long long n, int vpr, long long num_rows,
-                                          unsigned long long* bad) {{
-  const unsigned long long t = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-  const long long slot = (long long)(t / OFFLOAD_G);
+// d_j[pos[r] * rec + c] = h_j[idx[r] * vpr + c] for every row r < n, table j < OFFLOAD_K, vector c < vpr.
+extern "C" __global__ void offload_gather(const V* __restrict__ h0, const V* __restrict__ h1,
+                                          const V* __restrict__ h2, const V* __restrict__ h3,
+                                          V* __restrict__ d0, V* __restrict__ d1, V* __restrict__ d2,
+                                          V* __restrict__ d3, const ll* __restrict__ idx,
+                                          const ll* __restrict__ pos, ll n, ll vpr, ll rec, ll num_rows,
+                                          ll dev_rows, ull* bad) {
+  const ull t = (ull)blockIdx.x * blockDim.x + threadIdx.x;
+  const ll slot = (ll)(t / OFFLOAD_G);
   const int sub = (int)(threadIdx.x % OFFLOAD_G);
-  const long long nslots = (long long)(((unsigned long long)gridDim.x * blockDim.x) / OFFLOAD_G);
-  for (long long r0 = slot; r0 < n; r0 += nslots * OFFLOAD_U) {{
-    long long src[OFFLOAD_U];
-    load_rows(idx, r0, nslots, n, num_rows, bad, sub, src);
-    for (int v = sub; v < vpr; v += OFFLOAD_G) {{
+  const ll nslots = (ll)(((ull)gridDim.x * blockDim.x) / OFFLOAD_G);
+  const ll items = n * OFFLOAD_K;
+  for (ll i0 = slot; i0 < items; i0 += nslots * OFFLOAD_U) {
+    ll src[OFFLOAD_U], dst[OFFLOAD_U];
+    int part[OFFLOAD_U];
+    load_items(idx, pos, i0, nslots, items, num_rows, dev_rows, bad, sub, src, dst, part);
+    for (ll v = sub; v < vpr; v += OFFLOAD_G) {
       V val[OFFLOAD_U];
 #pragma unroll
       for (int k = 0; k < OFFLOAD_U; ++k)
-        if (src[k] >= 0) val[k] = ld_host(table + src[k] * vpr + v);
+        if (src[k] >= 0) val[k] = ld_host(pick(part[k], h0, h1, h2, h3) + src[k] * vpr + v);
 #pragma unroll
       for (int k = 0; k < OFFLOAD_U; ++k)
-        if (src[k] >= 0) out[(r0 + k * nslots) * vpr + v] = val[k];
-    }}
-  }}
-}}
+        if (src[k] >= 0) pick(part[k], d0, d1, d2, d3)[dst[k] * rec + v] = val[k];
+    }
+  }
+}
 
-extern "C" __global__ void offload_scatter(V* __restrict__ table, const long long* __restrict__ idx,
-                                           const V* __restrict__ rows, long long n, int vpr, long long num_rows,
-                                           unsigned long long* bad) {{
-  const unsigned long long t = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-  const long long slot = (long long)(t / OFFLOAD_G);
+// h_j[idx[r] * vpr + c] = d_j[pos[r] * rec + c], the reverse.
+extern "C" __global__ void offload_scatter(V* __restrict__ h0, V* __restrict__ h1, V* __restrict__ h2,
+                                           V* __restrict__ h3, const V* __restrict__ d0,
+                                           const V* __restrict__ d1, const V* __restrict__ d2,
+                                           const V* __restrict__ d3, const ll* __restrict__ idx,
+                                           const ll* __restrict__ pos, ll n, ll vpr, ll rec, ll num_rows,
+                                           ll dev_rows, ull* bad) {
+  const ull t = (ull)blockIdx.x * blockDim.x + threadIdx.x;
+  const ll slot = (ll)(t / OFFLOAD_G);
   const int sub = (int)(threadIdx.x % OFFLOAD_G);
-  const long long nslots = (long long)(((unsigned long long)gridDim.x * blockDim.x) / OFFLOAD_G);
-  for (long long r0 = slot; r0 < n; r0 += nslots * OFFLOAD_U) {{
-    long long dst[OFFLOAD_U];
-    load_rows(idx, r0, nslots, n, num_rows, bad, sub, dst);
-    for (int v = sub; v < vpr; v += OFFLOAD_G) {{
+  const ll nslots = (ll)(((ull)gridDim.x * blockDim.x) / OFFLOAD_G);
+  const ll items = n * OFFLOAD_K;
+  for (ll i0 = slot; i0 < items; i0 += nslots * OFFLOAD_U) {
+    ll dst[OFFLOAD_U], src[OFFLOAD_U];
+    int part[OFFLOAD_U];
+    load_items(idx, pos, i0, nslots, items, num_rows, dev_rows, bad, sub, dst, src, part);
+    for (ll v = sub; v < vpr; v += OFFLOAD_G) {
       V val[OFFLOAD_U];
 #pragma unroll
       for (int k = 0; k < OFFLOAD_U; ++k)
-        if (dst[k] >= 0) val[k] = rows[(r0 + k * nslots) * vpr + v];
+        if (dst[k] >= 0) val[k] = pick(part[k], d0, d1, d2, d3)[src[k] * rec + v];
 #pragma unroll
       for (int k = 0; k < OFFLOAD_U; ++k)
-        if (dst[k] >= 0) st_host(table + dst[k] * vpr + v, val[k]);
-    }}
-  }}
-}}
+        if (dst[k] >= 0) st_host(pick(part[k], h0, h1, h2, h3) + dst[k] * vpr + v, val[k]);
+    }
+  }
+}
 """
 
-_kernels: dict[tuple, tuple[object, object]] = {}
+MAX_TABLES = 4  # tables one launch moves (more are moved in several launches)
+_FMT = "Q" * 10 + "q" * 5 + "Q"  # 4 host tables, 4 device arrays, idx, pos; n, vpr, rec, num_rows, dev_rows; bad
+
 _sm_count: dict[int, int] = {}
 _bad: dict[int, torch.Tensor] = {}
-_max_threads: dict[int, int] = {}  # id(kernel) -> the most threads a block of it can have (kernels are kept)
 _lock = threading.Lock()
 _launches: collections.Counter[str] = collections.Counter()
 
 _NO_BAD = (1 << 63) - 1  # the flag's "nothing seen" value (int64 max; the kernel compares it as unsigned)
 
 _host_ptr_ok: dict[int, bool] = {}
+
+
+class _Plan:
+    """What a launch of one (op, device, vector width, group, tables, launch shape) needs, made once."""
+
+    __slots__ = ("bad", "blocks", "kernel", "rows_per_block", "threads")
+
+    def __init__(self, op: str, device: int, width: int, group: int, k: int) -> None:
+        threads, unroll, load, store = _variant()
+        defines = {"V_T": _VTYPES[width], "OFFLOAD_G": group, "OFFLOAD_U": unroll, "OFFLOAD_K": k,
+                   "LD_HOST(p)": _LOADS[load], "ST_HOST(p, v)": _STORES[store]}
+        self.kernel = _launch.compile_kernel("offload", _SRC, f"offload_{op}", defines, device, _FMT)
+        with _lock:
+            if device not in _sm_count:
+                _sm_count[device] = torch.cuda.get_device_properties(device).multi_processor_count
+            if device not in _bad:
+                _bad[device] = torch.full((1,), _NO_BAD, dtype=torch.int64, device=torch.device("cuda", device))
+        # registers can cap a block below THREADS
+        self.threads = min(threads, self.kernel.max_threads_per_block // 32 * 32)
+        self.rows_per_block = self.threads * unroll // group
+        self.blocks = _sm_count[device] * BLOCKS_PER_SM
+        self.bad = _bad[device].data_ptr()
+
+
+_plans: dict[tuple, _Plan] = {}
 
 
 def available(device: torch.device | None = None) -> bool:
@@ -185,103 +248,112 @@ def _variant() -> tuple[int, int, str, str]:
     return THREADS, UNROLL, LOAD, STORE
 
 
-def _kernel_pair(device: int, width: int, group: int):
-    _, unroll, load, store = _variant()
-    key = (device, width, group, unroll, load, store)
-    with _lock:
-        got = _kernels.get(key)
-        if got is None:
-            src = _SRC.format(vtype=_VTYPES[width], group=group, unroll=unroll, load=_LOADS[load],
-                              store=_STORES[store])
-            with cupy.cuda.Device(device):
-                mod = cupy.RawModule(code=src, options=("-std=c++14",))
-                got = (mod.get_function("offload_gather"), mod.get_function("offload_scatter"))
-            _kernels[key] = got
-            _sm_count[device] = torch.cuda.get_device_properties(device).multi_processor_count
-            if device not in _bad:
-                _bad[device] = torch.full((1,), _NO_BAD, dtype=torch.int64, device=torch.device("cuda", device))
-        return got
+def _explain(hosts, idx: torch.Tensor, devs, pos: torch.Tensor | None) -> None:
+    """Raise the error that says why these operands cannot be moved (the checks of :func:`prepare`, spelled
+    out; they are kept as cheap comparisons there)."""
+    if not 1 <= len(hosts) == len(devs):
+        raise ValueError(f"UVA engine: one device array per host table, got {len(hosts)} tables and {len(devs)}")
+    h0, d0 = hosts[0], devs[0]
+    for h in hosts:
+        if h.device.type != "cpu" or not h.is_contiguous() or h.dim() != 2:
+            raise ValueError("UVA engine: the host table must be a contiguous 2-D CPU tensor")
+        if h.shape != h0.shape or h.dtype != h0.dtype:
+            raise ValueError(f"UVA engine: tables moved together must have one shape and dtype, got "
+                             f"{tuple(h.shape)} {h.dtype} and {tuple(h0.shape)} {h0.dtype}")
+    for what, t in (("indices", idx), ("positions", pos)):
+        if t is not None and (t.device != d0.device or t.dtype != torch.int64 or not t.is_contiguous()
+                              or t.dim() != 1):
+            raise ValueError(f"UVA engine: {what} must be a contiguous 1-D int64 tensor on {d0.device}, "
+                             f"got {tuple(t.shape)} {t.dtype} on {t.device}")
+    if pos is not None and pos.shape[0] != idx.shape[0]:
+        raise ValueError(f"UVA engine: {idx.shape[0]} indices need as many positions, got {pos.shape[0]}")
+    rows = idx.shape[0] if pos is None else d0.shape[0]
+    for d in devs:
+        if d.device.type != "cuda" or d.dtype != h0.dtype or d.device != d0.device:
+            raise ValueError(f"UVA engine: rows must be a contiguous CUDA tensor of dtype {h0.dtype}, "
+                             f"got {d.dtype} on {d.device}")
+        if d.dim() != 2 or d.shape[0] != rows or d.shape[1] != h0.shape[1] or d.stride(1) != 1:
+            raise ValueError(f"UVA engine: rows must have shape ({rows}, {h0.shape[1]}) with contiguous rows, "
+                             f"got {tuple(d.shape)} with strides {d.stride()}")
+        if d.stride(0) != d0.stride(0):
+            raise ValueError(f"UVA engine: device arrays moved together must have one row stride, got "
+                             f"{d.stride(0)} and {d0.stride(0)}")
+    raise ValueError("UVA engine: unsupported operands")  # pragma: no cover - every check above passed
 
 
-_streams: dict[tuple[int, int], object] = {}
+def prepare(op: str, hosts, idx: torch.Tensor, devs, pos: torch.Tensor | None = None) -> list[tuple]:
+    """Check the operands of a move and compile its kernel, launching nothing: the launches for
+    :func:`launch` (one per :data:`MAX_TABLES` tables; none for no indices).
+
+    ``op == "gather"``: ``devs[j][pos[i]] = hosts[j][idx[i]]``; ``"scatter"``: the reverse. ``hosts``: host
+    tables of one shape and dtype (contiguous 2-D CPU tensors); ``devs``: CUDA arrays of as many rows as
+    there are indices (or, with ``pos``, rows addressed by ``pos``), rows contiguous, one row stride (views
+    into one tensor of several tables' rows side by side are fine). Everything that guards a ``data_ptr()``
+    is checked here; indices and positions out of range are skipped and flagged by the kernel itself (see
+    :func:`take_bad_position`).
+    """
+    h0, d0 = hosts[0], devs[0]
+    k = len(hosts)
+    index = d0.get_device()
+    shape, dtype = h0.shape, h0.dtype
+    num_rows, dim = shape if len(shape) == 2 else (0, 0)
+    n = idx.shape[0] if idx.dim() == 1 else -1
+    rows = d0.shape[0] if d0.dim() == 2 else -1
+    stride = d0.stride()
+    ok = (index >= 0 and len(devs) == k and n >= 0 and len(shape) == 2 and idx.dtype == torch.int64
+          and idx.get_device() == index and idx.is_contiguous() and (rows == n if pos is None else (
+              pos.dim() == 1 and pos.shape[0] == n and pos.dtype == torch.int64 and pos.get_device() == index
+              and pos.is_contiguous())))
+    if ok:
+        for h in hosts:
+            if h.get_device() != -1 or h.shape != shape or h.dtype != dtype or not h.is_contiguous():
+                ok = False
+                break
+        for d in devs:
+            if (d.get_device() != index or d.dtype != dtype or d.dim() != 2 or d.shape[0] != rows
+                    or d.shape[1] != dim or d.stride() != stride or stride[1] != 1):
+                ok = False
+                break
+    if not ok:
+        _explain(hosts, idx, devs, pos)
+    if n == 0:
+        return []
+    esize = h0.element_size()
+    row_bytes, rec_bytes = dim * esize, stride[0] * esize
+    launches = []
+    for s in range(0, k, MAX_TABLES):
+        hp = [h.data_ptr() for h in hosts[s:s + MAX_TABLES]]
+        dp = [d.data_ptr() for d in devs[s:s + MAX_TABLES]]
+        m = row_bytes | rec_bytes | 16
+        for ptr in hp:
+            m |= ptr
+        for ptr in dp:
+            m |= ptr
+        width = m & -m  # the widest vector (<= 16 bytes) that divides the rows, their stride and every pointer
+        vpr = row_bytes // width
+        group = _group(vpr)
+        kk = len(hp)
+        key = (op, index, width, group, kk, THREADS, UNROLL, BLOCKS_PER_SM, LOAD, STORE)
+        plan = _plans.get(key)
+        if plan is None:
+            plan = _plans.setdefault(key, _Plan(op, index, width, group, kk))
+        grid = max(1, min(-(-n * kk // plan.rows_per_block), plan.blocks))
+        pad = [0] * (MAX_TABLES - kk)
+        launches.append((op, plan, grid, (*hp, *pad, *dp, *pad, idx.data_ptr(), 0 if pos is None else pos.data_ptr(),
+                                          n, vpr, rec_bytes // width, num_rows, rows, plan.bad)))
+    return launches
 
 
-def _cupy_stream(device: int, handle: int):
-    """CuPy's view of a torch stream, cached. (CuPy 14 deprecates ``ExternalStream`` in favour of
-    ``Stream.from_external``, which CuPy 13 lacks; the warning is silenced here.)"""
-    key = (device, handle)
-    got = _streams.get(key)
-    if got is None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            got = _streams[key] = cupy.cuda.ExternalStream(handle)
-    return got
-
-
-def _width(row_bytes: int, *ptrs: int) -> int:
-    for w in (16, 8, 4, 2):
-        if row_bytes % w == 0 and all(p % w == 0 for p in ptrs):
-            return w
-    return 1
-
-
-def _check(host: torch.Tensor, idx: torch.Tensor, dev_rows: torch.Tensor) -> None:
-    if host.device.type != "cpu" or not host.is_contiguous() or host.dim() != 2:
-        raise ValueError("UVA engine: the host table must be a contiguous 2-D CPU tensor")
-    if idx.device != dev_rows.device or idx.dtype != torch.int64 or not idx.is_contiguous() or idx.dim() != 1:
-        raise ValueError(
-            f"UVA engine: indices must be a contiguous 1-D int64 tensor on {dev_rows.device}, "
-            f"got {tuple(idx.shape)} {idx.dtype} on {idx.device}"
-        )
-    if dev_rows.device.type != "cuda" or not dev_rows.is_contiguous() or dev_rows.dtype != host.dtype:
-        raise ValueError(
-            f"UVA engine: rows must be a contiguous CUDA tensor of dtype {host.dtype}, "
-            f"got {dev_rows.dtype} on {dev_rows.device}"
-        )
-    if dev_rows.dim() != 2 or dev_rows.shape[0] != idx.shape[0] or dev_rows.shape[1] != host.shape[1]:
-        raise ValueError(
-            f"UVA engine: rows must have shape ({idx.shape[0]}, {host.shape[1]}), got {tuple(dev_rows.shape)}"
-        )
-
-
-def _shape(host: torch.Tensor, dev_rows: torch.Tensor) -> tuple[int, int, int]:
-    row_bytes = host.shape[1] * host.element_size()
-    width = _width(row_bytes, host.data_ptr(), dev_rows.data_ptr())
-    vpr = row_bytes // width
-    return width, vpr, _group(vpr)
+def launch(launches: list[tuple]) -> None:
+    """Launch what :func:`prepare` built, on torch's current stream (keep its tensors alive until then)."""
+    for op, plan, grid, args in launches:
+        _launch.launch(plan.kernel, grid, plan.threads, args)
+        _launches[op] += 1
 
 
 def check_and_compile(host: torch.Tensor, idx: torch.Tensor, dev_rows: torch.Tensor) -> None:
     """Everything a launch checks and builds, without launching (for all-or-nothing commits)."""
-    _check(host, idx, dev_rows)
-    width, _, group = _shape(host, dev_rows)
-    _kernel_pair(dev_rows.device.index, width, group)
-
-
-def _launch(op: str, host: torch.Tensor, idx: torch.Tensor, dev_rows: torch.Tensor) -> None:
-    _check(host, idx, dev_rows)
-    n = idx.shape[0]
-    if n == 0:
-        return
-    width, vpr, group = _shape(host, dev_rows)
-    if vpr >= 1 << 31:
-        raise ValueError(f"UVA engine: rows of {vpr} vectors are too long for one kernel")
-    device = dev_rows.device.index
-    gather, scatter = _kernel_pair(device, width, group)
-    kernel = gather if op == "gather" else scatter
-    cap = _max_threads.get(id(kernel))
-    if cap is None:  # registers can cap a block below THREADS
-        cap = _max_threads[id(kernel)] = int(kernel.max_threads_per_block) // 32 * 32
-    threads = min(THREADS, cap)
-    need = -(-n * group // (threads * UNROLL))
-    blocks = max(1, min(need, _sm_count[device] * BLOCKS_PER_SM))
-    args = (cupy.uint64(host.data_ptr()), cupy.uint64(idx.data_ptr()), cupy.uint64(dev_rows.data_ptr()),
-            cupy.int64(n), cupy.int32(vpr), cupy.int64(host.shape[0]), cupy.uint64(_bad[device].data_ptr()))
-    with cupy.cuda.Device(device):
-        stream = _cupy_stream(device, torch.cuda.current_stream(dev_rows.device).cuda_stream)
-        with stream:
-            kernel((blocks,), (threads,), args)
-    _launches[op] += 1
+    prepare("scatter", (host,), idx, (dev_rows,))
 
 
 def gather_rows(host: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
@@ -290,7 +362,7 @@ def gather_rows(host: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> Non
     Rows whose index is out of range are skipped (``out[i]`` is left as it was) and flagged: check the
     indices before (the tables do), or call :func:`take_bad_position` after.
     """
-    _launch("gather", host, idx, out)
+    launch(prepare("gather", (host,), idx, (out,)))
 
 
 def scatter_rows(host: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
@@ -299,7 +371,20 @@ def scatter_rows(host: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> No
     ``idx`` must be free of duplicates (which of two writes to one row lands is unspecified). Rows whose
     index is out of range are skipped and flagged, as for :func:`gather_rows`.
     """
-    _launch("scatter", host, idx, src)
+    launch(prepare("scatter", (host,), idx, (src,)))
+
+
+def gather_tables(hosts, idx: torch.Tensor, outs, pos: torch.Tensor | None = None) -> None:
+    """``outs[j][pos[i]] = hosts[j][idx[i]]`` for every table ``j`` in one launch (up to :data:`MAX_TABLES`
+    tables; ``pos`` defaults to ``i``): a row's weight and its optimizer state move together. See
+    :func:`prepare` for the operands."""
+    launch(prepare("gather", hosts, idx, outs, pos))
+
+
+def scatter_tables(hosts, idx: torch.Tensor, srcs, pos: torch.Tensor | None = None) -> None:
+    """``hosts[j][idx[i]] = srcs[j][pos[i]]`` for every table ``j`` in one launch; ``idx`` free of
+    duplicates. See :func:`gather_tables`."""
+    launch(prepare("scatter", hosts, idx, srcs, pos))
 
 
 def take_bad_position(device: torch.device | int | None = None) -> int | None:

@@ -193,6 +193,83 @@ def test_uva_kernel_refuses_out_of_range_indices():
     assert torch.equal(big.isnan(), after.isnan()) and torch.equal(big.nan_to_num(), after.nan_to_num())
 
 
+@pytest.mark.parametrize("tables", [1, 3, 4, 6])
+@pytest.mark.parametrize("dtype,dim", [(torch.float32, 128), (torch.float16, 5), (torch.uint8, 13)])
+def test_uva_tables_move_together_by_slots(tables, dtype, dim):
+    """One launch (per four tables) moves the rows of several tables by the same indices to and from
+    device rows addressed by slots, in arrays whose rows lie side by side (a GPU cache's records), exactly
+    as indexing does; slots and indices out of range are skipped and flagged."""
+    pytest.importorskip("cupy")
+    from offload import _uva
+
+    g = torch.Generator().manual_seed(tables * 100 + dim)
+    rows, n, slots_n = 4001, 1500, 2600
+    srcs = [(torch.randn(rows, dim, generator=g) * 50).to(dtype) for _ in range(tables)]
+    hosts = [s.clone().pin_memory() for s in srcs]
+    records = torch.zeros(slots_n, tables, dim, dtype=dtype, device="cuda")
+    parts = list(records.unbind(1))
+    idx = torch.randperm(rows, generator=g)[:n]
+    pos = torch.randperm(slots_n, generator=g)[:n]
+    before = offload.uva_launch_counts().get("gather", 0)
+    _uva.gather_tables(hosts, idx.cuda(), parts, pos.cuda())
+    assert offload.uva_launch_counts().get("gather", 0) == before + -(-tables // 4)
+    got = records.cpu()
+    for j in range(tables):
+        assert torch.equal(got[pos, j], srcs[j][idx])
+    untouched = torch.ones(slots_n, dtype=torch.bool)
+    untouched[pos] = False
+    assert not got[untouched].any()
+    # back, to other rows, from the same slots
+    new = torch.randperm(rows, generator=g)[:n]
+    records.copy_((torch.randn(records.shape, generator=g) * 50).to(dtype))
+    _uva.scatter_tables(hosts, new.cuda(), parts, pos.cuda())
+    torch.cuda.synchronize()
+    back = records.cpu()
+    for j in range(tables):
+        expected = srcs[j].clone()
+        expected[new] = back[pos, j]
+        assert torch.equal(hosts[j], expected)
+    assert _uva.take_bad_position("cuda") is None
+    # in order (no slots), from separate tensors
+    outs = [torch.empty(n, dim, dtype=dtype, device="cuda") for _ in range(tables)]
+    _uva.gather_tables(hosts, new.cuda(), outs)
+    for j in range(tables):
+        assert torch.equal(outs[j].cpu(), hosts[j][new])
+    # a slot or an index out of range: that row is skipped and flagged, the others move
+    bad_pos = torch.tensor([0, slots_n, 2], device="cuda")
+    bad_idx = torch.tensor([1, 2, rows], device="cuda")
+    records.zero_()
+    _uva.gather_tables(hosts, bad_idx, parts, bad_pos)
+    assert _uva.take_bad_position("cuda") == 1
+    got = records.cpu()
+    assert torch.equal(got[0, 0], hosts[0][1]) and not got[1:].any()
+    if tables > 1:
+        with pytest.raises(ValueError, match="one row stride"):
+            _uva.gather_tables(hosts[:2], idx.cuda(), [records[:, 0], torch.empty(slots_n, dim, dtype=dtype,
+                                                                                  device="cuda")], pos.cuda())
+    with pytest.raises(ValueError, match="positions must be"):
+        _uva.gather_tables(hosts, idx.cuda(), parts, pos.cuda().int())
+
+
+def test_uva_launch_modes_agree(monkeypatch):
+    """The UVA kernels through one cuLaunchKernel call and through cupy.cuda.Function copy the same rows."""
+    pytest.importorskip("cupy")
+    from offload import _launch, _uva
+
+    src = torch.randn(3000, 64)
+    host = src.clone().pin_memory()
+    idx = torch.randperm(3000)[:1000]
+    for mode in ("driver", "cupy"):
+        if mode == "driver" and _launch.LAUNCH_MODE[0] != "driver":
+            continue
+        monkeypatch.setattr(_launch, "LAUNCH_MODE", [mode])
+        slow = _launch.SLOW_LAUNCHES["offload_gather"]
+        out = torch.zeros(1000, 64, device="cuda")
+        _uva.gather_rows(host, idx.cuda(), out)
+        assert torch.equal(out.cpu(), src[idx])
+        assert (_launch.SLOW_LAUNCHES["offload_gather"] > slow) == (mode == "cupy")
+
+
 @pytest.mark.parametrize("engine", ["cpu", "hybrid"])
 @pytest.mark.parametrize("way,threads", [("torch", 1), ("pool", 1), ("pool", 6)])
 @pytest.mark.parametrize("chunk", [4 << 10, (12 << 10) + 100, 40 << 10])
