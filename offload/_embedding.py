@@ -22,13 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import _uva
+from . import _cache_cuda, _uva
 from ._optim import row_state_spec
 from ._table import HostTable, Prefetch, _as_index, _check_bounds, get_engine
 
 __all__ = ["OffloadedEmbedding", "attach", "detach"]
 
-_INT32_MAX = torch.iinfo(torch.int32).max
 _SORTED_WRITE_BACK_ROWS = 1 << 15  # evictions at least this large are written back in ascending row order
 _FLUSH_ROWS = 1 << 16
 _ALL: weakref.WeakSet[OffloadedEmbedding] = weakref.WeakSet()
@@ -67,6 +66,41 @@ def _cache_engine(table: HostTable, op: str) -> str:
     return table.resolved_engine(op)
 
 
+def _check_writable(tables: list[HostTable]) -> None:
+    for t in tables:
+        if getattr(t, "_readonly", False):
+            raise RuntimeError("this HostTable is a read-only memory map (mmap_mode='r'); it cannot be scattered to")
+
+
+def _land(tables: list[HostTable]) -> None:
+    """Before a kernel of ours touches their rows: the tables' own deferred host writes, if they keep any,
+    are written first (as their gathers and scatters do)."""
+    for t in tables:
+        land = getattr(t, "_land", None)
+        if land is not None:
+            land()
+
+
+def _prepare_uva(op: str, tables: list[HostTable], ids: Tensor, devs: list[Tensor],
+                 pos: Tensor | None = None) -> list[tuple]:
+    """The UVA launches that move rows ``ids`` of ``tables`` to or from ``devs`` (see :func:`_uva.prepare`):
+    one per four tables of one shape and dtype (a row's weight and its optimizer state move together)."""
+    t0 = tables[0]._data
+    if all(t._data.shape == t0.shape and t._data.dtype == t0.dtype for t in tables):
+        return _uva.prepare(op, [t._data for t in tables], ids, devs, pos)
+    return [x for t, d in zip(tables, devs, strict=True) for x in _uva.prepare(op, [t._data], ids, [d], pos)]
+
+
+def _noted(tables: list[HostTable], kind: str, ids: Tensor, rows: list[Tensor], pos: Tensor | None = None) -> None:
+    """Tell ``tables`` that a kernel on the current stream read (``kind="read"``) or wrote rows ``ids`` of
+    them; written rows (``rows[j][pos]``, or ``rows[j]`` in the order of ``ids``) are patched into pending
+    :meth:`HostTable.prefetch` copies."""
+    for t, r in zip(tables, rows, strict=True):
+        t._note_gpu_access(kind)
+        if kind == "write" and t._prefetches:
+            t._patch_prefetches(ids, r if pos is None else r.index_select(0, pos))
+
+
 def _commit(ids: Tensor, writes: list[tuple[HostTable, Tensor]], engines: list[str] | None = None) -> None:
     """Write ``rows`` to rows ``ids`` of every table, all or nothing.
 
@@ -80,6 +114,19 @@ def _commit(ids: Tensor, writes: list[tuple[HostTable, Tensor]], engines: list[s
         engines = []
     elif engines is None:
         engines = [t.resolved_engine("scatter") for t, _ in writes]
+    if engines and all(e == "uva" for e in engines):
+        # One kernel writes the rows of every table (of one shape) by the same ids: validated and compiled
+        # before anything is launched.
+        ids = ids.contiguous()
+        tables = [t for t, _ in writes]
+        rows_list = [rows.detach().to(t.dtype).contiguous() for t, rows in writes]
+        _check_writable(tables)
+        launches = _prepare_uva("scatter", tables, ids, rows_list)
+        _land(tables)
+        with _signals_deferred() if len(launches) > 1 else contextlib.nullcontext():
+            _uva.launch(launches)
+        _noted(tables, "write", ids, rows_list)
+        return
     if engines and all(e in ("uva", "hybrid") for e in engines):
         # Stream-ordered kernels writing host memory: validate and compile everything first, so that
         # nothing can fail between the first launch and the last.
@@ -111,12 +158,20 @@ class _Cache:
     Every array has one row more than there are slots: row ``capacity`` is a scratch row that absorbs the
     reads and writes of rows that are not cached, so no step needs the number of cached rows on the host.
     ``slot_of`` maps a row that is not cached to that scratch row, so slots index every array as they are.
+
+    A slot's weight and per-row state lie side by side (``rows``: ``(capacity + 1, 1 + states, dim)``;
+    ``weight`` and ``states[key]`` are views of it), so one index operation or one UVA launch moves all of a
+    row: admissions gather weight and state from the host tables straight into their slots, evictions copy
+    a victim's whole record out for its write-back.
     """
 
-    def __init__(self, capacity: int, num_rows: int, dim: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, capacity: int, num_rows: int, dim: int, dtype: torch.dtype, device: torch.device,
+                 keys: tuple[str, ...] = ()):
         self.capacity = capacity
-        self.weight = torch.empty(capacity + 1, dim, dtype=dtype, device=device)
-        self.states: dict[str, Tensor] = {}
+        self.rows = torch.empty(capacity + 1, 1 + len(keys), dim, dtype=dtype, device=device)
+        self.weight = self.rows[:, 0]
+        self.states: dict[str, Tensor] = {k: self.rows[:, 1 + j] for j, k in enumerate(keys)}
+        self.parts = [self.weight, *self.states.values()]  # in the order of the module's tables
         # int64, as every index op takes it (an int32 map would cost a conversion per lookup)
         self.slot_of = torch.full((num_rows,), capacity, dtype=torch.int64, device=device)
         self.ids = torch.full((capacity + 1,), -1, dtype=torch.int64, device=device)
@@ -136,19 +191,21 @@ class _Cache:
         self.misses = 0
         self.prefetch_hits = 0  # hits on rows admitted by prefetch (they were counted as misses then)
         self.prefetch_hits_dev: Tensor | None = None  # the same, counted on the device where the host cannot
-        self.stream: torch.cuda.Stream | None = None  # side stream of prefetch admissions
+        self.stream: torch.cuda.Stream | None = None  # side stream of admissions (prefetch's, and state rows)
         self.ready = None  # event: the last prefetch admission is complete
+        self.states_ready = None  # event: the state rows of the last lookup's admissions are in their slots
+        self.uva: tuple | None = None  # (engine switch, table engine, whether the UVA kernel moves the rows)
 
 
 @dataclass
 class _Chunk:
     ids: Tensor  # distinct row ids (device), sorted
     slots: Tensor | None  # cache slot per row (int64), the scratch row = not cached (bypass); None without one
-    states: dict[str, Prefetch] = field(default_factory=dict)  # state rows of the misses being gathered
+    states: dict[str, Prefetch] = field(default_factory=dict)  # without a cache: the state rows being gathered
     miss_pos: Tensor | None = None  # positions (into ids) of the rows that came from the host
-    n_admit: int = 0  # the first n_admit of them were admitted to the cache (slots admit_slots)
-    admit_slots: Tensor | None = None
+    n_admit: int = 0  # the first n_admit of them were admitted to the cache
     leaf: Tensor | None = None  # the rows as the autograd leaf of the lookups (chunks > 0 are folded in before step)
+    bypass_states: Tensor | None = None  # with a cache: the state rows of the misses not admitted (rows, key, dim)
 
     @property
     def n_bypass(self) -> int:
@@ -165,6 +222,7 @@ class _Work:
     folded: bool = False
     state_rows: dict[str, Tensor] = field(default_factory=dict)
     pad: tuple | None = None
+    runs: tuple[Tensor, Tensor, Tensor] | None = None  # of the first lookup's indices (see _Lookup)
 
 
 @dataclass
@@ -178,10 +236,44 @@ class _Next:
     inverse: Tensor
     all_cached: bool  # every row is in the cache at the next switch-in (so no read-back is needed there)
     n_admit: int = 0  # rows that the prefetch admitted to the cache
+    runs: tuple[Tensor, Tensor, Tensor] | None = None  # (see _Rows)
 
     def matches(self, flat: Tensor) -> bool:
         return (flat.data_ptr() == self.ptr and flat.numel() == self.flat.numel() and flat.dtype == self.flat.dtype
                 and flat.device == self.flat.device and flat._version == self.version)
+
+
+@dataclass
+class _Rows:
+    """What :meth:`OffloadedEmbedding._distinct` found: the distinct ids (sorted) and ``ids[inverse] == flat``;
+    with a cache each id's slot and the misses, as a mask over ``ids`` or compacted (their positions in ``ids``
+    and their ids), their number, and whether the slots' LRU stamps are set already."""
+    ids: Tensor
+    inverse: Tensor
+    slots: Tensor | None = None
+    miss: Tensor | None = None
+    n_miss: int = 0
+    miss_pos: Tensor | None = None
+    miss_ids: Tensor | None = None
+    stamped: bool = False
+    runs: tuple[Tensor, Tensor, Tensor] | None = None  # from the CuPy kernels: see _cache_cuda.segment_sum
+
+
+class _Lookup(torch.autograd.Function):
+    """``table[local]`` for the indices of a step's first lookup, whose backward sums each row's gradient
+    with :func:`_cache_cuda.segment_sum` over the runs of the deduplication that made ``local`` (two
+    launches where ``F.embedding``'s dense backward sorts the indices again, some 20; deterministic too)."""
+
+    @staticmethod
+    def forward(ctx, table: Tensor, local: Tensor, runs: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+        ctx.runs = runs
+        ctx.count = table.shape[0]
+        return table.index_select(0, local.reshape(-1)).view(*local.shape, table.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.reshape(-1, grad.shape[-1]).contiguous()
+        return _cache_cuda.segment_sum(grad, ctx.runs, ctx.count), None, None
 
 
 def _compact(mask: Tensor, count: int) -> Tensor:
@@ -241,10 +333,11 @@ class OffloadedEmbedding(nn.Module):
             only the step's rows.
         table: an existing :class:`~offload.HostTable` to use as the weight.
         cache_rows: keep up to this many hot rows (weight and optimizer state) on the GPU, written back to
-            the host when evicted (least recently used first). ``0`` disables the cache. Every row a step
-            fetches from the host is admitted (as long as the cache has slots the step does not use itself);
-            the row -> slot map is a device tensor, so a hit costs no host work, and evicted rows are written
-            back on a side stream while the step computes (with the UVA engine). With a cache,
+            the host when evicted (least recently used first; on the GPU, rows unused for 4096 steps or more
+            count as equally old). ``0`` disables the cache. Every row a step fetches from the host is admitted
+            (as long as the cache has slots the step does not use itself); the row -> slot map is a device
+            tensor, so a hit costs no host work, and evicted rows are written back on a side stream while
+            the step computes (with the UVA engine). With a cache,
             :meth:`prefetch` admits the next step's rows early.
         cache_bytes: alternatively, the cache's size in bytes (weight plus per-row state).
         pin: passed to the :class:`~offload.HostTable` (and so is ``engine``).
@@ -318,7 +411,7 @@ class OffloadedEmbedding(nn.Module):
         self._cache: _Cache | None = None
         self._wb_stream: torch.cuda.Stream | None = None  # write-backs of evicted rows (UVA engine)
         self._wb_event = None
-        self._evicted: list[tuple[Tensor, list[tuple[HostTable, Tensor]]]] = []  # see _launch_evicted
+        self._evicted: list[tuple[Tensor, Tensor]] = []  # (ids, their cache records): see _launch_evicted
         self._next: _Next | None = None
         self._pending: tuple[Tensor, dict[str, Prefetch]] | None = None
         self._loaded: dict | None = None
@@ -418,10 +511,51 @@ class OffloadedEmbedding(nn.Module):
         if cap <= 0:
             return None
         if self._cache is None:
-            self._cache = _Cache(cap, self.table.num_rows, self.embedding_dim, self.table.dtype, self.table.device)
-            for key in self._spec:
-                self._cache.states[key] = torch.empty_like(self._cache.weight)
+            self._cache = _Cache(cap, self.table.num_rows, self.embedding_dim, self.table.dtype, self.table.device,
+                                 tuple(self._spec))
         return self._cache
+
+    def _tables(self) -> list[HostTable]:
+        """The host tables of a row: the weight's, then the per-row state's (the cache's ``parts`` order)."""
+        return [self.table, *(self._state_tables[k] for k in self._spec)]
+
+    def _cache_uva(self, cache: _Cache) -> bool:
+        """Whether the cache's rows move by the UVA kernel (see :func:`_cache_engine`), worked out once per
+        engine setting."""
+        key = (get_engine(), self.table.engine)
+        got = cache.uva
+        if got is None or got[:2] != key:
+            ok = self.table.device.type == "cuda" and all(
+                _cache_engine(t, op) == "uva" for t in self._tables() for op in ("gather", "scatter"))
+            got = cache.uva = (*key, ok)
+        return got[2]
+
+    def _move(self, op: str, tables: list[HostTable], ids: Tensor, devs: list[Tensor], pos: Tensor | None,
+              uva: bool) -> None:
+        """``devs[j][pos[i]] = tables[j][ids[i]]`` (``"gather"``) or the reverse (``"scatter"``, ``ids``
+        distinct), on the current stream: one UVA launch for all the tables, or each table's engine through
+        a temporary (``pos`` ``None``: in order)."""
+        if ids.numel() == 0:
+            return
+        if uva:
+            if op == "scatter":
+                _check_writable(tables)
+            launches = _prepare_uva(op, tables, ids, devs, pos)
+            _land(tables)
+            _uva.launch(launches)
+            _noted(tables, "read" if op == "gather" else "write", ids, devs, pos)
+            return
+        if op == "scatter":  # (all tables or none)
+            _commit(ids, [(t, d if pos is None else d.index_select(0, pos)) for t, d in zip(tables, devs, strict=True)],
+                    [_cache_engine(t, "scatter") for t in tables])
+            return
+        for t, d in zip(tables, devs, strict=True):
+            tmp = torch.empty(ids.numel(), t.dim, dtype=t.dtype, device=d.device)
+            t._gather_unique(ids, None, tmp, _cache_engine(t, "gather"))
+            if pos is None:
+                d.copy_(tmp)
+            else:
+                d.index_copy_(0, pos, tmp)
 
     def _drop_cache(self) -> None:
         self._join()
@@ -448,8 +582,13 @@ class OffloadedEmbedding(nn.Module):
         """Make the current stream wait for this module's side-stream work: prefetch admissions into the cache
         and, with ``host``, the write-backs of evicted rows (before host rows are read)."""
         self._launch_evicted()
-        if host and self._wb_event is not None:
-            torch.cuda.current_stream(self.table.device).wait_event(self._wb_event)
+        if host:
+            c = self._cache
+            if c is not None and c.states_ready is not None:  # (state rows still landing in their slots)
+                torch.cuda.current_stream(self.table.device).wait_event(c.states_ready)
+                c.states_ready = None
+            if self._wb_event is not None:
+                torch.cuda.current_stream(self.table.device).wait_event(self._wb_event)
 
     def _launch_evicted(self, wait: bool = True) -> None:
         """Start writing back the rows that prefetch admissions evicted (deferred until the step's own state
@@ -463,23 +602,28 @@ class OffloadedEmbedding(nn.Module):
             if wait:
                 torch.cuda.current_stream(self.table.device).wait_event(ready)
                 c.ready = None
-        evicted, self._evicted = self._evicted, []
-        for ids, writes in evicted:
-            self._write_back(ids, writes, after=ready)
+        if self._evicted:  # (nn.Module attribute assignments cost microseconds: only when there is work)
+            evicted, self._evicted = self._evicted, []
+            for ids, records in evicted:
+                self._write_back(ids, records, after=ready)
 
-    def _write_back(self, ids: Tensor, writes: list[tuple[HostTable, Tensor]], after=None) -> None:
-        """Commit evicted rows to the host tables; with the UVA engine on a side stream, so the write-back of
-        one step's evictions overlaps its compute (the next host read waits for it, see :meth:`_join`).
-        ``after``: the event of the prefetch admission that produced ``ids`` and ``writes`` on its side stream
-        (the write-back then waits for that alone), else they are the current stream's."""
+    def _write_back(self, ids: Tensor, records: Tensor, after=None) -> None:
+        """Commit evicted rows (``records``: their cache records, weight and state side by side) to the host
+        tables; with the UVA engine in one launch on a side stream, so the write-back of one step's evictions
+        overlaps its compute (the next host read waits for it, see :meth:`_join`). ``after``: the event of
+        the prefetch admission that produced ``ids`` and ``records`` on its side stream (the write-back then
+        waits for that alone), else they are the current stream's."""
         if ids.numel() == 0:
             return
-        current = torch.cuda.current_stream(ids.device) if ids.device.type == "cuda" else None
-        engines = [_cache_engine(t, "scatter") for t, _ in writes] if ids.device.type == "cuda" else None
-        if engines is None or not all(e == "uva" for e in engines):
+        tables = self._tables()
+        parts = list(records.unbind(1))
+        cuda = ids.device.type == "cuda"
+        current = torch.cuda.current_stream(ids.device) if cuda else None
+        if not (cuda and self._cache is not None and self._cache_uva(self._cache)):
             if after is not None:
                 current.wait_event(after)
-            _commit(ids, writes, engines)
+            _commit(ids, list(zip(tables, parts, strict=True)),
+                    [_cache_engine(t, "scatter") for t in tables] if cuda else None)
             return
         if self._wb_stream is None:
             self._wb_stream = torch.cuda.Stream(ids.device)
@@ -490,28 +634,34 @@ class OffloadedEmbedding(nn.Module):
         else:
             wb.wait_stream(current)
         with torch.cuda.stream(wb):
-            _commit(ids, writes, engines)
+            self._move("scatter", tables, ids, parts, None, True)
             ev = torch.cuda.Event()
             ev.record(wb)
-        for t in [ids] + [r for _, r in writes]:
-            t.record_stream(wb)
+        ids.record_stream(wb)
+        records.record_stream(wb)
         self._wb_event = ev
 
-    def _evict(self, cache: _Cache, k: int, protect_from: int, defer: bool = False) -> Tensor:
+    def _evict(self, cache: _Cache, k: int, protect_from: int,
+               defer: bool = False) -> tuple[Tensor, Tensor | None, int]:
         """``k`` slots for new rows: empty ones first, then the least recently used among the slots not used
         since ``protect_from``; the rows they held (and their optimizer state) are written back to the host
-        (with ``defer``, by the next :meth:`_launch_evicted`)."""
+        (with ``defer``, by the next :meth:`_launch_evicted`). Returns ``(slots, evicted row ids, number of
+        empty slots among them)``: :meth:`_install` clears the evicted rows' slot-map entries."""
         # Slots fill in order: the empty ones are [filled, capacity). Only when they run out are rows evicted,
-        # the least recently used of the filled slots (in no particular order: no sort needed).
+        # the least recently used of the filled slots (in no particular order: no sort needed). The slots of
+        # this step and the next are stamped >= protect_from, all others below it, and the callers ask for
+        # at most ``capacity - protected - reserved`` slots (an upper bound on those stamped): the k smallest
+        # stamps are slots that neither step uses, with no masking of the others.
         filled = cache.filled
         n_empty = min(k, cache.capacity - filled)
         cache.filled += n_empty
         empty = torch.arange(filled, filled + n_empty, device=cache.last_use.device) if n_empty else None
         if k == n_empty:
-            return empty
-        key = cache.last_use[:filled]
-        key = key.masked_fill(key >= protect_from, _INT32_MAX)
-        old = torch.topk(key, k - n_empty, largest=False, sorted=False).indices
+            return empty, None, n_empty
+        if _cache_cuda.usable(cache.last_use.device):  # (4 launches where topk takes some 15)
+            old = _cache_cuda.lru_victims(cache.last_use[:filled], k - n_empty, protect_from)
+        else:
+            old = torch.topk(cache.last_use[:filled], k - n_empty, largest=False, sorted=False).indices
         victims = old if empty is None else torch.cat([empty, old])
         old_ids = cache.ids.index_select(0, old)
         if old.numel() >= _SORTED_WRITE_BACK_ROWS:
@@ -519,23 +669,34 @@ class OffloadedEmbedding(nn.Module):
             # sort's launches cost more host time than the side stream's write-back gains
             old_ids, order = torch.sort(old_ids)
             old = old.index_select(0, order)
-        writes = [(self.table, cache.weight.index_select(0, old))]
-        writes += [(self._state_tables[s], cache.states[s].index_select(0, old)) for s in self._spec]
+        records = cache.rows.index_select(0, old)  # weight and state of each victim, one copy
         if defer:
-            self._evicted.append((old_ids, writes))
+            self._evicted.append((old_ids, records))
         else:
-            self._write_back(old_ids, writes)
-        cache.slot_of.index_fill_(0, old_ids, cache.capacity)
-        return victims
+            self._write_back(old_ids, records)
+        return victims, old_ids, n_empty
 
     @staticmethod
-    def _install(cache: _Cache, slots: Tensor, ids: Tensor, rows: Tensor, use: int) -> None:
+    def _install(cache: _Cache, slots: Tensor, ids: Tensor, use: int, old_ids: Tensor | None, n_empty: int,
+                 gen: int | None = None, chunk_slots: Tensor | None = None, miss_pos: Tensor | None = None) -> None:
+        """Map rows ``ids`` (whose records were gathered into ``slots``, from :meth:`_evict` with ``old_ids``
+        and ``n_empty``) to their slots, stamped ``use`` (and with ``gen``, as that prefetch's admissions);
+        ``chunk_slots[miss_pos[i]] = slots[i]``."""
         # (``dirty`` keeps the slot's old flag: a row is admitted for a step that will store it, and a clean
         # row marked dirty only costs :meth:`flush` a write of unchanged values)
-        cache.weight.index_copy_(0, slots, rows)
+        if _cache_cuda.usable(slots.device):
+            _cache_cuda.install(slots, ids, old_ids, n_empty, cache.ids, cache.slot_of, cache.last_use, use,
+                                cache.fresh if gen is not None else None, gen or 0, chunk_slots, miss_pos)
+            return
+        if old_ids is not None:
+            cache.slot_of.index_fill_(0, old_ids, cache.capacity)
         cache.ids.index_copy_(0, slots, ids)
         cache.slot_of.index_copy_(0, ids, slots)
         cache.last_use.index_fill_(0, slots, use)
+        if gen is not None:
+            cache.fresh.index_fill_(0, slots, gen)
+        if chunk_slots is not None:
+            chunk_slots.index_copy_(0, miss_pos[: slots.numel()], slots)
 
     def flush(self) -> None:
         """Write every dirty cached row (and its optimizer state) back to the host tables."""
@@ -552,13 +713,14 @@ class OffloadedEmbedding(nn.Module):
             c.dirty.index_fill_(0, slots, False)
 
     # -- fetching rows ---------------------------------------------------------------------------------------
-    def _distinct(self, flat: Tensor, cache: _Cache | None = None, exclude: Tensor | None = None):
-        """Deduplicate and bounds-check ``flat`` with one host synchronisation.
+    def _distinct(self, flat: Tensor, cache: _Cache | None = None, exclude: Tensor | None = None,
+                  stamp: int = -1) -> _Rows:
+        """Deduplicate and bounds-check ``flat`` with one host synchronisation (see :class:`_Rows`).
 
-        Returns ``(ids, inverse, slots, miss, n_miss)``: the distinct ids (sorted), ``ids[inverse] == flat``,
-        and with a cache each row's slot (-1 if not cached), the mask of rows to fetch from the host (not
-        cached, and not in the sorted ``exclude``) and their number. The one value read back also carries the
-        smallest and largest index, so no index out of range reaches a kernel that touches host memory.
+        With a cache, each distinct id's slot and the misses: ids to fetch from the host (not cached, and not
+        in the sorted ``exclude``); with ``stamp >= 0`` their slots' LRU stamps are set to it (where the CuPy
+        kernels run: ``stamped``). The one value read back also carries the smallest and largest index, so no
+        index out of range reaches a kernel that touches host memory.
         """
         n_flat = flat.numel()
         if cache is not None:
@@ -566,7 +728,19 @@ class OffloadedEmbedding(nn.Module):
         if n_flat == 0:
             empty = flat.new_empty(0)
             none = None if cache is None else empty
-            return empty, empty, none, (None if cache is None else empty.bool()), 0
+            return _Rows(empty, empty, none, None if cache is None else empty.bool())
+        num_rows = self.table.num_rows
+        if _cache_cuda.usable(flat.device):
+            ids, inverse, slots, miss_pos, miss_ids, stats, runs = _cache_cuda.dedup(
+                flat.contiguous(), None if cache is None else cache.slot_of, 0 if cache is None else cache.capacity,
+                num_rows, exclude if exclude is not None and exclude.numel() else None, stamp,
+                None if cache is None else cache.last_use)
+            n, lo, hi, n_miss = stats.tolist()  # the one host synchronisation
+            _check_bounds(lo, hi, num_rows)
+            if cache is None:
+                return _Rows(ids[:n], inverse, runs=runs)
+            return _Rows(ids[:n], inverse, slots[:n], None, n_miss, miss_pos[:n_miss], miss_ids[:n_miss], stamp >= 0,
+                         runs)
         sorted_flat, order = torch.sort(flat)
         first = torch.ones(n_flat, dtype=torch.bool, device=flat.device)
         torch.ne(sorted_flat[1:], sorted_flat[:-1], out=first[1:])
@@ -575,7 +749,6 @@ class OffloadedEmbedding(nn.Module):
         inverse = torch.empty_like(seg).scatter_(0, order, seg)
         stats = [seg[-1:] + 1, sorted_flat[:1], sorted_flat[-1:]]
         if cache is not None:
-            num_rows = self.table.num_rows
             slot_flat = cache.slot_of.index_select(0, sorted_flat.clamp(0, num_rows - 1))
             miss_flat = slot_flat == cache.capacity
             if exclude is not None and exclude.numel():
@@ -583,20 +756,22 @@ class OffloadedEmbedding(nn.Module):
                 miss_flat &= exclude[at] != sorted_flat
             stats.append((miss_flat & first).sum().view(1))
         vals = torch.cat(stats).tolist()  # the one host synchronisation
-        _check_bounds(vals[1], vals[2], self.table.num_rows)
+        _check_bounds(vals[1], vals[2], num_rows)
         n = vals[0]
         ids = torch.empty(n, dtype=torch.int64, device=flat.device).scatter_(0, seg, sorted_flat)
         if cache is None:
-            return ids, inverse, None, None, 0
+            return _Rows(ids, inverse)
         slots = torch.empty(n, dtype=torch.int64, device=flat.device).scatter_(0, seg, slot_flat)
         miss = torch.empty(n, dtype=torch.bool, device=flat.device).scatter_(0, seg, miss_flat)
-        return ids, inverse, slots, miss, vals[3]
+        return _Rows(ids, inverse, slots, miss, vals[3])
 
     def _fetch(self, ids: Tensor, slots: Tensor | None = None, miss: Tensor | None = None,
                n_miss: int = 0, first: bool = True, prefetched: int | None = None,
-               reserved: bool = False) -> tuple[_Chunk, Tensor]:
+               reserved: bool = False, miss_pos: Tensor | None = None, miss_ids: Tensor | None = None,
+               stamped: bool = False) -> tuple[_Chunk, Tensor]:
         """Rows ``ids`` (distinct, checked; with a cache, their ``slots`` and the ``n_miss`` rows not cached as
-        ``miss``, from :meth:`_distinct`) for a new chunk of the working set: from the cache, a pending
+        ``miss`` or as ``miss_pos`` and ``miss_ids``, from :meth:`_distinct`, ``stamped`` if it set the slots'
+        LRU stamps) for a new chunk of the working set: from the cache, a pending
         :meth:`prefetch`, or the host tables; per-row state starts gathering on a side stream. Rows from the
         host are admitted to the cache (evicting the least recently used rows) as far as it has room.
 
@@ -614,7 +789,8 @@ class OffloadedEmbedding(nn.Module):
         chunk = _Chunk(ids=ids, slots=slots)
         # This step's cached rows are not evicted for its misses (a miss marks the scratch row). (Always: the
         # prefetch marked them for this step, but a later lookup of the step before may have marked some since.)
-        cache.last_use.index_fill_(0, slots, cache.clock)
+        if not stamped:
+            cache.last_use.index_fill_(0, slots, cache.clock)
         if prefetched is not None:
             cache.prefetch_hits += prefetched
         elif first and cache.first_gen is not None:  # hits on rows that prefetches admitted since the last step
@@ -627,25 +803,62 @@ class OffloadedEmbedding(nn.Module):
         if n_miss == 0:
             chunk.miss_pos = ids.new_empty(0)
             return chunk, cache.weight.index_select(0, slots)
-        miss_pos = _compact(miss, n_miss)
-        miss_ids = ids.index_select(0, miss_pos)
-        miss_rows = torch.empty(n_miss, self.embedding_dim, dtype=self.table.dtype, device=self.table.device)
-        self.table._gather_unique(miss_ids, None, miss_rows, _cache_engine(self.table, "gather"))
+        if miss_pos is None:
+            miss_pos = _compact(miss, n_miss)
+            miss_ids = ids.index_select(0, miss_pos)
         chunk.miss_pos = miss_pos
+        uva = self._cache_uva(cache)
+        tables = self._tables()
         # (slots reserved by a prefetch for the next step are not victims either)
         n_admit = max(0, min(n_miss, cache.capacity - cache.protected - cache.reserved))
+        victims = None
         if n_admit:
-            # (evicted before the state gathers start: the write-back then does not hold them up)
-            victims = self._evict(cache, n_admit, protect_from=cache.clock)
-            self._install(cache, victims, miss_ids[:n_admit], miss_rows[:n_admit], cache.clock)
-            slots.index_copy_(0, miss_pos[:n_admit], victims)
-            chunk.n_admit, chunk.admit_slots = n_admit, victims
+            victims, old_ids, n_empty = self._evict(cache, n_admit, protect_from=cache.clock)
+            admit_ids = miss_ids[:n_admit]
+            # the weight straight into the slots (the lookup reads it now); the state on a side stream below
+            self._move("gather", tables[:1], admit_ids, cache.parts[:1], victims, uva)
+            self._install(cache, victims, admit_ids, cache.clock, old_ids, n_empty, chunk_slots=slots,
+                          miss_pos=miss_pos)
+            chunk.n_admit = n_admit
             cache.protected += n_admit
-        chunk.states = {k: self._state_tables[k].prefetch(miss_ids, _checked=True) for k in self._spec}
         rows = cache.weight.index_select(0, slots)  # (rows not admitted read the scratch row, replaced below)
         if n_admit < n_miss:
-            rows.index_copy_(0, miss_pos[n_admit:], miss_rows[n_admit:])
+            self._move("gather", tables[:1], miss_ids[n_admit:], [rows], miss_pos[n_admit:], uva)
+        if len(tables) > 1:
+            self._gather_states(cache, chunk, tables[1:], miss_ids, victims, uva)
         return chunk, rows
+
+    def _gather_states(self, cache: _Cache, chunk: _Chunk, tables: list[HostTable], miss_ids: Tensor,
+                       victims: Tensor | None, uva: bool) -> None:
+        """Start moving the per-row state of a lookup's misses from the host: that of the admitted ones
+        (``victims``, the first of ``miss_ids``) into their slots, the others' into ``chunk.bypass_states``;
+        on the cache's side stream (the optimizer step reads them, see :meth:`_resolve_states`), one launch
+        each with the UVA kernel."""
+        n_admit = chunk.n_admit
+        n_bypass = miss_ids.numel() - n_admit
+        buf = None
+        if n_bypass:
+            buf = torch.empty(n_bypass, len(tables), self.embedding_dim, dtype=self.table.dtype,
+                              device=miss_ids.device)
+            chunk.bypass_states = buf
+        side = None
+        if miss_ids.device.type == "cuda":
+            if cache.stream is None:
+                cache.stream = torch.cuda.Stream(miss_ids.device)
+            side = cache.stream
+            side.wait_stream(torch.cuda.current_stream(miss_ids.device))  # (the victims' old records copied out)
+        with _stream_ctx(side):
+            if n_admit:
+                self._move("gather", tables, miss_ids[:n_admit], cache.parts[1:], victims, uva)
+            if n_bypass:
+                self._move("gather", tables, miss_ids[n_admit:], list(buf.unbind(1)), None, uva)
+            if side is not None:
+                cache.states_ready = torch.cuda.Event()
+                cache.states_ready.record(side)
+        if side is not None:
+            for t in (miss_ids, victims, buf):
+                if t is not None:
+                    t.record_stream(side)
 
     def _fetch_uncached(self, ids: Tensor) -> tuple[_Chunk, Tensor]:
         chunk = _Chunk(ids=ids, slots=None)
@@ -670,28 +883,29 @@ class OffloadedEmbedding(nn.Module):
         chunk.states = states
         return chunk, rows
 
-    def _resolve_states(self, chunk: _Chunk) -> dict[str, Tensor]:
-        """Per-row state of a chunk's rows (waits for its side-stream gathers); admitted rows' state is
-        placed in the cache."""
+    def _resolve_states(self, chunk: _Chunk, rows: bool = True) -> dict[str, Tensor]:
+        """Per-row state of a chunk's rows (waits for its side-stream gathers); without ``rows`` only the
+        wait (admitted rows' state lands in the cache either way)."""
         out = {}
+        if chunk.slots is None:  # (no cache: from the tables' prefetches)
+            for k in self._spec:
+                p = chunk.states.get(k)
+                out[k] = None if p is None else p.rows()
+                if p is not None:
+                    p.release()
+            chunk.states = {}
+            return out
         cache = self._cache
-        for k in self._spec:
-            p = chunk.states.get(k)
-            host_rows = None
-            if p is not None:
-                host_rows = p.rows()
-                p.release()
-            if chunk.slots is None:
-                out[k] = host_rows
-                continue
-            if chunk.admit_slots is not None:
-                cache.states[k].index_copy_(0, chunk.admit_slots, host_rows[: chunk.n_admit])
-            rows = cache.states[k].index_select(0, chunk.slots)
-            if chunk.n_bypass:
-                rows.index_copy_(0, chunk.miss_pos[chunk.n_admit:], host_rows[chunk.n_admit:])
-            out[k] = rows
-        chunk.states = {}
-        chunk.admit_slots = None  # (their state is in the cache now)
+        if cache.states_ready is not None:
+            torch.cuda.current_stream(self.table.device).wait_event(cache.states_ready)
+            cache.states_ready = None
+        if rows:
+            for j, k in enumerate(self._spec):
+                got = cache.states[k].index_select(0, chunk.slots)
+                if chunk.n_bypass:
+                    got.index_copy_(0, chunk.miss_pos[chunk.n_admit:], chunk.bypass_states[:, j])
+                out[k] = got
+        chunk.bypass_states = None
         return out
 
     def prefetch(self, indices: Tensor) -> None:
@@ -711,13 +925,14 @@ class OffloadedEmbedding(nn.Module):
         flat = _as_index(indices, self.table.device)
         cache = self._get_cache()
         if cache is None:
-            ids, inverse = self._distinct(flat)[:2]
+            got = self._distinct(flat)
+            ids, inverse = got.ids, got.inverse
             self._release_pending()
             handles = {"weight": self.table.prefetch(ids, _checked=True)}
             for k in self._spec:
                 handles[k] = self._state_tables[k].prefetch(ids, _checked=True)
             self._pending = (ids, handles)
-            self._next = _Next(flat, flat.data_ptr(), flat._version, ids, inverse, False)
+            self._next = _Next(flat, flat.data_ptr(), flat._version, ids, inverse, False, runs=got.runs)
             return
         self._release_pending()
         self._join(host=False)  # (the side stream waits for earlier write-backs itself)
@@ -726,14 +941,16 @@ class OffloadedEmbedding(nn.Module):
         # Only those that bypass the cache can look like misses (the others are cached), so only then.
         bypass = sum(c.n_bypass for c in work.chunks) if work is not None else 0
         exclude = work.sorted_ids if bypass else None
-        ids, inverse, slots, miss, n_miss = self._distinct(flat, cache, exclude)
+        got = self._distinct(flat, cache, exclude, stamp=cache.clock + 1)
+        ids, inverse, n_miss = got.ids, got.inverse, got.n_miss
         # the next step's cached rows are kept for it (not evicted for its misses; a miss marks the scratch row)
-        cache.last_use.index_fill_(0, slots, cache.clock + 1)
+        if not got.stamped:
+            cache.last_use.index_fill_(0, got.slots, cache.clock + 1)
         cache.reserved += ids.numel() - n_miss
         n_admit = max(0, min(n_miss, cache.capacity - cache.protected - cache.reserved))
         cache.prefetches += 1
         self._next = _Next(flat, flat.data_ptr(), flat._version, ids, inverse, n_admit == n_miss and bypass == 0,
-                           n_admit)
+                           n_admit, got.runs)
         if n_admit == 0:
             return
         device = self.table.device
@@ -745,22 +962,20 @@ class OffloadedEmbedding(nn.Module):
             side.wait_stream(torch.cuda.current_stream(device))
             if self._wb_event is not None:
                 side.wait_event(self._wb_event)  # host rows evicted earlier have landed
-            for t in (ids, miss):
+            for t in (ids, got.miss if got.miss is not None else got.miss_ids):
                 t.record_stream(side)
         with _stream_ctx(side):
-            miss_ids = _compact_values(miss, n_miss, ids)[:n_admit]
-            victims = self._evict(cache, n_admit, protect_from=cache.clock, defer=True)
-            rows = torch.empty(n_admit, self.embedding_dim, dtype=self.table.dtype, device=device)
-            self.table._gather_unique(miss_ids, None, rows, _cache_engine(self.table, "gather"))
-            self._install(cache, victims, miss_ids, rows, cache.clock + 1)
-            for k in self._spec:
-                t = self._state_tables[k]
-                t._gather_unique(miss_ids, None, rows, _cache_engine(t, "gather"))
-                cache.states[k].index_copy_(0, victims, rows)
+            if got.miss_ids is not None:
+                miss_ids = got.miss_ids[:n_admit]
+            else:
+                miss_ids = _compact_values(got.miss, n_miss, ids)[:n_admit]
+            victims, old_ids, n_empty = self._evict(cache, n_admit, protect_from=cache.clock, defer=True)
+            # weight and state of every row straight into its slot (one launch with the UVA kernel)
+            self._move("gather", self._tables(), miss_ids, cache.parts, victims, self._cache_uva(cache))
             cache.gen += 1
             if cache.first_gen is None:
                 cache.first_gen = cache.gen
-            cache.fresh.index_fill_(0, victims, cache.gen)
+            self._install(cache, victims, miss_ids, cache.clock + 1, old_ids, n_empty, gen=cache.gen)
             if side is not None:
                 cache.ready = torch.cuda.Event()
                 cache.ready.record(side)
@@ -794,10 +1009,12 @@ class OffloadedEmbedding(nn.Module):
             cache.clock += 1
             cache.protected, cache.reserved = cache.reserved, 0
         nxt, self._next = self._next, None
-        matched = cache is not None and nxt is not None and nxt.matches(flat)
-        if nxt is not None and nxt.matches(flat):
+        same = nxt is not None and nxt.matches(flat)
+        matched = cache is not None and same
+        extra, runs = {}, None
+        if same:
             # the indices :meth:`prefetch` saw: deduplicated and bounds-checked there, no read-back here
-            ids, inverse, slots, miss, n_miss = nxt.ids, nxt.inverse, None, None, 0
+            ids, inverse, slots, miss, n_miss, runs = nxt.ids, nxt.inverse, None, None, 0, nxt.runs
             if cache is not None:
                 slots = cache.slot_of.index_select(0, ids)
                 if not nxt.all_cached:
@@ -806,8 +1023,11 @@ class OffloadedEmbedding(nn.Module):
                 elif cache.prefetches == 1:
                     prefetched = nxt.n_admit
         else:
-            ids, inverse, slots, miss, n_miss = self._distinct(flat, cache)
-        chunk, rows = self._fetch(ids, slots, miss, n_miss, prefetched=prefetched, reserved=matched)
+            got = self._distinct(flat, cache, stamp=-1 if cache is None else cache.clock)
+            ids, inverse, slots, miss, n_miss = got.ids, got.inverse, got.slots, got.miss, got.n_miss
+            extra = {"miss_pos": got.miss_pos, "miss_ids": got.miss_ids, "stamped": got.stamped}
+            runs = got.runs
+        chunk, rows = self._fetch(ids, slots, miss, n_miss, prefetched=prefetched, reserved=matched, **extra)
         if cache is not None:
             cache.prefetches, cache.first_gen = 0, None
         if self.max_norm is not None:
@@ -821,7 +1041,7 @@ class OffloadedEmbedding(nn.Module):
         weight = self.weight
         chunk.leaf.register_post_accumulate_grad_hook(lambda leaf: setattr(weight, "grad", leaf.grad))
         self._work = _Work(chunks=[chunk], sorted_ids=ids, perm=None,
-                           renormed=self.max_norm is not None)
+                           renormed=self.max_norm is not None, runs=runs)
         self._work.version = self.weight._version
         return inverse
 
@@ -842,8 +1062,10 @@ class OffloadedEmbedding(nn.Module):
                 # (checked first: an index out of range is still reported as such)
                 self._distinct(new)
                 raise RuntimeError("OffloadedEmbedding: new rows looked up after the optimizer's step began")
-            new_ids, _, slots, miss, n_miss = self._distinct(new, self._cache)
-            chunk, rows = self._fetch(new_ids, slots, miss, n_miss, first=False)
+            cache = self._cache
+            got = self._distinct(new, cache, stamp=-1 if cache is None else cache.clock)
+            chunk, rows = self._fetch(got.ids, got.slots, got.miss, got.n_miss, first=False, miss_pos=got.miss_pos,
+                                      miss_ids=got.miss_ids, stamped=got.stamped)
             if self.max_norm is not None:
                 self._renorm(rows)
             chunk.leaf = rows.requires_grad_(True)
@@ -863,12 +1085,16 @@ class OffloadedEmbedding(nn.Module):
         flat = input.reshape(-1).to(self.weight.device, torch.int64)
         if self._work is not None and self._optimizer is None:
             self._end_work(check=True)  # nothing will step these rows: start afresh
-        if self._work is None:
+        first = self._work is None
+        if first:
             local = self._begin(flat).view(input.shape)
         else:
             local = self._locate(flat).view(input.shape)
         work = self._work
         table = work.chunks[0].leaf if len(work.chunks) == 1 else torch.cat([c.leaf for c in work.chunks])
+        if (first and work.runs is not None and len(work.chunks) == 1 and self.padding_idx is None
+                and not self.scale_grad_by_freq and table.dtype == torch.float32):
+            return _Lookup.apply(table, local, work.runs)
         pad = None
         if self.padding_idx is not None:
             p = torch.searchsorted(work.sorted_ids, torch.tensor([self.padding_idx], device=flat.device))
@@ -1007,10 +1233,11 @@ class OffloadedEmbedding(nn.Module):
             return
         # rows not cached land in the scratch row
         dest = torch.cat([c.slots for c in work.chunks]) if len(work.chunks) > 1 else work.chunks[0].slots
-        cache.weight.index_copy_(0, dest, weight_rows)
-        for k in self._spec:
-            cache.states[k].index_copy_(0, dest, state_rows[k])
-        cache.dirty.index_fill_(0, dest, True)
+        srcs = [weight_rows, *(state_rows[k] for k in self._spec)]
+        if not (_cache_cuda.usable(dest.device) and _cache_cuda.store(cache.rows, dest, srcs, cache.dirty)):
+            for part, rows in zip(cache.parts, srcs, strict=True):
+                part.index_copy_(0, dest, rows)
+            cache.dirty.index_fill_(0, dest, True)
         if not any(c.n_bypass for c in work.chunks):
             return
         offsets, bypass = 0, []
@@ -1033,7 +1260,7 @@ class OffloadedEmbedding(nn.Module):
                                "attached optimizer wrote the rows back: call offload.attach(optimizer)")
         if not work.folded:
             for c in work.chunks:
-                self._resolve_states(c)  # admitted rows' state into the cache
+                self._resolve_states(c, rows=False)  # (the side streams' gathers are waited for)
         if work.renormed:
             w = self.weight.data if len(work.chunks) == 1 or work.folded else \
                 torch.cat([self.weight.data] + [c.leaf.data for c in work.chunks[1:]])

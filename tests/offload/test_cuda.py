@@ -251,6 +251,49 @@ def test_uva_tables_move_together_by_slots(tables, dtype, dim):
         _uva.gather_tables(hosts, idx.cuda(), parts, pos.cuda().int())
 
 
+@pytest.mark.parametrize("dim", [128, 3])
+def test_cache_kernels_deduplicate_and_sum_gradients_in_a_fixed_order(dim):
+    """The deduplication kernels give torch.unique's ids and inverse; the lookup backward built on them sums
+    each id's rows (hot ids spanning many tiles of sorted positions) as index_add does, with the same bits
+    every time."""
+    pytest.importorskip("cupy")
+    from offload import _cache_cuda
+
+    g = torch.Generator().manual_seed(dim)
+    n = 20_000
+    flat = (torch.empty(n).exponential_(generator=g) * 50).long().cuda()
+    ids, inverse, _, _, _, stats, runs = _cache_cuda.dedup(flat)
+    count, lo, hi, _ = stats.tolist()
+    uniq, inv = torch.unique(flat, return_inverse=True)
+    assert count == uniq.numel() and (lo, hi) == (int(flat.min()), int(flat.max()))
+    assert torch.equal(ids[:count], uniq) and torch.equal(inverse, inv)
+    grad = torch.randn(n, dim, generator=g).cuda()
+    got = _cache_cuda.segment_sum(grad, runs, count)
+    ref = torch.zeros(count, dim, dtype=torch.float64, device="cuda").index_add_(0, inv, grad.double())
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
+    assert torch.equal(got, _cache_cuda.segment_sum(grad, runs, count))
+
+
+def test_lru_victims_are_the_least_recently_used_slots():
+    """The cache's victim selection (an age histogram, its threshold and a claiming pass) picks k distinct
+    slots, none stamped at the current step or later, each at least as old as every slot it leaves."""
+    pytest.importorskip("cupy")
+    from offload import _cache_cuda
+
+    g = torch.Generator().manual_seed(7)
+    clock = 5000
+    stamps = torch.randint(clock - 300, clock + 2, (100_003,), generator=g, dtype=torch.int32)
+    stamps[:50] = 0  # older than LRU_AGES steps: one bucket, all chosen first anyway
+    for k in (1, 50, 777, int((stamps < clock).sum()) // 3, int((stamps < clock).sum())):
+        got = _cache_cuda.lru_victims(stamps.cuda(), k, clock).cpu()
+        assert got.unique().numel() == k and (stamps[got] < clock).all()
+        left = torch.ones(stamps.numel(), dtype=torch.bool)
+        left[got] = False
+        left &= stamps < clock
+        assert not left.any() or stamps[got].max() <= stamps[left].min()
+        assert stamps[got].max() == torch.topk(stamps, k, largest=False).values.max()
+
+
 def test_uva_launch_modes_agree(monkeypatch):
     """The UVA kernels through one cuLaunchKernel call and through cupy.cuda.Function copy the same rows."""
     pytest.importorskip("cupy")

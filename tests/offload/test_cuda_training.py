@@ -51,10 +51,18 @@ def _train(model, opt, data, prefetch):
 
 @pytest.mark.parametrize("adam", [{"fused": True}, {"foreach": True}])
 @pytest.mark.parametrize("cache_rows", [1500, 6000])
-def test_skip_gram_with_evicting_caches_and_prefetch_equals_sparse_adam_on_the_gpu(adam, cache_rows):
+@pytest.mark.parametrize("kernels", [True, False], ids=["cache-kernels", "torch-bookkeeping"])
+def test_skip_gram_with_evicting_caches_and_prefetch_equals_sparse_adam_on_the_gpu(adam, cache_rows, kernels,
+                                                                                   monkeypatch):
     """Admissions of the next step's rows on a side stream, write-backs of the rows they evict on another
-    (waiting for the admission only), the step in between: the same tables and Adam state as SparseAdam."""
+    (waiting for the admission only), the step in between: the same tables and Adam state as SparseAdam,
+    with the cache's bookkeeping and the lookups' backward in their CuPy kernels or in torch operations."""
     pytest.importorskip("cupy")
+    from offload import _cache_cuda, _launch
+
+    monkeypatch.setattr(_cache_cuda, "ENABLED", kernels)
+    ran = {k: _launch.LAUNCHES[k] for k in ("cache_fill", "cache_install", "cache_store", "seg_tiles",
+                                                   "lru_select")}
     rows, dim = 40_000, 64
     g = torch.Generator().manual_seed(3)
     w_in, w_out = torch.randn(rows, dim, generator=g), torch.randn(rows, dim, generator=g) * 0.1
@@ -79,6 +87,7 @@ def test_skip_gram_with_evicting_caches_and_prefetch_equals_sparse_adam_on_the_g
         st = m.cache_stats()
         assert st["misses"] > cache_rows and st["hits"] > 0  # the caches evicted and hit
     assert offload.uva_launch_counts().get("scatter", 0) > before  # write-backs by the UVA kernel
+    assert all((_launch.LAUNCHES[k] > v) == kernels for k, v in ran.items())  # (the kernels ran, or none)
     for m, r in ((model.inp, ref.inp), (model.out, ref.out)):
         m.flush()
         st = ref_opt.state[r.weight]
