@@ -228,18 +228,61 @@ def part_c(state, profile=False):
             self.cur = self.get(self.k)
             return cur, self.cur
 
-    def make_step(model, opt, feed, prefetch=False):
+    def make_step(model, opt, feed, prefetch=False, phases=None):
         def step():
             (c, x), (nc, nx) = feed.take()
+            t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             loss = model(c, x)
+            t1 = time.perf_counter()
             if prefetch:  # as the tutorial shows: after the forward, before backward
                 model.inp.prefetch(nc)
                 model.out.prefetch(nx)
+            t2 = time.perf_counter()
             loss.backward()
+            t3 = time.perf_counter()
             opt.step()
+            if phases is not None:  # host time per phase (a phase that synchronises includes the wait)
+                t4 = time.perf_counter()
+                for k, v in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+                    phases[k] += v
 
         return step
+
+    def host_phases(model, opt, feed, label, prefetch=False, steps=40):
+        """Host milliseconds per step in each phase, and a cProfile of 20 more steps (--profile); the batches
+        go on where ``feed`` stands."""
+        import cProfile
+        import io
+        import pstats
+
+        phases = dict.fromkeys(PHASES, 0.0)
+        step = make_step(model, opt, feed, prefetch, phases)
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        phases.update(dict.fromkeys(PHASES, 0.0))
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        emit(part="C", host_phases=label, wall_ms_per_step=wall / steps * 1e3,
+             **{f"{k}_ms": v / steps * 1e3 for k, v in phases.items()})
+        out = os.environ.get("OUT")
+        if out:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(20):
+                step()
+            torch.cuda.synchronize()
+            prof.disable()
+            text = io.StringIO()
+            stats = pstats.Stats(prof, stream=text)
+            stats.sort_stats("tottime").print_stats(45)
+            stats.sort_stats("cumulative").print_stats(60)
+            with open(os.path.join(out, f"cprofile-{len(RESULTS)}.txt"), "w") as f:
+                f.write(f"{label} (20 steps)\n{text.getvalue()}")
 
     def run(model, opt, label, prefetch=False, **extra):
         feed = Feed(lambda k: data[k % len(data)])
@@ -267,9 +310,10 @@ def part_c(state, profile=False):
     torch.cuda.empty_cache()
     sparse = SkipGram(vocab, dim, lambda v, d: nn.Embedding(v, d, sparse=True)).to(dev)
     sopt = torch.optim.SparseAdam(list(sparse.parameters()), lr=1e-3)
-    step, _ = run(sparse, sopt, SPARSE)
+    step, feed = run(sparse, sopt, SPARSE)
     if profile:
         profile_steps(step, "SparseAdam on the GPU", trace=False)
+        host_phases(sparse, sopt, feed, "SparseAdam on the GPU")
     del sparse, sopt, step
     gc.collect()
     torch.cuda.empty_cache()
@@ -331,14 +375,15 @@ def part_c(state, profile=False):
                         n_warm += 1
                     emit(part="C", note=f"warm-up steps until the caches were full: {n_warm}", config=label)
                 torch.cuda.synchronize()
-                step, _ = run(model, opt, label, prefetch)
+                step, feed = run(model, opt, label, prefetch)
                 if rows == (0, 0) and prefetch and not from_cap:
                     work = torch.cuda.max_memory_allocated() - base
                     emit(part="C", note="working memory of an uncached step", gib=work / 2**30)
-                if profile and from_cap and prefetch:  # (the configurations the report is about)
+                if profile and from_cap:  # (the configurations the report is about)
                     per_step, where = count_syncs(step)
                     emit(part="C", impl_sync=label, syncs_per_step=per_step, where=where)
-                    profile_steps(step, label, trace=adam == "fused")
+                    profile_steps(step, label, trace=adam == "fused" and prefetch)
+                    host_phases(model, opt, feed, label, prefetch)
             except torch.OutOfMemoryError as e:
                 # (a step that ran out of memory is left half done: the remaining configurations are skipped)
                 emit(part="C", impl=label, error=repr(e)[:300])
@@ -358,6 +403,7 @@ def part_c(state, profile=False):
 
 
 SPARSE = "GPU: nn.Embedding(sparse=True) + SparseAdam (no cap)"
+PHASES = ("forward", "prefetch", "backward", "step")  # (forward: zero_grad and the model's forward)
 
 
 def part_d(state, budget_left, host_gib=0.0):
@@ -454,6 +500,9 @@ def main():
             ratio = r.get("ratio")
             print(f"| {r.get('part')} | {r.get('impl', r.get('dist'))} | {ms:.3f} | {rate:.4g} | "
                   f"{'' if ratio is None else f'{ratio:.2f}'} |")
+        elif "host_phases" in r:
+            print(f"| {r.get('part')} | host ms per phase: {r['host_phases']} | {r['wall_ms_per_step']:.3f} | "
+                  + ", ".join(f"{k} {r[k + '_ms']:.2f}" for k in PHASES) + " | |")
         elif "profile" in r:
             print(f"| {r.get('part')} | profile: {r['profile']} | {r['window_ms_per_step']:.3f} (profiled) | "
                   f"launches {r['launches_per_step']:.0f}, syncs {r['sync_calls_per_step']:.1f}, GPU busy "
