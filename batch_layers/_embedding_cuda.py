@@ -43,12 +43,10 @@ import threading
 import torch
 from torch import Tensor
 
-from offload._launch import KERNELS as _KERNELS  # noqa: F401 (the tests read it here)
 from offload._launch import LAUNCH_MODE, LAUNCHES, SLOW_LAUNCHES
 from offload._launch import compile_kernel as _compile
 from offload._launch import current_device as _current_device
 from offload._launch import launch as _launch
-from offload._launch import stream_ptr as _stream_ptr  # noqa: F401 (the benchmark times it here)
 
 from ._backend import get_backend
 

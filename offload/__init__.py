@@ -10,6 +10,7 @@ rows a step touches are moved. This package knows nothing of model batching and 
 - :class:`HostArray` + :func:`batches`: dataset rows gathered to GPU batches by index.
 """
 
+from ._cache_cuda import get_cache_kernels, set_cache_kernels, use_cache_kernels
 from ._embedding import OffloadedEmbedding, attach, detach
 from ._memory import HostMemoryError, host_memory_available
 from ._optim import register_optimizer, row_state_spec
@@ -35,11 +36,14 @@ __all__ = [
     "batches",
     "detach",
     "engine_choice",
+    "get_cache_kernels",
     "get_engine",
     "host_memory_available",
     "register_optimizer",
     "row_state_spec",
+    "set_cache_kernels",
     "set_engine",
+    "use_cache_kernels",
     "use_engine",
     "uva_launch_counts",
 ]

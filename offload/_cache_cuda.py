@@ -18,14 +18,16 @@ table. These kernels do the same work in fewer launches (through :mod:`offload._
     dirty.
 
 The torch implementations in ``_embedding.py`` are the reference (and the path on the CPU or without
-CuPy); :data:`ENABLED` switches these off (environment variable ``TORCHMB_OFFLOAD_KERNELS=0``). Every
+CuPy); :func:`use_cache_kernels` switches these off (environment variable ``TORCHMB_OFFLOAD_KERNELS=0``). Every
 index a kernel writes through is one the cache made itself; the kernels still skip entries out of range
 rather than write outside an array.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -37,8 +39,31 @@ try:
 except (ImportError, OSError):  # pragma: no cover - depends on the machine
     cupy = None
 
-#: Use these kernels where they can run (CUDA tensors, CuPy importable); tests flip it.
-ENABLED = os.environ.get("TORCHMB_OFFLOAD_KERNELS", "1") != "0"
+_enabled = os.environ.get("TORCHMB_OFFLOAD_KERNELS", "1") != "0"
+
+
+def get_cache_kernels() -> bool:
+    """Whether the GPU cache's bookkeeping uses these kernels where they can run (CUDA tensors, CuPy
+    importable); else the torch operations of ``_embedding.py``. Starts as ``$TORCHMB_OFFLOAD_KERNELS``
+    (``0`` turns them off; default on)."""
+    return _enabled
+
+
+def set_cache_kernels(enabled: bool) -> None:
+    """Switch the cache kernels on or off (see :func:`get_cache_kernels`)."""
+    global _enabled
+    _enabled = bool(enabled)
+
+
+@contextlib.contextmanager
+def use_cache_kernels(enabled: bool) -> Iterator[None]:
+    """Switch the cache kernels on or off inside the block; the old setting is restored after."""
+    old = get_cache_kernels()
+    set_cache_kernels(enabled)
+    try:
+        yield
+    finally:
+        set_cache_kernels(old)
 
 _BLOCK = 256
 
@@ -374,7 +399,7 @@ _SMS: dict[int, int] = {}
 
 def usable(device: torch.device) -> bool:
     """Whether the kernels run for tensors on ``device`` now."""
-    return ENABLED and cupy is not None and device.type == "cuda"
+    return _enabled and cupy is not None and device.type == "cuda"
 
 
 def _sms(index: int) -> int:

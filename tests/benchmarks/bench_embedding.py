@@ -37,6 +37,7 @@ from torch.func import functional_call, stack_module_state, vmap
 
 import batch_layers
 from batch_layers import _embedding_cuda as ecuda
+from offload import _launch as offload_launch
 
 dev = torch.device("cuda")
 RESULTS: list[dict] = []
@@ -263,7 +264,7 @@ def part_host() -> None:
     t["new_empty"] = host_time(lambda: w.new_empty((nidx, dim)))
     t["new_zeros_table"] = host_time(lambda: w.new_zeros((rows, dim)))
     t["index_select"] = host_time(lambda: w.index_select(0, idx))
-    t["stream_ptr"] = host_time(lambda: ecuda._stream_ptr(0))
+    t["stream_ptr"] = host_time(lambda: offload_launch.stream_ptr(0))
     t["current_device"] = host_time(ecuda._current_device)
     t["torch.cuda.current_device"] = host_time(torch.cuda.current_device)
     emit(part="host", rows=rows, dim=dim, indices=nidx, launch_mode=ecuda.LAUNCH_MODE[0],

@@ -52,15 +52,13 @@ def _train(model, opt, data, prefetch):
 @pytest.mark.parametrize("adam", [{"fused": True}, {"foreach": True}])
 @pytest.mark.parametrize("cache_rows", [1500, 6000])
 @pytest.mark.parametrize("kernels", [True, False], ids=["cache-kernels", "torch-bookkeeping"])
-def test_skip_gram_with_evicting_caches_and_prefetch_equals_sparse_adam_on_the_gpu(adam, cache_rows, kernels,
-                                                                                   monkeypatch):
+def test_skip_gram_with_evicting_caches_and_prefetch_equals_sparse_adam_on_the_gpu(adam, cache_rows, kernels):
     """Admissions of the next step's rows on a side stream, write-backs of the rows they evict on another
     (waiting for the admission only), the step in between: the same tables and Adam state as SparseAdam,
     with the cache's bookkeeping and the lookups' backward in their CuPy kernels or in torch operations."""
     pytest.importorskip("cupy")
-    from offload import _cache_cuda, _launch
+    from offload import _launch
 
-    monkeypatch.setattr(_cache_cuda, "ENABLED", kernels)
     ran = {k: _launch.LAUNCHES[k] for k in ("cache_fill", "cache_install", "cache_store", "seg_tiles",
                                                    "lru_select")}
     rows, dim = 40_000, 64
@@ -81,8 +79,9 @@ def test_skip_gram_with_evicting_caches_and_prefetch_equals_sparse_adam_on_the_g
                                                         engine="uva", cache_rows=cache_rows))
     opt = offload.attach(torch.optim.Adam(model.parameters(), lr=0.01, eps=1e-12, **adam))
     before = offload.uva_launch_counts().get("scatter", 0)
-    _train(model, opt, data, prefetch=True)
-    torch.cuda.synchronize()
+    with offload.use_cache_kernels(kernels):
+        _train(model, opt, data, prefetch=True)
+        torch.cuda.synchronize()
     for m in (model.inp, model.out):
         st = m.cache_stats()
         assert st["misses"] > cache_rows and st["hits"] > 0  # the caches evicted and hit

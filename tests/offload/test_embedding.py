@@ -817,3 +817,13 @@ def test_random_schedules_of_lookups_and_prefetches_equal_sparse_adam():
     random schedules, each the same as nn.Embedding(sparse=True) + SparseAdam."""
     for seed in range(40):
         _random_schedule_matches_sparse_adam(seed, "cpu")
+
+
+def test_cache_kernel_switch_restores_the_old_setting():
+    before = offload.get_cache_kernels()
+    with offload.use_cache_kernels(not before):
+        assert offload.get_cache_kernels() is (not before)
+        with offload.use_cache_kernels(before):
+            assert offload.get_cache_kernels() is before
+        assert offload.get_cache_kernels() is (not before)
+    assert offload.get_cache_kernels() is before
