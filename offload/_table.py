@@ -174,6 +174,38 @@ def _hybrid_fraction(device: torch.device, op: str) -> float:
     return f
 
 
+def _set_way(key: tuple[int, str], way: tuple[str, int, int]) -> None:
+    """Set the CPU engine's way of copying rows for ``key`` (see :data:`CPU_CHOICES`)."""
+    _movers[key], _chunks[key], _threads[key] = way[0], way[1] << 20, way[2]
+
+
+def _fastest_way(key: tuple[int, str], choices, timer) -> tuple[dict, float]:
+    """Time ``timer(way)`` with each way of ``choices`` set for ``key``; leave the fastest set. Returns the
+    times by way and the fastest time."""
+    by_way = {}
+    for way in choices:
+        _set_way(key, way)
+        by_way[way] = timer(way)
+    way = min(by_way, key=by_way.__getitem__)
+    _set_way(key, way)
+    return by_way, by_way[way]
+
+
+def _median_seconds(fn, device: torch.device, samples: int = 5) -> float:
+    """The median wall-clock seconds of ``fn()`` followed by a device synchronisation."""
+    times = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def _ways_report(by_way: dict) -> dict[str, float]:
+    return {f"cpu {w[0]} {w[1]} MiB {w[2]} threads": t for w, t in by_way.items()}
+
+
 def _measure(device: torch.device) -> dict[str, str]:
     dim, n = 128, 131_072
     row_bytes = dim * 4
@@ -195,41 +227,31 @@ def _measure(device: torch.device) -> dict[str, str]:
                 else:
                     table._scatter_unique(idx_dev, None, buf, eng)
 
-            def timed(eng):
+            def timed(eng, run=run):
                 run(eng)
                 torch.cuda.synchronize(device)
-                samples = []
-                for _ in range(5):
-                    t0 = time.perf_counter()
-                    run(eng)
-                    torch.cuda.synchronize(device)
-                    samples.append(time.perf_counter() - t0)
-                return sorted(samples)[len(samples) // 2]
+                return _median_seconds(lambda: run(eng), device)
 
             times = {"uva": timed("uva")}
-            by_way = {}
-            for way in CPU_CHOICES:
-                _movers[key], _chunks[key], _threads[key] = way[0], way[1] << 20, way[2]
-                by_way[way] = timed("cpu")
-            way = min(by_way, key=by_way.__getitem__)
-            _movers[key], _chunks[key], _threads[key] = way[0], way[1] << 20, way[2]
-            times["cpu"] = by_way[way]
+            by_way, times["cpu"] = _fastest_way(key, CPU_CHOICES, lambda way, timed=timed: timed("cpu"))
             even = times["cpu"] / (times["uva"] + times["cpu"])  # the split if the two added up
             if ADAPT_SPLIT:
                 _fractions[key] = min(0.95, max(0.05, even))
                 hkey = (device.index, f"{op} hybrid")
-                by_hybrid = {}
-                for w in CPU_CHOICES:  # the hybrid's CPU part moves fewer rows: its best way may differ
-                    _movers[hkey], _chunks[hkey], _threads[hkey] = w[0], w[1] << 20, w[2]
+                splits = {}
+
+                def timed_hybrid(way, run=run, timed=timed, key=key, splits=splits):
                     for _ in range(6):  # let the split settle
                         run("hybrid")
                         torch.cuda.synchronize(device)
-                    by_hybrid[w] = (timed("hybrid"), _fractions[key])
-                w = min(by_hybrid, key=lambda w: by_hybrid[w][0])
-                _movers[hkey], _chunks[hkey], _threads[hkey] = w[0], w[1] << 20, w[2]
-                times["hybrid"], _fractions[key] = by_hybrid[w]
-                report[op] = {f"hybrid, cpu part {v[0]} {v[1]} MiB {v[2]} threads": t[0]
-                              for v, t in by_hybrid.items()}
+                    t = timed("hybrid")
+                    splits[way] = _fractions[key]
+                    return t
+
+                # the hybrid's CPU part moves fewer rows: its best way may differ
+                by_hybrid, times["hybrid"] = _fastest_way(hkey, CPU_CHOICES, timed_hybrid)
+                _fractions[key] = splits[min(by_hybrid, key=by_hybrid.__getitem__)]
+                report[op] = {f"hybrid, cpu part {v[0]} {v[1]} MiB {v[2]} threads": t for v, t in by_hybrid.items()}
             else:
                 by_split = {}
                 for f in sorted({round(even, 2), round(even - 0.1, 2), round(even + 0.1, 2), 0.3, 0.5, 0.7}):
@@ -238,8 +260,7 @@ def _measure(device: torch.device) -> dict[str, str]:
                 _fractions[key] = min(by_split, key=by_split.__getitem__)
                 times["hybrid"] = by_split[_fractions[key]]
             best[op] = min(times, key=times.__getitem__)
-            report[op] = {**{f"cpu {w[0]} {w[1]} MiB {w[2]} threads": t for w, t in by_way.items()},
-                          **report.get(op, {}), **times, "uva share": _fractions[key]}
+            report[op] = {**_ways_report(by_way), **report.get(op, {}), **times, "uva share": _fractions[key]}
         idx_host = idx_dev.cpu()
         for op in ("gather", "scatter"):
             use = f"{op} host"
@@ -251,33 +272,26 @@ def _measure(device: torch.device) -> dict[str, str]:
                 else:
                     table.scatter(idx_host, buf, unique=True)
 
-            def timed_host(eng, calls=16):  # back-to-back calls, timed together to the end of the last
+            def timed_host(eng, run_host=run_host, calls=16):  # back-to-back calls, timed to the end of the last
                 table.engine = eng
+
+                def calls_then_land():
+                    for _ in range(calls):
+                        run_host()
+                    table.synchronize()
+
                 for _ in range(2):
                     run_host()
                 table.synchronize()
                 torch.cuda.synchronize(device)
-                samples = []
-                for _ in range(5):
-                    t0 = time.perf_counter()
-                    for _ in range(calls):
-                        run_host()
-                    table.synchronize()
-                    torch.cuda.synchronize(device)
-                    samples.append((time.perf_counter() - t0) / calls)
-                return sorted(samples)[len(samples) // 2]
+                return _median_seconds(calls_then_land, device) / calls
 
             times = {"uva": timed_host("uva")}
-            by_way = {}
-            for way in CPU_CHOICES_HOST:
-                _movers[key], _chunks[key], _threads[key] = way[0], way[1] << 20, way[2]
-                by_way[way] = timed_host("cpu")
-            way = min(by_way, key=by_way.__getitem__)
-            _movers[key], _chunks[key], _threads[key] = way[0], way[1] << 20, way[2]
-            times["cpu"] = by_way[way]
+            by_way, times["cpu"] = _fastest_way(key, CPU_CHOICES_HOST,
+                                                lambda way, timed_host=timed_host: timed_host("cpu"))
             table.engine = "cpu"
             best[use] = "uva" if times["cpu"] > HOST_UVA_MARGIN * times["uva"] else "cpu"
-            report[use] = {**{f"cpu {w[0]} {w[1]} MiB {w[2]} threads": t for w, t in by_way.items()}, **times}
+            report[use] = {**_ways_report(by_way), **times}
     table.close()
     return best
 
@@ -1381,11 +1395,7 @@ class HostTable:
         if self._host_route(idx, "gather"):
             flat, _ = _host_flat(idx)
             n = flat.numel()
-            if out is not None:
-                self._check_out(out, n)
-                rows = out
-            else:
-                rows = torch.empty(n, self.dim, dtype=self.dtype, device=self.device)
+            rows = self._rows_out(out, n)
             if n:
                 _check_host_bounds(flat, self.num_rows)
                 self._gather_host(flat, rows)
@@ -1395,11 +1405,7 @@ class HostTable:
             n = flat.numel()
             ascending = self._check_unique(flat) if n else True
             engine = self.resolved_engine("gather")
-            if out is not None:
-                self._check_out(out, n)
-                rows = out
-            else:
-                rows = torch.empty(n, self.dim, dtype=self.dtype, device=self.device)
+            rows = self._rows_out(out, n)
             if n:
                 self._gather_ordered(flat, ascending, rows, engine)
             return rows.view(*shape, self.dim)
@@ -1414,6 +1420,13 @@ class HostTable:
         else:
             rows = rows.index_select(0, inverse)
         return rows.view(*shape, self.dim)
+
+    def _rows_out(self, out: Tensor | None, n: int) -> Tensor:
+        """``out`` checked to hold ``n`` rows, or a new tensor of ``n`` rows on :attr:`device`."""
+        if out is None:
+            return torch.empty(n, self.dim, dtype=self.dtype, device=self.device)
+        self._check_out(out, n)
+        return out
 
     def _check_out(self, out: Tensor, n: int) -> None:
         bad = out.shape != (n, self.dim) or out.dtype != self.dtype or out.device != self.device
