@@ -68,17 +68,14 @@ def _cache_engine(table: HostTable, op: str) -> str:
 
 def _check_writable(tables: list[HostTable]) -> None:
     for t in tables:
-        if getattr(t, "_readonly", False):
-            raise RuntimeError("this HostTable is a read-only memory map (mmap_mode='r'); it cannot be scattered to")
+        t._check_writable()
 
 
 def _land(tables: list[HostTable]) -> None:
-    """Before a kernel of ours touches their rows: the tables' own deferred host writes, if they keep any,
-    are written first (as their gathers and scatters do)."""
+    """Before a kernel of ours touches their rows: the tables' deferred host writes are written first (as
+    their gathers and scatters do)."""
     for t in tables:
-        land = getattr(t, "_land", None)
-        if land is not None:
-            land()
+        t._land()
 
 
 def _prepare_uva(op: str, tables: list[HostTable], ids: Tensor, devs: list[Tensor],
@@ -765,15 +762,12 @@ class OffloadedEmbedding(nn.Module):
         miss = torch.empty(n, dtype=torch.bool, device=flat.device).scatter_(0, seg, miss_flat)
         return _Rows(ids, inverse, slots, miss, vals[3])
 
-    def _fetch(self, ids: Tensor, slots: Tensor | None = None, miss: Tensor | None = None,
-               n_miss: int = 0, first: bool = True, prefetched: int | None = None,
-               reserved: bool = False, miss_pos: Tensor | None = None, miss_ids: Tensor | None = None,
-               stamped: bool = False) -> tuple[_Chunk, Tensor]:
-        """Rows ``ids`` (distinct, checked; with a cache, their ``slots`` and the ``n_miss`` rows not cached as
-        ``miss`` or as ``miss_pos`` and ``miss_ids``, from :meth:`_distinct`, ``stamped`` if it set the slots'
-        LRU stamps) for a new chunk of the working set: from the cache, a pending
-        :meth:`prefetch`, or the host tables; per-row state starts gathering on a side stream. Rows from the
-        host are admitted to the cache (evicting the least recently used rows) as far as it has room.
+    def _fetch(self, got: _Rows, first: bool = True, prefetched: int | None = None,
+               reserved: bool = False) -> tuple[_Chunk, Tensor]:
+        """Rows ``got.ids`` (distinct, checked; with a cache, their slots and misses, see :class:`_Rows`) for a
+        new chunk of the working set: from the cache, a pending :meth:`prefetch`, or the host tables; per-row
+        state starts gathering on a side stream. Rows from the host are admitted to the cache (evicting the
+        least recently used rows) as far as it has room.
 
         ``first``: the chunk starts the step. ``prefetched``: the number of rows that the one :meth:`prefetch`
         since the last step admitted for exactly these rows, all of which it found cached or admitted (its
@@ -781,6 +775,7 @@ class OffloadedEmbedding(nn.Module):
         ``reserved``: a prefetch of exactly these indices counted their cached rows in ``cache.reserved`` (which
         became ``cache.protected`` at this step), so they are not counted again."""
         cache = self._cache
+        ids, slots, n_miss = got.ids, got.slots, got.n_miss
         self._join(host=cache is None or n_miss > 0)
         if cache is None:
             return self._fetch_uncached(ids)
@@ -789,13 +784,13 @@ class OffloadedEmbedding(nn.Module):
         chunk = _Chunk(ids=ids, slots=slots)
         # This step's cached rows are not evicted for its misses (a miss marks the scratch row). (Always: the
         # prefetch marked them for this step, but a later lookup of the step before may have marked some since.)
-        if not stamped:
+        if not got.stamped:
             cache.last_use.index_fill_(0, slots, cache.clock)
         if prefetched is not None:
             cache.prefetch_hits += prefetched
         elif first and cache.first_gen is not None:  # hits on rows that prefetches admitted since the last step
-            got = (cache.fresh.index_select(0, slots) >= cache.first_gen).sum()
-            cache.prefetch_hits_dev = got if cache.prefetch_hits_dev is None else cache.prefetch_hits_dev + got
+            hits = (cache.fresh.index_select(0, slots) >= cache.first_gen).sum()
+            cache.prefetch_hits_dev = hits if cache.prefetch_hits_dev is None else cache.prefetch_hits_dev + hits
         cache.hits += n - n_miss
         cache.misses += n_miss
         if not reserved:
@@ -803,8 +798,9 @@ class OffloadedEmbedding(nn.Module):
         if n_miss == 0:
             chunk.miss_pos = ids.new_empty(0)
             return chunk, cache.weight.index_select(0, slots)
+        miss_pos, miss_ids = got.miss_pos, got.miss_ids
         if miss_pos is None:
-            miss_pos = _compact(miss, n_miss)
+            miss_pos = _compact(got.miss, n_miss)
             miss_ids = ids.index_select(0, miss_pos)
         chunk.miss_pos = miss_pos
         uva = self._cache_uva(cache)
@@ -1011,23 +1007,19 @@ class OffloadedEmbedding(nn.Module):
         nxt, self._next = self._next, None
         same = nxt is not None and nxt.matches(flat)
         matched = cache is not None and same
-        extra, runs = {}, None
         if same:
             # the indices :meth:`prefetch` saw: deduplicated and bounds-checked there, no read-back here
-            ids, inverse, slots, miss, n_miss, runs = nxt.ids, nxt.inverse, None, None, 0, nxt.runs
+            got = _Rows(nxt.ids, nxt.inverse, runs=nxt.runs)
             if cache is not None:
-                slots = cache.slot_of.index_select(0, ids)
+                got.slots = cache.slot_of.index_select(0, got.ids)
                 if not nxt.all_cached:
-                    miss = slots == cache.capacity
-                    n_miss = int(miss.sum())
+                    got.miss = got.slots == cache.capacity
+                    got.n_miss = int(got.miss.sum())
                 elif cache.prefetches == 1:
                     prefetched = nxt.n_admit
         else:
             got = self._distinct(flat, cache, stamp=-1 if cache is None else cache.clock)
-            ids, inverse, slots, miss, n_miss = got.ids, got.inverse, got.slots, got.miss, got.n_miss
-            extra = {"miss_pos": got.miss_pos, "miss_ids": got.miss_ids, "stamped": got.stamped}
-            runs = got.runs
-        chunk, rows = self._fetch(ids, slots, miss, n_miss, prefetched=prefetched, reserved=matched, **extra)
+        chunk, rows = self._fetch(got, prefetched=prefetched, reserved=matched)
         if cache is not None:
             cache.prefetches, cache.first_gen = 0, None
         if self.max_norm is not None:
@@ -1040,10 +1032,10 @@ class OffloadedEmbedding(nn.Module):
         chunk.leaf = rows.detach().requires_grad_(True)
         weight = self.weight
         chunk.leaf.register_post_accumulate_grad_hook(lambda leaf: setattr(weight, "grad", leaf.grad))
-        self._work = _Work(chunks=[chunk], sorted_ids=ids, perm=None,
-                           renormed=self.max_norm is not None, runs=runs)
+        self._work = _Work(chunks=[chunk], sorted_ids=got.ids, perm=None,
+                           renormed=self.max_norm is not None, runs=got.runs)
         self._work.version = self.weight._version
-        return inverse
+        return got.inverse
 
     def _locate(self, flat: Tensor) -> Tensor:
         work = self._work
@@ -1064,8 +1056,7 @@ class OffloadedEmbedding(nn.Module):
                 raise RuntimeError("OffloadedEmbedding: new rows looked up after the optimizer's step began")
             cache = self._cache
             got = self._distinct(new, cache, stamp=-1 if cache is None else cache.clock)
-            chunk, rows = self._fetch(got.ids, got.slots, got.miss, got.n_miss, first=False, miss_pos=got.miss_pos,
-                                      miss_ids=got.miss_ids, stamped=got.stamped)
+            chunk, rows = self._fetch(got, first=False)
             if self.max_norm is not None:
                 self._renorm(rows)
             chunk.leaf = rows.requires_grad_(True)

@@ -681,6 +681,17 @@ def _run_rows(fn, rounds: list[tuple[int, int]], row_bytes: int, *, threads: int
         raise job.error
 
 
+def _row_writer(way: str, data: Tensor, np_rows: np.ndarray | None, idx: Tensor, staged: Tensor, first: int = 0):
+    """``fn(s, e)`` that writes staged rows ``staged[s - first:e - first]`` into rows ``idx[s:e]`` of the table
+    ``data``: by torch's ``index_copy_`` (way ``"torch"``) or by numpy's ``put`` into ``np_rows``, the table's
+    numpy rows (the pool's way)."""
+    if way == "torch":
+        dst, src = _wide_pair(data, staged)
+        return lambda s, e: dst.index_copy_(0, idx[s:e], src[s - first:e - first])
+    ii, src = idx.numpy(), _row_array(staged)
+    return lambda s, e: _put(np_rows, ii[s:e], src[s - first:e - first])
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Deferred scatters of the CPU engine
 
@@ -700,12 +711,14 @@ class _PendingWrite:
     never raises an ``Exception``: a failure is kept in :attr:`error`, which the table raises at its next
     use, naming the rows."""
 
-    def __init__(self, stage: _Staging, data: Tensor, np_rows: np.ndarray | None, idx: Tensor, use: str):
+    def __init__(self, stage: _Staging, data: Tensor, np_rows: np.ndarray | None, idx: Tensor, use: str,
+                 plan: tuple[str, int]):
         self.stage = stage
         self.data = data
         self.np_rows = np_rows  # the table as numpy rows (the "pool" way), else None
         self.idx = idx  # the caller's indices, copied
         self.use = use
+        self.way, self.threads = plan  # (see _copy_plan), as when np_rows was chosen
         self.view: Tensor | None = None  # the staged rows
         self.event: torch.cuda.Event | None = None
         self.units = (0, 0)  # set by _Staging.take
@@ -736,22 +749,11 @@ class _PendingWrite:
             writing = True
             view, idx = self.view, self.idx
             row_bytes = view.shape[1] * view.element_size()
-            way, threads = _copy_plan(self.stage.device.index, self.use)
             per = self.stage.rows_per_chunk(row_bytes, self.use)
             n = idx.numel()
             rounds = [(s, min(n, s + per)) for s in range(0, n, per)]
-            if way == "torch":
-                dst_w, src_w = _wide_pair(self.data, view)
-
-                def fn(s, e):
-                    dst_w.index_copy_(0, idx[s:e], src_w[s:e])
-            else:
-                dst, ii, src = self.np_rows, idx.numpy(), _row_array(view)
-
-                def fn(s, e):
-                    _put(dst, ii[s:e], src[s:e])
-
-            _run_rows(fn, rounds, row_bytes, threads=threads)
+            _run_rows(_row_writer(self.way, self.data, self.np_rows, idx, view), rounds, row_bytes,
+                      threads=self.threads)
             self.idx = None
         except BaseException as exc:
             what = "some of them may be written, others not" if writing else "none of them was written"
@@ -1221,8 +1223,7 @@ class HostTable:
 
     def _scatter_unique(self, uniq: Tensor, uniq_cpu: Tensor | None, rows: Tensor, engine: str) -> None:
         """``rows[uniq] = rows``; ``uniq`` checked and distinct, on ``self.device``."""
-        if getattr(self, "_readonly", False):
-            raise RuntimeError("this HostTable is a read-only memory map (mmap_mode='r'); it cannot be scattered to")
+        self._check_writable()
         n = uniq.numel()
         if n == 0:
             return
@@ -1281,18 +1282,9 @@ class HostTable:
                 b0, view, rounds, gates = pending
                 if ahead and k + 1 < len(batches):
                     pending = stage_in(*batches[k + 1])
-                if way == "torch":
-                    dst_w, src_w = _wide_pair(self._data, view)
-
-                    def fn(s, e, src_w=src_w, dst_w=dst_w, b0=b0):
-                        dst_w.index_copy_(0, uniq_cpu[s:e], src_w[s - b0:e - b0])
-                else:
-                    dst, idx, src = self._rows_np(), uniq_cpu.numpy(), _row_array(view)
-
-                    def fn(s, e, src=src, idx=idx, dst=dst, b0=b0):
-                        _put(dst, idx[s:e], src[s - b0:e - b0])
-
-                _run_rows(fn, rounds, row_bytes, threads=threads, gates=gates)
+                np_rows = None if way == "torch" else self._rows_np()
+                _run_rows(_row_writer(way, self._data, np_rows, uniq_cpu, view, b0), rounds, row_bytes,
+                          threads=threads, gates=gates)
                 if not ahead and k + 1 < len(batches):
                     pending = stage_in(*batches[k + 1])
 
@@ -1307,8 +1299,7 @@ class HostTable:
         """``table[flat] = rows`` by the CPU engine for checked, distinct, non-empty host indices (``owned``:
         ``flat`` is no memory of the caller's). Deferred (see :data:`DEFER_SCATTER`): the rows' copy into
         staging memory is queued, then the previous deferred scatter is written (while that copy runs)."""
-        if getattr(self, "_readonly", False):
-            raise RuntimeError("this HostTable is a read-only memory map (mmap_mode='r'); it cannot be scattered to")
+        self._check_writable()
         rows = rows.to(device=self.device, dtype=self.dtype).contiguous()
         n = flat.numel()
         nbytes = n * self.dim * self._data.element_size()
@@ -1324,9 +1315,9 @@ class HostTable:
                 self._land()
                 self._scatter_cpu(flat, rows, "scatter host")
             else:
-                way, _ = _copy_plan(self.device.index, "scatter host")
-                p = _PendingWrite(stage, self._data, self._rows_np() if way == "pool" else None,
-                                  flat if owned else flat.clone(), "scatter host")
+                plan = _copy_plan(self.device.index, "scatter host")
+                p = _PendingWrite(stage, self._data, self._rows_np() if plan[0] == "pool" else None,
+                                  flat if owned else flat.clone(), "scatter host", plan)
                 piece, p.event = stage.take(nbytes, holder=p)
                 p.view = piece.view(self.dtype).view(n, self.dim)
                 p.view.copy_(rows, non_blocking=True)
@@ -1420,6 +1411,10 @@ class HostTable:
         else:
             rows = rows.index_select(0, inverse)
         return rows.view(*shape, self.dim)
+
+    def _check_writable(self) -> None:
+        if getattr(self, "_readonly", False):
+            raise RuntimeError("this HostTable is a read-only memory map (mmap_mode='r'); it cannot be scattered to")
 
     def _rows_out(self, out: Tensor | None, n: int) -> Tensor:
         """``out`` checked to hold ``n`` rows, or a new tensor of ``n`` rows on :attr:`device`."""
