@@ -43,7 +43,7 @@ import threading
 import torch
 from torch import Tensor
 
-from offload._launch import LAUNCH_MODE, LAUNCHES, SLOW_LAUNCHES
+from offload._launch import LAUNCH_MODE, LAUNCHES, SLOW_LAUNCHES, sm_count
 from offload._launch import compile_kernel as _compile
 from offload._launch import current_device as _current_device
 from offload._launch import launch as _launch
@@ -327,15 +327,9 @@ def use_kernels(device: torch.device) -> bool:
     return True
 
 
-_SMS: dict[int, int] = {}
-
-
 def _max_grid(index: int) -> int:
     """Grid cap of a grid-stride kernel: 32 blocks per multiprocessor."""
-    sms = _SMS.get(index)
-    if sms is None:
-        sms = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return sms * 32
+    return sm_count(index) * 32
 
 
 def _grid(work: int, block: int, index: int) -> int:

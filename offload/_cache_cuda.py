@@ -356,7 +356,7 @@ def lru_victims(stamps: Tensor, k: int, clock: int) -> Tensor:
     hist, params, ctr = work.data_ptr(), work.data_ptr() + 8 * LRU_AGES, work.data_ptr() + 8 * (LRU_AGES + 3)
     kern = {name: _launch.compile_kernel("offload_lru", _LRU_SRC, name, {}, index, fmt)
             for name, fmt in (("lru_hist", "QQqq"), ("lru_threshold", "QQq"), ("lru_select", "QQQQqqq"))}
-    _launch.launch(kern["lru_hist"], max(1, min(-(-filled // _BLOCK), _sms(index) * 4)), _BLOCK,
+    _launch.launch(kern["lru_hist"], max(1, min(-(-filled // _BLOCK), _launch.sm_count(index) * 4)), _BLOCK,
                    (stamps.data_ptr(), hist, filled, clock))
     _launch.launch(kern["lru_threshold"], 1, LRU_AGES // 4, (hist, params, k))
     _launch.launch(kern["lru_select"], _grid(filled, index), _BLOCK,
@@ -393,8 +393,6 @@ def segment_sum(grad: Tensor, runs: tuple[Tensor, Tensor, Tensor], count: int) -
     return gw
 
 
-_VTYPES = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short", 1: "unsigned char"}
-_SMS: dict[int, int] = {}
 
 
 def usable(device: torch.device) -> bool:
@@ -402,15 +400,8 @@ def usable(device: torch.device) -> bool:
     return _enabled and cupy is not None and device.type == "cuda"
 
 
-def _sms(index: int) -> int:
-    sms = _SMS.get(index)
-    if sms is None:
-        sms = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return sms
-
-
 def _grid(work: int, index: int) -> int:
-    return max(1, min(-(-work // _BLOCK), _sms(index) * 32))
+    return max(1, min(-(-work // _BLOCK), _launch.sm_count(index) * 32))
 
 
 def _kernel(name: str, index: int, fmt: str):
@@ -503,13 +494,10 @@ def store(records: Tensor, dest: Tensor, srcs: list[Tensor], dirty: Tensor) -> b
     if n == 0:
         return True
     row_bytes = dim * records.element_size()
-    m = row_bytes | 16 | records.data_ptr()
-    for s in srcs:
-        m |= s.data_ptr()
-    width = m & -m
+    width = _launch.vector_width(row_bytes, records.data_ptr(), *(s.data_ptr() for s in srcs))
     vpr = row_bytes // width
     kernel = _launch.compile_kernel("offload_cache_store", _STORE_SRC, "cache_store",
-                                    {"V_T": _VTYPES[width], "STORE_K": k}, index, "QQQQQQQqqqq")
+                                    {"V_T": _launch.VECTOR_TYPES[width], "STORE_K": k}, index, "QQQQQQQqqqq")
     ptrs = [s.data_ptr() for s in srcs] + [0] * (4 - k)
     _launch.launch(kernel, _grid(n * k * vpr, index), _BLOCK, (
         records.data_ptr(), *ptrs, dest.data_ptr(), dirty.data_ptr(), n, vpr, k * vpr, records.shape[0]))

@@ -28,8 +28,8 @@ try:
 except (ImportError, OSError):  # pragma: no cover - depends on the machine
     cupy = None
 
-__all__ = ["KERNELS", "LAUNCHES", "LAUNCH_MODE", "SLOW_LAUNCHES", "Kernel", "compile_kernel", "current_device",
-           "launch", "stream_ptr"]
+__all__ = ["KERNELS", "LAUNCHES", "LAUNCH_MODE", "SLOW_LAUNCHES", "VECTOR_TYPES", "Kernel", "compile_kernel",
+           "current_device", "launch", "sm_count", "stream_ptr", "vector_width"]
 
 #: Kernel launches per kernel name since import (tests use it to prove a kernel ran).
 LAUNCHES: Counter[str] = Counter()
@@ -42,6 +42,27 @@ KERNELS: dict[tuple, Kernel] = {}
 _LOCK = threading.Lock()
 _STREAMS: dict[tuple[int, int], object] = {}
 _MAX_ARGS = 16
+
+#: CUDA types of a vector of raw bytes, by width in bytes (for kernels that move rows of any dtype).
+VECTOR_TYPES = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short", 1: "unsigned char"}
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def vector_width(*values: int) -> int:
+    """The widest vector (16, 8, 4, 2 or 1 bytes) that divides every value: row sizes, strides, addresses."""
+    m = 16
+    for v in values:
+        m |= v
+    return m & -m
+
+
+def sm_count(index: int) -> int:
+    """The multiprocessors of CUDA device ``index`` (asked once)."""
+    got = _SM_COUNTS.get(index)
+    if got is None:
+        got = _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return got
 
 
 class _RawStream:

@@ -42,8 +42,6 @@ except (ImportError, OSError):  # pragma: no cover - depends on the machine
 __all__ = ["available", "gather_rows", "gather_tables", "launch_counts", "scatter_rows", "scatter_tables",
            "take_bad_position"]
 
-_VTYPES = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short", 1: "unsigned char"}
-
 # Launch shape and cache policies. Kept as module state so that the benchmark can measure alternatives;
 # every value is part of the compiled kernel's cache key.
 THREADS = 256  # threads per block (fewer where the compiled kernel allows fewer)
@@ -159,7 +157,6 @@ extern "C" __global__ void offload_scatter(V* __restrict__ h0, V* __restrict__ h
 MAX_TABLES = 4  # tables one launch moves (more are moved in several launches)
 _FMT = "Q" * 10 + "q" * 5 + "Q"  # 4 host tables, 4 device arrays, idx, pos; n, vpr, rec, num_rows, dev_rows; bad
 
-_sm_count: dict[int, int] = {}
 _bad: dict[int, torch.Tensor] = {}
 _lock = threading.Lock()
 _launches: collections.Counter[str] = collections.Counter()
@@ -176,18 +173,16 @@ class _Plan:
 
     def __init__(self, op: str, device: int, width: int, group: int, k: int) -> None:
         threads, unroll, load, store = _variant()
-        defines = {"V_T": _VTYPES[width], "OFFLOAD_G": group, "OFFLOAD_U": unroll, "OFFLOAD_K": k,
+        defines = {"V_T": _launch.VECTOR_TYPES[width], "OFFLOAD_G": group, "OFFLOAD_U": unroll, "OFFLOAD_K": k,
                    "LD_HOST(p)": _LOADS[load], "ST_HOST(p, v)": _STORES[store]}
         self.kernel = _launch.compile_kernel("offload", _SRC, f"offload_{op}", defines, device, _FMT)
         with _lock:
-            if device not in _sm_count:
-                _sm_count[device] = torch.cuda.get_device_properties(device).multi_processor_count
             if device not in _bad:
                 _bad[device] = torch.full((1,), _NO_BAD, dtype=torch.int64, device=torch.device("cuda", device))
         # registers can cap a block below THREADS
         self.threads = min(threads, self.kernel.max_threads_per_block // 32 * 32)
         self.rows_per_block = self.threads * unroll // group
-        self.blocks = _sm_count[device] * BLOCKS_PER_SM
+        self.blocks = _launch.sm_count(device) * BLOCKS_PER_SM
         self.bad = _bad[device].data_ptr()
 
 
@@ -324,12 +319,7 @@ def prepare(op: str, hosts, idx: torch.Tensor, devs, pos: torch.Tensor | None = 
     for s in range(0, k, MAX_TABLES):
         hp = [h.data_ptr() for h in hosts[s:s + MAX_TABLES]]
         dp = [d.data_ptr() for d in devs[s:s + MAX_TABLES]]
-        m = row_bytes | rec_bytes | 16
-        for ptr in hp:
-            m |= ptr
-        for ptr in dp:
-            m |= ptr
-        width = m & -m  # the widest vector (<= 16 bytes) that divides the rows, their stride and every pointer
+        width = _launch.vector_width(row_bytes, rec_bytes, *hp, *dp)
         vpr = row_bytes // width
         group = _group(vpr)
         kk = len(hp)
