@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 import statistics
 import time
 from collections.abc import Callable
@@ -46,3 +49,19 @@ def wall_seconds(fn: Callable[[], object], iters: int = 10, warmup: int = 2, rep
         torch.cuda.synchronize()
         means.append((time.perf_counter() - start) / iters)
     return statistics.median(means)
+
+
+def host_profile(fn: Callable[[], object], calls: int, sorts: tuple[tuple[str, int], ...] = (("tottime", 25),)) -> str:
+    """cProfile of ``calls`` calls of ``fn`` (the device synchronised after, outside the profile), as text: the
+    top ``lines`` entries by each ``(sort key, lines)`` of ``sorts``. Where the host time of a step goes."""
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        fn()
+    profile.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    for key, lines in sorts:
+        stats.sort_stats(key).print_stats(lines)
+    return text.getvalue()

@@ -31,7 +31,7 @@ import os
 import statistics
 
 import torch
-from _timing import wall_seconds
+from _timing import host_profile, wall_seconds
 from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
 
@@ -203,10 +203,6 @@ def host_time(fn, iters: int = 1000, repeats: int = 5) -> float:
 def part_host() -> None:
     """Host time of one eager step (and of its pieces) on a tiny table, where the GPU idles: what bounds
     the small-dim steps of part 1. Also writes a cProfile of torchmb's step to ``profile_host.txt``."""
-    import cProfile
-    import io
-    import pstats
-
     rows, dim, nidx = 1000, 16, 256
     gen = torch.Generator(device=dev).manual_seed(5)
     idx = torch.randint(0, rows, (nidx,), device=dev, generator=gen)
@@ -269,17 +265,10 @@ def part_host() -> None:
     t["torch.cuda.current_device"] = host_time(torch.cuda.current_device)
     emit(part="host", rows=rows, dim=dim, indices=nidx, launch_mode=ecuda.LAUNCH_MODE[0],
          **{f"{k}_us": v * 1e6 for k, v in t.items()})
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(300):
-        run_fast()
-    torch.cuda.synchronize()
-    prof.disable()
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+    text = host_profile(run_fast, 300)
     if OUT_FILE:
         with open(os.path.join(os.path.dirname(OUT_FILE[0]), "profile_host.txt"), "w") as f:
-            f.write(text.getvalue())
+            f.write(text)
     print("\n".join(text.getvalue().splitlines()[:40]), flush=True)
 
 

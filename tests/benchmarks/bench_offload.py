@@ -27,7 +27,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from _timing import wall_seconds
+from _timing import host_profile, wall_seconds
 from torch import nn
 
 import offload
@@ -252,10 +252,6 @@ def part_c(state, profile=False):
     def host_phases(model, opt, feed, label, prefetch=False, steps=40):
         """Host milliseconds per step in each phase, and a cProfile of 20 more steps (--profile); the batches
         go on where ``feed`` stands."""
-        import cProfile
-        import io
-        import pstats
-
         phases = dict.fromkeys(PHASES, 0.0)
         step = make_step(model, opt, feed, prefetch, phases)
         for _ in range(3):
@@ -271,18 +267,9 @@ def part_c(state, profile=False):
              **{f"{k}_ms": v / steps * 1e3 for k, v in phases.items()})
         out = os.environ.get("OUT")
         if out:
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(20):
-                step()
-            torch.cuda.synchronize()
-            prof.disable()
-            text = io.StringIO()
-            stats = pstats.Stats(prof, stream=text)
-            stats.sort_stats("tottime").print_stats(45)
-            stats.sort_stats("cumulative").print_stats(60)
+            text = host_profile(step, 20, (("tottime", 45), ("cumulative", 60)))
             with open(os.path.join(out, f"cprofile-{len(RESULTS)}.txt"), "w") as f:
-                f.write(f"{label} (20 steps)\n{text.getvalue()}")
+                f.write(f"{label} (20 steps)\n{text}")
 
     def run(model, opt, label, prefetch=False, **extra):
         feed = Feed(lambda k: data[k % len(data)])

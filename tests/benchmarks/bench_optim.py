@@ -32,7 +32,7 @@ import statistics
 import time
 
 import torch
-from _timing import cuda_ms
+from _timing import cuda_ms, host_profile
 
 import torchmb.optim as mo
 
@@ -164,23 +164,6 @@ VARIANTS = {  # (float4s per thread per work item, streaming hints, min blocks p
 }
 
 
-def host_profile(step, steps: int = 200) -> str:
-    """cProfile of ``steps`` calls of ``step``: where the host time of a step goes."""
-    import cProfile
-    import io
-    import pstats
-
-    profile = cProfile.Profile()
-    profile.enable()
-    for _ in range(steps):
-        step()
-    profile.disable()
-    torch.cuda.synchronize()
-    text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(14)
-    return text.getvalue()
-
-
 def breakdown(batch: int, device: torch.device, iters: int) -> dict:
     """Where the time of one step goes (see the module docstring)."""
     from torchmb.optim import _fused
@@ -230,7 +213,7 @@ def breakdown(batch: int, device: torch.device, iters: int) -> dict:
                 rows["fused_steps"] = opt.fused_steps
                 rows["launch_through_function"] = any(k[0] == kernel for k in _fused._FUNCTIONS)
                 rows["occupancy_from"] = sorted(set(_fused.OCCUPANCY_FROM.values()))
-                rows["host_profile"] = host_profile(opt.step)
+                rows["host_profile"] = host_profile(opt.step, 200, (("tottime", 14),))
             del opt, params
             torch.cuda.empty_cache()
         out[algorithm] = rows
