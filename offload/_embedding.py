@@ -131,10 +131,9 @@ def _commit(ids: Tensor, writes: list[tuple[HostTable, Tensor]], engines: list[s
         rows_list = [rows.detach().to(t.dtype).contiguous() for t, rows in writes]
         for (t, _), rows in zip(writes, rows_list, strict=True):
             _uva.check_and_compile(t._data, ids, rows)
-        ids_cpu = ids.cpu() if "hybrid" in engines else None
         with _signals_deferred():
             for (t, _), rows, engine in zip(writes, rows_list, engines, strict=True):
-                t._scatter_unique(ids, ids_cpu, rows, engine)
+                t._scatter_unique(ids, None, rows, engine)
         return
     ids_cpu = ids.cpu()
     staged = [_stage_rows(rows) for _, rows in writes]

@@ -9,6 +9,7 @@ variant for dataset rows of any shape.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import queue
 import tempfile
@@ -79,7 +80,6 @@ def use_engine(name: Engine) -> Iterator[None]:
 
 
 _choice: dict[int, dict[str, str]] = {}
-_fractions: dict[tuple[int, str], float] = {}
 _chunks: dict[tuple[int, str], int] = {}
 _movers: dict[tuple[int, str], str] = {}
 _threads: dict[tuple[int, str], int] = {}
@@ -108,14 +108,23 @@ CPU_CHOICES_HOST = (("torch", 16, 1), ("torch", 32, 1), ("torch", 64, 1))
 :func:`engine_choice`); 64 MiB chunks copy the measuring call's rows in one piece. (On an H200 with 16 host
 cores the pool took 6 to 12 times as long as torch's indexing in back-to-back calls, so it is not tried.)"""
 
-ADAPT_SPLIT = True
-"""Whether the hybrid engine re-balances its split after every call: from the GPU times of the previous
-call's two parts (CUDA events), it moves the split halfway towards the one at which both parts would end
-together. The split then follows the table and the machine (a large table's random rows cost the UVA
-kernel more address translations than the measuring table's)."""
+LONE_BLOCK_BYTES = 128 << 10
+"""The hybrid engine's split: a row of a call is *lone* when no other row of the call lies in the same
+``LONE_BLOCK_BYTES``-aligned block of the table. The CPU engine moves the lone rows, the UVA kernel the rest.
+Measured on H200s (``tests/benchmarks/bench_host_table.py --lone``; 131,072 sorted random rows of a 5 GB
+table): the UVA kernel read them at 0.76-0.87 of the contiguous copy, but as many rows two to a 1 KiB block,
+four to a 64 KiB block or all within 2 GiB at 0.88-0.92. What costs the GPU is reaching host addresses far
+from the others, and the few lone rows (3.4% at 128 KiB) cost most: the kernel read the other 96.6% in
+1.29-1.34 ms against 1.43-1.57 ms for as many rows drawn at random, and with the lone rows' bytes copied
+beside it the two took 1.33-1.38 ms (0.88-0.91)."""
+
+HYBRID_MIN_LONE_BYTES = 1 << 20
+"""The hybrid engine leaves every row to the UVA kernel when its lone rows (see :data:`LONE_BLOCK_BYTES`)
+hold fewer bytes than this: the CPU part costs a host synchronisation and a fixed ~0.2 ms, more than the
+kernel loses on a few lone rows. Calls whose lone rows, were the rows spread uniformly, would not reach it
+skip the count (and its synchronisation) altogether."""
 
 _measured: dict[int, dict[str, dict[str, float]]] = {}  # device -> op -> what -> seconds (for reports)
-_probes: dict[tuple[int, str], tuple] = {}  # the last hybrid call's (k, n, start, uva_end, cpu_end) events
 
 
 CHOICE_KEYS = ("gather", "scatter", "gather host", "scatter host")
@@ -123,21 +132,20 @@ CHOICE_KEYS = ("gather", "scatter", "gather host", "scatter host")
 
 
 def engine_choice(device: torch.device | str | int | None = None) -> dict[str, str]:
-    """What ``"auto"`` picks on ``device``: ``"uva"``, ``"cpu"`` or ``"hybrid"`` (both at once on disjoint
-    rows) for ``"gather"`` and ``"scatter"`` with indices on the GPU, and ``"uva"`` or ``"cpu"`` for
-    ``"gather host"`` and ``"scatter host"``, with indices in host memory (a CPU tensor, a numpy array or a
-    list).
+    """What ``"auto"`` picks on ``device``: ``"uva"`` or ``"cpu"`` for ``"gather"`` and ``"scatter"`` with
+    indices on the GPU and for ``"gather host"`` and ``"scatter host"``, with indices in host memory (a CPU
+    tensor, a numpy array or a list).
 
     Measured once per device and process, on a pinned table of :data:`MEASURE_BYTES` (allocated for the
     measurement and freed after). Device indices: 131,072 random rows gathered and scattered one call at a
-    time (each timed to its end) by the UVA engine, by the CPU engine in each way of :data:`CPU_CHOICES`
-    (the fastest is kept for it), and by the hybrid engine with its CPU part in each of those ways (the
-    fastest is kept for it), starting from the split at which both parts would take equally long and
-    re-balancing as it runs (see :data:`ADAPT_SPLIT`). Host indices: the same rows in back-to-back calls
+    time (each timed to its end) by the UVA engine and by the CPU engine in each way of
+    :data:`CPU_CHOICES` (the fastest is kept for it). Host indices: the same rows in back-to-back calls
     timed together, as a training loop or data loader makes them, by the UVA engine (the indices are
     copied to the GPU and checked there, which waits for the previous call) and by the CPU engine in each
-    way of :data:`CPU_CHOICES_HOST` (its calls check the indices on the host and overlap one another). The
-    fastest engine wins each key (for host indices the UVA engine must win by :data:`HOST_UVA_MARGIN`).
+    way of :data:`CPU_CHOICES_HOST` (its calls check the indices on the host and overlap one another; the
+    UVA engine must win by :data:`HOST_UVA_MARGIN`). The hybrid engine is not tried: its gain lies in the
+    rows of a large table that lie far from the others (see :data:`LONE_BLOCK_BYTES`), which the measuring
+    table's dense rows do not have, and where measured on a 5 GB table its own costs outweighed that gain.
     Without CuPy or a suitable GPU every answer is ``"cpu"``.
     """
     if not torch.cuda.is_available():
@@ -153,25 +161,6 @@ def engine_choice(device: torch.device | str | int | None = None) -> dict[str, s
                    else dict.fromkeys(CHOICE_KEYS, "cpu"))
             _choice[index] = got
     return dict(got)
-
-
-def _hybrid_fraction(device: torch.device, op: str) -> float:
-    """Share of the rows that the hybrid engine gives the UVA kernel: measured with :func:`engine_choice`,
-    then re-balanced from the previous call's timings (:data:`ADAPT_SPLIT`)."""
-    key = (device.index, op)
-    if key not in _fractions:
-        engine_choice(device)
-    f = _fractions.get(key, 0.5)
-    probe = _probes.pop(key, None)
-    if ADAPT_SPLIT and probe is not None:
-        k, n, start, uva_end, cpu_end = probe
-        if 0 < k < n and uva_end.query() and cpu_end.query():
-            per_uva = start.elapsed_time(uva_end) / k  # GPU milliseconds per row of each part
-            per_cpu = start.elapsed_time(cpu_end) / (n - k)
-            if per_uva > 0 and per_cpu > 0:
-                f = min(0.95, max(0.05, f + 0.5 * (per_cpu / (per_uva + per_cpu) - f)))
-                _fractions[key] = f
-    return f
 
 
 def _set_way(key: tuple[int, str], way: tuple[str, int, int]) -> None:
@@ -234,33 +223,8 @@ def _measure(device: torch.device) -> dict[str, str]:
 
             times = {"uva": timed("uva")}
             by_way, times["cpu"] = _fastest_way(key, CPU_CHOICES, lambda way, timed=timed: timed("cpu"))
-            even = times["cpu"] / (times["uva"] + times["cpu"])  # the split if the two added up
-            if ADAPT_SPLIT:
-                _fractions[key] = min(0.95, max(0.05, even))
-                hkey = (device.index, f"{op} hybrid")
-                splits = {}
-
-                def timed_hybrid(way, run=run, timed=timed, key=key, splits=splits):
-                    for _ in range(6):  # let the split settle
-                        run("hybrid")
-                        torch.cuda.synchronize(device)
-                    t = timed("hybrid")
-                    splits[way] = _fractions[key]
-                    return t
-
-                # the hybrid's CPU part moves fewer rows: its best way may differ
-                by_hybrid, times["hybrid"] = _fastest_way(hkey, CPU_CHOICES, timed_hybrid)
-                _fractions[key] = splits[min(by_hybrid, key=by_hybrid.__getitem__)]
-                report[op] = {f"hybrid, cpu part {v[0]} {v[1]} MiB {v[2]} threads": t for v, t in by_hybrid.items()}
-            else:
-                by_split = {}
-                for f in sorted({round(even, 2), round(even - 0.1, 2), round(even + 0.1, 2), 0.3, 0.5, 0.7}):
-                    _fractions[key] = min(0.95, max(0.05, f))
-                    by_split[_fractions[key]] = timed("hybrid")
-                _fractions[key] = min(by_split, key=by_split.__getitem__)
-                times["hybrid"] = by_split[_fractions[key]]
             best[op] = min(times, key=times.__getitem__)
-            report[op] = {**_ways_report(by_way), **report.get(op, {}), **times, "uva share": _fractions[key]}
+            report[op] = {**_ways_report(by_way), **times}
         idx_host = idx_dev.cpu()
         for op in ("gather", "scatter"):
             use = f"{op} host"
@@ -430,9 +394,8 @@ every wake-up itself)."""
 
 def _copy_plan(index: int | None, use: str) -> tuple[str, int]:
     """``(way, threads)`` of the CPU engine on CUDA device ``index`` (None: a CPU device) for ``use``:
-    ``"gather"`` or ``"scatter"`` (the CPU engine), or ``"gather hybrid"`` or ``"scatter hybrid"`` (the
-    hybrid's CPU part, measured apart: it moves fewer rows; where it was not measured, as the CPU
-    engine)."""
+    ``"gather"`` or ``"scatter"`` (the CPU engine and the hybrid's CPU part), or ``"gather host"`` or
+    ``"scatter host"`` (host indices, measured apart; where not measured, as ``"gather"`` / ``"scatter"``)."""
     key = (index, use)
     if key not in _movers:
         key = (index, use.split()[0])
@@ -861,7 +824,11 @@ class HostTable:
         :data:`CPU_COPY`), and copies each chunk to the GPU as soon as its rows are there, so CPU gathering
         and the DMA overlap (scatter is the reverse: each chunk's rows are written into the table as soon
         as its copy from the GPU has landed).
-        ``"hybrid"`` runs both at once on disjoint parts of the rows (the split is measured).
+        ``"hybrid"`` runs both at once on disjoint rows: the CPU engine moves a large call's lone rows, those
+        with no other row of the call within the same 128 KiB of the table, and the UVA kernel the rest
+        (see :data:`LONE_BLOCK_BYTES`). Its split costs a second synchronisation and the CPU engine's fixed
+        cost, which on the machines measured outweighed what the kernel gains (:func:`engine_choice` does
+        not pick it).
         ``"auto"`` uses :func:`engine_choice`, measured once per device, apart for indices on the GPU and
         indices in host memory. On a CPU compute device every engine is plain CPU indexing.
 
@@ -1102,34 +1069,62 @@ class HostTable:
             self._side = torch.cuda.Stream(self.device)
         return self._side
 
-    def _hybrid(self, op: str, uniq: Tensor, uniq_cpu: Tensor | None, rows: Tensor) -> None:
-        """Both engines at once on disjoint parts: the UVA kernel on the current stream, the CPU engine's
-        copies on a side stream, so GPU-initiated and DMA transfers share the PCIe link."""
+    def _lone_split(self, uniq: Tensor) -> tuple[Tensor, Tensor] | None:
+        """The hybrid's split of distinct GPU indices: the positions of the lone rows and of the others (each
+        in the order of ``uniq``, which should be ascending: neighbours are compared), or ``None`` where the
+        lone rows are too few to hand to the CPU engine (see :data:`HYBRID_MIN_LONE_BYTES`)."""
         n = uniq.numel()
-        k = round(n * _hybrid_fraction(self.device, op))
+        row_bytes = self.dim * self._data.element_size()
+        rows_per_block = LONE_BLOCK_BYTES / row_bytes
+        if rows_per_block < 2 or n < 2:  # a row as long as a block reaches its addresses in one sweep
+            return None
+        expected = n * math.exp(-n * rows_per_block / max(1, self.num_rows))  # lone rows if spread uniformly
+        if expected * row_bytes < HYBRID_MIN_LONE_BYTES:
+            return None
+        block = uniq * row_bytes // LONE_BLOCK_BYTES
+        same = torch.nn.functional.pad(block[1:] == block[:-1], (1, 1))  # same[i]: row i - 1 and row i share one
+        near = same[1:] | same[:-1]
+        lone = torch.nonzero(~near).squeeze(1)  # (reads the count back)
+        if lone.numel() * row_bytes < HYBRID_MIN_LONE_BYTES:
+            return None
+        return lone, torch.nonzero_static(near, size=n - lone.numel()).squeeze(1)
+
+    def _hybrid(self, op: str, uniq: Tensor, rows: Tensor) -> None:
+        """``rows[:] = table[uniq]`` (gather) or ``table[uniq] = rows`` (scatter) for checked, distinct
+        (best ascending) GPU indices by both engines at once: the UVA kernel on the current stream, the CPU
+        engine's copies of the lone rows on a side stream, so that GPU-initiated and DMA transfers share the
+        PCIe link (see :data:`LONE_BLOCK_BYTES`)."""
+        split = self._lone_split(uniq)
+        if split is None:
+            (_uva.gather_rows if op == "gather" else _uva.scatter_rows)(self._data, uniq, rows)
+            self._note_gpu_access("read" if op == "gather" else "write")
+            return
+        lone, near = split
         self.synchronize(reads=op == "scatter")  # the CPU part must not overtake earlier GPU accesses
         main = torch.cuda.current_stream(self.device)
         side = self._side_stream()
-        start, uva_end, cpu_end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-        start.record(main)
-        side.wait_stream(main)
-        cpu_idx = (uniq[k:] if uniq_cpu is None else uniq_cpu[k:])
+        lone_idx = torch.empty(lone.numel(), dtype=torch.int64, pin_memory=True)
+        lone_idx.copy_(uniq.index_select(0, lone), non_blocking=True)
+        staged = (torch.empty(lone.numel(), self.dim, dtype=self.dtype, device=self.device) if op == "gather"
+                  else rows.index_select(0, lone))
+        ready = torch.cuda.Event()
+        ready.record(main)  # before the kernel: the CPU part need not wait for it
         if op == "gather":
-            _uva.gather_rows(self._data, uniq[:k], rows[:k])
-            uva_end.record(main)
-            self._note_gpu_access("read")
-            with torch.cuda.stream(side):
-                self._gather_cpu(_host_index(cpu_idx), rows[k:], "gather hybrid")
+            _uva.gather_tables([self._data], uniq.index_select(0, near), [rows], pos=near)
         else:
-            _uva.scatter_rows(self._data, uniq[:k], rows[:k])
-            uva_end.record(main)
-            self._note_gpu_access("write")
-            with torch.cuda.stream(side):
-                self._scatter_cpu(_host_index(cpu_idx), rows[k:], "scatter hybrid")
-        cpu_end.record(side)  # gather: when the last copy lands; scatter: when the host has written the rows
-        _probes[(self.device.index, op)] = (k, n, start, uva_end, cpu_end)
+            _uva.scatter_tables([self._data], uniq.index_select(0, near), [rows], pos=near)
+        self._note_gpu_access("read" if op == "gather" else "write")
+        ready.synchronize()
+        side.wait_event(ready)
+        with torch.cuda.stream(side):
+            if op == "gather":
+                self._gather_cpu(lone_idx, staged)
+            else:
+                self._scatter_cpu(lone_idx, staged)
         main.wait_stream(side)
-        rows.record_stream(side)
+        staged.record_stream(side)
+        if op == "gather":
+            rows.index_copy_(0, lone, staged)
 
     def _gather_unique(self, uniq: Tensor, uniq_cpu: Tensor | None, out: Tensor, engine: str) -> None:
         """``out[:] = rows[uniq]``; ``uniq`` checked, on ``self.device``; ``uniq_cpu`` its CPU copy or None."""
@@ -1145,7 +1140,7 @@ class HostTable:
             self._note_gpu_access("read")
             return
         if engine == "hybrid":
-            self._hybrid("gather", uniq, uniq_cpu, out)
+            self._hybrid("gather", uniq, out)
             return
         self.synchronize(reads=False)
         self._gather_cpu(_host_index(uniq) if uniq_cpu is None else uniq_cpu, out)
@@ -1237,7 +1232,7 @@ class HostTable:
             _uva.scatter_rows(self._data, uniq, rows)
             self._note_gpu_access("write")
         elif engine == "hybrid":
-            self._hybrid("scatter", uniq, uniq_cpu, rows)
+            self._hybrid("scatter", uniq, rows)
         else:
             self.synchronize()
             self._scatter_cpu(_host_index(uniq) if uniq_cpu is None else uniq_cpu, rows)

@@ -77,11 +77,6 @@ def anchors(s):
     s.update(h2d=h2d, d2h=d2h, buf=buf, dbuf=dbuf)
 
 
-def _split(engine, op):
-    """The hybrid engine's UVA share after a measurement (it re-balances as it runs)."""
-    return {"uva_share": _table._fractions.get((dev.index or 0, op))} if engine == "hybrid" else {}
-
-
 def part_a(s):
     data, table, idx, idx_cpu, uniq, uniq_sorted = (s[k] for k in ("data", "table", "idx", "idx_cpu", "uniq",
                                                                     "uniq_sorted"))
@@ -108,7 +103,7 @@ def part_a(s):
     emit(part="A", op="gather", impl="anchor: host[idx].cuda()", ms=t * 1e3, GBps=nbytes / t / 1e9, ratio=h2d / t)
 
     t0 = time.perf_counter()
-    choice = offload.engine_choice(dev)  # first: the cpu and hybrid engines use what it measured
+    choice = offload.engine_choice(dev)  # first: the cpu engine and the hybrid's cpu part use what it measured
     measure_s = time.perf_counter() - t0
     for engine in ("uva", "cpu", "hybrid"):
         table.engine = engine
@@ -121,7 +116,7 @@ def part_a(s):
                                lambda: table.gather(uniq_sorted, unique=True, out=dbuf))]:
                 t = wall_seconds(fn, 10)
                 emit(part="A", op="gather", impl=f"offload {engine}: {label}", ms=t * 1e3, GBps=nbytes / t / 1e9,
-                     ratio=h2d / t, correct=ok, **_split(engine, "gather"))
+                     ratio=h2d / t, correct=ok)
             src = torch.randn(n, dim, device=dev)
             table.scatter(uniq, src, unique=True)
             torch.cuda.synchronize()
@@ -131,15 +126,13 @@ def part_a(s):
                                lambda src=src: table.scatter(uniq, src, unique=True))]:
                 t = wall_seconds(fn, 10)
                 emit(part="A", op="scatter", impl=f"offload {engine}: {label}", ms=t * 1e3, GBps=nbytes / t / 1e9,
-                     ratio=d2h / t, correct=ok, **_split(engine, "scatter"))
-            if engine != "hybrid":  # (the hybrid takes host indices to the GPU as before)
-                host_rows(s, engine, src)
+                     ratio=d2h / t, correct=ok)
+            host_rows(s, engine, src)
         except Exception as e:  # report and go on
             emit(part="A", impl=f"offload {engine}", error=repr(e)[:400])
     table.engine = None
     src = torch.randn(n, dim, device=dev)
     emit(part="A", note="auto engine choice", choice=choice, measure_s=measure_s,
-         uva_share_now={k[1]: v for k, v in _table._fractions.items()},
          cpu_way={k[1]: (_table._movers.get(k), _table._chunks.get(k, 0) >> 20, _table._threads.get(k))
                   for k in _table._chunks}, measured=_table._measured)
     for label, fn, anchor in [("gather(idx) [dedup + bounds check]", lambda: table.gather(idx), h2d),
@@ -420,39 +413,64 @@ def hostalloc_table(s):
         cp.cuda.runtime.freeHost(ptr)
 
 
-def hybrid_split(s):
-    """The hybrid engine at fixed splits (re-balancing off), then re-balancing from each of two starts."""
-    table, dbuf, h2d, d2h, uniq_sorted = (s[k] for k in ("table", "dbuf", "h2d", "d2h", "uniq_sorted"))
-    src = torch.randn(s["n"], s["dim"], device=dev)
-    offload.engine_choice(dev)
-    saved = dict(_table._fractions)
-    emit(part="X", what="engine_choice measurements (s)", measured=_table._measured)
-    emit(part="X", what="engine_choice ways", ways={str(k): v for k, v in _table._movers.items()},
-         chunks={str(k): v >> 20 for k, v in _table._chunks.items()},
-         threads={str(k): v for k, v in _table._threads.items()})
-    table.engine = "hybrid"
-    key_g, key_s = (dev.index or 0, "gather"), (dev.index or 0, "scatter")
-    old = _table.ADAPT_SPLIT
-    try:
-        _table.ADAPT_SPLIT = False
-        for f in (0.3, 0.4, 0.5, 0.6, 0.7, 0.8):
-            _table._fractions[key_g] = _table._fractions[key_s] = f
-            tg = wall_seconds(lambda: table.gather(uniq_sorted, unique=True, out=dbuf), 10)
-            ts = wall_seconds(lambda: table.scatter(uniq_sorted, src, unique=True), 10)
-            emit(part="X", what="hybrid split, fixed", uva_share=f, gather_ms=tg * 1e3, gather_ratio=h2d / tg,
-                 scatter_ms=ts * 1e3, scatter_ratio=d2h / ts)
-        _table.ADAPT_SPLIT = True
-        for f in (0.2, 0.9):
-            _table._fractions[key_g] = _table._fractions[key_s] = f
-            tg = wall_seconds(lambda: table.gather(uniq_sorted, unique=True, out=dbuf), 10, 20)
-            ts = wall_seconds(lambda: table.scatter(uniq_sorted, src, unique=True), 10, 20)
-            emit(part="X", what="hybrid split, re-balancing", start=f, gather_ms=tg * 1e3, gather_ratio=h2d / tg,
-                 gather_share=_table._fractions[key_g], scatter_ms=ts * 1e3, scatter_ratio=d2h / ts,
-                 scatter_share=_table._fractions[key_s])
-    finally:
-        _table.ADAPT_SPLIT = old
-        _table._fractions.update(saved)
-        table.engine = None
+def lone_rows(s):
+    """What the hybrid's split rests on (see offload._table.LONE_BLOCK_BYTES): the UVA kernel over index sets
+    of the same size that differ in how close their rows lie; over the rows that are not lone in blocks of
+    several sizes against as many rows drawn at random, alone and with the lone rows' bytes copied at the
+    same time; and the hybrid engine with each block size."""
+    table, host, dbuf, h2d, d2h, n = (s[k] for k in ("table", "data", "dbuf", "h2d", "d2h", "n"))
+    rows = s["rows"]
+    src = torch.randn(n, s["dim"], device=dev)
+    g = torch.Generator(device=dev).manual_seed(11)
+    patterns = {"random rows of the whole table, sorted": s["uniq_sorted"],
+                "random rows within 2 GiB, sorted": torch.randperm(4 << 20, device=dev, generator=g)[:n].sort().values}
+    for per, block_rows, what in ((2, 2, "two to a 1 KiB block"), (8, 8, "eight to a 4 KiB block"),
+                                  (4, 128, "four to a 64 KiB block")):
+        blocks = torch.randperm(rows // block_rows, device=dev, generator=g)[:n // per].sort().values
+        within = torch.randperm(block_rows, device=dev, generator=g)[:per].sort().values
+        patterns[f"random rows {what}, sorted"] = (blocks[:, None] * block_rows + within).reshape(-1)
+    for what, p in patterns.items():
+        tg = wall_seconds(lambda p=p: _uva.gather_rows(host, p, dbuf), 10)
+        ts = wall_seconds(lambda p=p: _uva.scatter_rows(host, p, src), 10)
+        emit(part="L", what="raw kernel", pattern=what, gather_ms=tg * 1e3, gather_ratio=h2d / tg,
+             scatter_ms=ts * 1e3, scatter_ratio=d2h / ts)
+    staging = torch.empty(n, s["dim"]).pin_memory()
+    side = torch.cuda.Stream()
+    for block in (32 << 10, 64 << 10, 128 << 10, 256 << 10):
+        monkey = {"LONE_BLOCK_BYTES": block, "HYBRID_MIN_LONE_BYTES": 1}
+        old = {k: getattr(_table, k) for k in monkey}
+        for k, v in monkey.items():
+            setattr(_table, k, v)
+        try:
+            lone, near = table._lone_split(s["uniq_sorted"])
+            near_idx = s["uniq_sorted"][near]
+            others = s["uniq_sorted"][torch.randperm(n, device=dev, generator=g)[:near.numel()].sort().values]
+            k = near.numel()
+
+            def near_and_copy(near_idx=near_idx, k=k):
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    dbuf[k:].copy_(staging[:n - k], non_blocking=True)
+                _uva.gather_rows(host, near_idx, dbuf[:k])
+                torch.cuda.current_stream().wait_stream(side)
+
+            t_near = wall_seconds(lambda near_idx=near_idx, k=k: _uva.gather_rows(host, near_idx, dbuf[:k]), 10)
+            t_others = wall_seconds(lambda others=others, k=k: _uva.gather_rows(host, others, dbuf[:k]), 10)
+            t_both = wall_seconds(near_and_copy, 10)
+            table.engine = "hybrid"
+            tg = wall_seconds(lambda: table.gather(s["uniq_sorted"], unique=True, out=dbuf), 10)
+            ts = wall_seconds(lambda: table.scatter(s["uniq_sorted"], src, unique=True), 10)
+            emit(part="L", what="lone split", block_kib=block >> 10, lone_rows=lone.numel(),
+                 kernel_not_lone_ms=t_near * 1e3, kernel_as_many_random_ms=t_others * 1e3,
+                 with_lone_bytes_copied_ms=t_both * 1e3, with_copy_ratio=h2d / t_both,
+                 hybrid_gather_ms=tg * 1e3, hybrid_gather_ratio=h2d / tg, hybrid_scatter_ms=ts * 1e3,
+                 hybrid_scatter_ratio=d2h / ts)
+        finally:
+            for k, v in old.items():
+                setattr(_table, k, v)
+            table.engine = None
+    out = table.gather(s["uniq_sorted"], unique=True)  # the default split's rows are right
+    emit(part="L", what="hybrid correct", ok=bool(torch.equal(out.cpu(), s["data"][s["uniq_sorted_cpu"]])))
 
 
 def ceiling(s):
@@ -490,6 +508,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "host_table.json"))
     ap.add_argument("--explore", action="store_true")
+    ap.add_argument("--lone", action="store_true", help="part A and the hybrid's lone-row measurements only")
     ap.add_argument("--explore-all", action="store_true", help="--explore plus launch shapes, cudaHostAlloc and "
                     "huge-page tables (slow)")
     ap.add_argument("--ncu", action="store_true", help="a few kernels on a 1 GiB table, for ncu")
@@ -521,9 +540,9 @@ def main():
          cpus=len(os.sched_getaffinity(0)), kernel=os.uname().release)
     s = setup()
     anchors(s)
-    steps = [part_a]
+    steps = [part_a, lone_rows] if args.lone else [part_a]
     if args.explore or args.explore_all:
-        steps = [part_a, hybrid_split, cpu_engine_ways, cpu_side, pool_overhead,
+        steps = [part_a, lone_rows, cpu_engine_ways, cpu_side, pool_overhead,
                  lambda s: kernel_variants(s, s["data"], "default shape"), concurrency]
         if args.explore_all:
             steps += [lambda s: kernel_variants(s, s["data"], "main"), hostalloc_table, huge_table]

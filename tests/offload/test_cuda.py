@@ -16,11 +16,21 @@ def _launches(op: str) -> int:
     return offload.uva_launch_counts().get(op, 0)
 
 
+def _lone_positions(rows: list[int], rows_per_block: int) -> list[int]:
+    """Positions of the rows with no other row in their block of ``rows_per_block`` rows (brute force)."""
+    blocks = [r // rows_per_block for r in rows]
+    return [i for i, b in enumerate(blocks) if blocks.count(b) == 1]
+
+
 @pytest.mark.parametrize("dtype,dim", [(torch.float32, 128), (torch.float32, 3), (torch.bfloat16, 5),
                                        (torch.float16, 64), (torch.float64, 7), (torch.uint8, 13),
                                        (torch.int64, 1)])
-def test_uva_and_cpu_engines_agree(dtype, dim):
+def test_uva_and_cpu_engines_agree(monkeypatch, dtype, dim):
+    """The three engines against plain indexing; the hybrid's CPU part moves exactly the lone rows (here:
+    those with no other row of the call among the 3 rows of their block)."""
     pytest.importorskip("cupy")
+    from offload import _table
+
     g = torch.Generator().manual_seed(0)
     rows = 20_011
     src = (torch.randn(rows, dim, generator=g) * 50).to(dtype)
@@ -28,24 +38,41 @@ def test_uva_and_cpu_engines_agree(dtype, dim):
     cpu = offload.HostTable.from_tensor(src, device="cuda", engine="cpu")
     hyb = offload.HostTable.from_tensor(src, device="cuda", engine="hybrid")
     assert uva.pinned and cpu.pinned and hyb.pinned
+    row_bytes = dim * src.element_size()
+    monkeypatch.setattr(_table, "LONE_BLOCK_BYTES", 3 * row_bytes)
+    monkeypatch.setattr(_table, "HYBRID_MIN_LONE_BYTES", 1)
+    by_cpu = []
+    for name in ("_gather_cpu", "_scatter_cpu"):
+        real = getattr(offload.HostTable, name)
+
+        def counted(self, idx, rows_, *args, real=real):
+            by_cpu.append(sorted(idx.tolist()))
+            return real(self, idx, rows_, *args)
+
+        monkeypatch.setattr(offload.HostTable, name, counted)
     idx = torch.randint(0, rows, (3, 4099), generator=g).cuda()
-    offload.engine_choice("cuda")  # the hybrid split is measured once (launching kernels) before counting
     before = _launches("gather")
     a = uva.gather(idx)
     assert _launches("gather") == before + 1
     b = cpu.gather(idx)
     assert _launches("gather") == before + 1  # the CPU engine launched no kernel
     assert torch.equal(a, b) and torch.equal(a.cpu(), src[idx.cpu()])
+    by_cpu.clear()
     c = hyb.gather(idx)
     assert _launches("gather") == before + 2 and torch.equal(c, a)  # hybrid: the kernel ran for its share
+    uniq = idx.unique().tolist()
+    assert by_cpu == [[uniq[i] for i in _lone_positions(uniq, 3)]]
     new = torch.randperm(rows, generator=g)[:5003].cuda()
     vals = (torch.randn(5003, dim, generator=g) * 50).to(dtype).cuda()
     before = _launches("scatter")
     uva.scatter(new, vals)
     assert _launches("scatter") == before + 1
     cpu.scatter(new, vals)
+    by_cpu.clear()
     hyb.scatter(new, vals)
     assert _launches("scatter") == before + 2
+    keys = sorted(new.tolist())
+    assert by_cpu == [[keys[i] for i in _lone_positions(keys, 3)]] and 0 < len(by_cpu[0]) < 5003
     assert torch.equal(uva.data, cpu.data) and torch.equal(hyb.data, cpu.data)
     expected = src.clone()
     expected[new.cpu()] = vals.cpu()
@@ -68,7 +95,7 @@ def test_uva_prefetch_on_side_stream_is_patched():
 def test_auto_engine_is_measured_once():
     choice = offload.engine_choice("cuda")
     assert set(choice) == {"gather", "scatter", "gather host", "scatter host"}
-    assert set(choice.values()) <= {"uva", "cpu", "hybrid"}
+    assert set(choice.values()) <= {"uva", "cpu"}
     assert offload.engine_choice("cuda") == choice
     t = offload.HostTable(100, 4, device="cuda", engine="auto")
     assert t.resolved_engine("gather") == choice["gather"]
@@ -317,11 +344,11 @@ def test_uva_launch_modes_agree(monkeypatch):
 @pytest.mark.parametrize("way,threads", [("torch", 1), ("pool", 1), ("pool", 6)])
 @pytest.mark.parametrize("chunk", [4 << 10, (12 << 10) + 100, 40 << 10])
 def test_cpu_engine_staging_rotation_wraps(monkeypatch, engine, way, threads, chunk):
-    """The CPU engine (alone and as the hybrid's CPU part, whose split starts at 30% UVA rows and then
-    re-balances) with tiny staging memory (16 units of 4 KiB): chunks of 1, 3 (a size that is no multiple
-    of the row) or 10 units, copied by torch or cut into pieces among 1 or 6 pool threads; the rotation
-    wraps around many times, batches are taken one after the other, and every result equals plain indexing
-    of an independent copy of the table, down to n = 1 and n below the threads."""
+    """The CPU engine (alone and as the hybrid's CPU part, which here moves the rows with no other row of the
+    call among the 3 of their block) with tiny staging memory (16 units of 4 KiB): chunks of 1, 3 (a size
+    that is no multiple of the row) or 10 units, copied by torch or cut into pieces among 1 or 6 pool
+    threads; the rotation wraps around many times, batches are taken one after the other, and every result
+    equals plain indexing of an independent copy of the table, down to n = 1 and n below the threads."""
     if engine == "hybrid":
         pytest.importorskip("cupy")
     from offload import _table
@@ -333,8 +360,8 @@ def test_cpu_engine_staging_rotation_wraps(monkeypatch, engine, way, threads, ch
     monkeypatch.setattr(_table, "CPU_COPY", way)
     monkeypatch.setattr(_table, "CPU_THREADS", threads)
     monkeypatch.setattr(_table, "MIN_PIECE_BYTES", 1024)
-    for op in ("gather", "scatter"):
-        monkeypatch.setitem(_table._fractions, (dev.index, op), 0.3)
+    monkeypatch.setattr(_table, "LONE_BLOCK_BYTES", 3 * 128 * 4)
+    monkeypatch.setattr(_table, "HYBRID_MIN_LONE_BYTES", 1)
     old = _table._staging.pop(dev.index, None)
     try:
         g = torch.Generator().manual_seed(3)
@@ -350,8 +377,6 @@ def test_cpu_engine_staging_rotation_wraps(monkeypatch, engine, way, threads, ch
             t.scatter(idx.cuda(), vals.cuda(), unique=True)
             expected[idx] = vals
             assert torch.equal(t.data, expected)
-            if engine == "hybrid":  # the timings the next call re-balances from
-                assert _table._probes[(dev.index, "scatter")][1] == n
         assert _table._staging[dev.index].units == 16
     finally:  # later users get staging of the default size again
         _table._staging.pop(dev.index, None)

@@ -148,8 +148,7 @@ def test_out_of_range_host_indices_raise_before_any_copy(monkeypatch, idx_of):
 def test_engine_choice_knows_where_the_indices_are():
     choice = offload.engine_choice("cuda")
     assert set(choice) == {"gather", "scatter", "gather host", "scatter host"}
-    assert set(choice.values()) <= {"uva", "cpu", "hybrid"}
-    assert choice["gather host"] in ("uva", "cpu") and choice["scatter host"] in ("uva", "cpu")
+    assert set(choice.values()) <= {"uva", "cpu"}  # the hybrid is chosen explicitly or not at all
     t = offload.HostTable(100, 4, device="cuda", engine="auto")
     for op in ("gather", "scatter"):
         assert t.resolved_engine(op) == choice[op]

@@ -357,48 +357,44 @@ def test_run_rows_covers_every_row_once_and_respects_gates(monkeypatch):
     assert hits.tolist() == [1] * 100 and not early and ready == list(range(len(rounds)))
 
 
-class _Timed:
-    """A stand-in for a timing CUDA event that completed ``ms`` after the start event."""
-
-    def __init__(self, ms, done=True):
-        self.ms, self.done = ms, done
-
-    def query(self):
-        return self.done
-
-    def elapsed_time(self, other):
-        return other.ms - self.ms
+def _lone_reference(rows: list[int], row_bytes: int, block_bytes: int) -> list[int]:
+    """Positions of the rows that share no ``block_bytes`` block of the table with another row, by brute force."""
+    blocks = [r * row_bytes // block_bytes for r in rows]
+    return [i for i, b in enumerate(blocks) if blocks.count(b) == 1]
 
 
-def test_hybrid_split_moves_halfway_to_the_balance(monkeypatch):
-    """The hybrid split follows the previous call's GPU times: UVA rows that cost three times as much as
-    CPU-staged rows call for a UVA share of 1/4, and the split moves halfway there; unfinished events or
-    an empty part leave it alone."""
+@pytest.mark.parametrize("dim,dtype", [(128, torch.float32), (7, torch.float64), (13, torch.uint8)])
+def test_hybrid_lone_split_matches_brute_force(monkeypatch, dim, dtype):
+    """The hybrid's split (lone rows to the CPU engine, the rest to the UVA kernel) against a brute-force
+    reading of its definition, for row sizes that do not divide the block; too few lone bytes, or rows as
+    long as a block, leave everything to the kernel; and rows that, spread uniformly, would leave fewer lone
+    bytes than the threshold are not even counted."""
     from offload import _table
 
-    dev = torch.device("cuda", 0)
-    monkeypatch.setattr(_table, "ADAPT_SPLIT", True)
-    monkeypatch.setitem(_table._fractions, (0, "gather"), 0.5)
-    start = _Timed(0.0)
-    # 500 UVA rows took 1.5 ms (3 us a row), 500 CPU rows 0.5 ms (1 us a row): balanced at 1 / (3 + 1)
-    monkeypatch.setitem(_table._probes, (0, "gather"), (500, 1000, start, _Timed(1.5), _Timed(0.5)))
-    assert _table._hybrid_fraction(dev, "gather") == pytest.approx(0.5 + 0.5 * (0.25 - 0.5))
-    assert (0, "gather") not in _table._probes  # each call's times are used once
-    f = _table._fractions[(0, "gather")]
-    monkeypatch.setitem(_table._probes, (0, "gather"), (500, 1000, start, _Timed(1.5, done=False), _Timed(0.5)))
-    assert _table._hybrid_fraction(dev, "gather") == f
-    monkeypatch.setitem(_table._probes, (0, "gather"), (0, 1000, start, _Timed(0.0), _Timed(0.5)))
-    assert _table._hybrid_fraction(dev, "gather") == f
-    monkeypatch.setitem(_table._probes, (0, "gather"), (990, 1000, start, _Timed(0.001), _Timed(50.0)))
-    assert _table._hybrid_fraction(dev, "gather") == pytest.approx(f + 0.5 * (1 - f), abs=1e-4)
-    for _ in range(10):  # the UVA part stays far cheaper: the share stops at 0.95
-        monkeypatch.setitem(_table._probes, (0, "gather"), (990, 1000, start, _Timed(0.001), _Timed(50.0)))
-        _table._hybrid_fraction(dev, "gather")
-    assert _table._fractions[(0, "gather")] == 0.95
-    monkeypatch.setattr(_table, "ADAPT_SPLIT", False)
-    g = _table._fractions[(0, "gather")]
-    monkeypatch.setitem(_table._probes, (0, "gather"), (500, 1000, start, _Timed(1.5), _Timed(0.5)))
-    assert _table._hybrid_fraction(dev, "gather") == g
+    g = torch.Generator().manual_seed(0)
+    num_rows = 50_000
+    t = offload.HostTable(num_rows, dim, dtype, device="cpu")
+    row_bytes = dim * t.data.element_size()
+    monkeypatch.setattr(_table, "LONE_BLOCK_BYTES", 24 * row_bytes + 5)
+    uniq = torch.randperm(num_rows, generator=g)[:3000].sort().values
+    expected = _lone_reference(uniq.tolist(), row_bytes, _table.LONE_BLOCK_BYTES)
+    assert 0 < len(expected) < 3000  # both parts have rows
+    monkeypatch.setattr(_table, "HYBRID_MIN_LONE_BYTES", 1)
+    lone, near = t._lone_split(uniq)
+    assert lone.tolist() == expected
+    assert near.tolist() == sorted(set(range(3000)) - set(expected))
+    monkeypatch.setattr(_table, "HYBRID_MIN_LONE_BYTES", len(expected) * row_bytes + 1)
+    assert t._lone_split(uniq) is None  # too few
+    monkeypatch.setattr(_table, "HYBRID_MIN_LONE_BYTES", row_bytes)
+    dense = torch.arange(0, num_rows, 2)  # 12 rows a block: uniformly spread, 0.15 lone rows expected
+
+    def no_count(*args, **kwargs):
+        raise AssertionError("counted lone rows where none were expected")
+
+    monkeypatch.setattr(torch, "nonzero", no_count)
+    assert t._lone_split(dense) is None
+    monkeypatch.setattr(_table, "LONE_BLOCK_BYTES", row_bytes)  # a row per block: nothing gained
+    assert t._lone_split(uniq) is None
 
 
 def test_worker_exception_reaches_the_caller(monkeypatch):
