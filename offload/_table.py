@@ -1082,7 +1082,7 @@ class HostTable:
         if expected * row_bytes < HYBRID_MIN_LONE_BYTES:
             return None
         block = uniq * row_bytes // LONE_BLOCK_BYTES
-        same = torch.nn.functional.pad(block[1:] == block[:-1], (1, 1))  # same[i]: row i - 1 and row i share one
+        same = torch.nn.functional.pad(block[1:] == block[:-1], (1, 1))  # same[i]: rows i - 1 and i share a block
         near = same[1:] | same[:-1]
         lone = torch.nonzero(~near).squeeze(1)  # (reads the count back)
         if lone.numel() * row_bytes < HYBRID_MIN_LONE_BYTES:
