@@ -210,10 +210,11 @@ def host_rows(s, engine, src):
 # Exploration
 
 
-def _set(**kw):
-    old = {k: getattr(_uva, k) for k in kw}
+def _set(module, **kw):
+    """Set ``module``'s settings ``kw``; returns their old values (to set back the same way)."""
+    old = {k: getattr(module, k) for k in kw}
     for k, v in kw.items():
-        setattr(_uva, k, v)
+        setattr(module, k, v)
     return old
 
 
@@ -234,7 +235,7 @@ def kernel_variants(s, host, tag):
                   (1024, 8, 2)]
     default = (_uva.THREADS, _uva.UNROLL, _uva.BLOCKS_PER_SM)
     for threads, unroll, bps in shapes:
-        old = _set(THREADS=threads, UNROLL=unroll, BLOCKS_PER_SM=bps)
+        old = _set(_uva, THREADS=threads, UNROLL=unroll, BLOCKS_PER_SM=bps)
         try:
             pats = patterns if (threads, unroll, bps) == default else {"whole table, sorted": s["uniq_sorted"]}
             for pname, p in pats.items():
@@ -246,25 +247,25 @@ def kernel_variants(s, host, tag):
         except Exception as e:
             emit(part="X", what=f"{tag} raw kernel", threads=threads, unroll=unroll, error=repr(e)[:300])
         finally:
-            _set(**old)
+            _set(_uva, **old)
     if tag != "main":
         return
     p = s["uniq_sorted"]
     for load in ("cs", "nc"):
-        old = _set(LOAD=load)
+        old = _set(_uva, LOAD=load)
         try:
             tg = wall_seconds(lambda: _uva.gather_rows(host, p, dbuf), 10)
             emit(part="X", what="raw gather, load policy", load=load, gather_ms=tg * 1e3, gather_ratio=h2d / tg)
         finally:
-            _set(**old)
+            _set(_uva, **old)
     for store in ("cs", "wt"):
-        old = _set(STORE=store)
+        old = _set(_uva, STORE=store)
         try:
             q = patterns["whole table, sorted"]
             ts = wall_seconds(lambda q=q: _uva.scatter_rows(host, q, src), 10)
             emit(part="X", what="raw scatter, store policy", store=store, scatter_ms=ts * 1e3, scatter_ratio=d2h / ts)
         finally:
-            _set(**old)
+            _set(_uva, **old)
     # correctness of the default variant on this table
     _uva.gather_rows(host, p, dbuf)
     torch.cuda.synchronize()
@@ -437,10 +438,7 @@ def lone_rows(s):
     staging = torch.empty(n, s["dim"]).pin_memory()
     side = torch.cuda.Stream()
     for block in (32 << 10, 64 << 10, 128 << 10, 256 << 10):
-        monkey = {"LONE_BLOCK_BYTES": block, "HYBRID_MIN_LONE_BYTES": 1}
-        old = {k: getattr(_table, k) for k in monkey}
-        for k, v in monkey.items():
-            setattr(_table, k, v)
+        old = _set(_table, LONE_BLOCK_BYTES=block, HYBRID_MIN_LONE_BYTES=1)
         try:
             lone, near = table._lone_split(s["uniq_sorted"])
             near_idx = s["uniq_sorted"][near]
@@ -466,8 +464,7 @@ def lone_rows(s):
                  hybrid_gather_ms=tg * 1e3, hybrid_gather_ratio=h2d / tg, hybrid_scatter_ms=ts * 1e3,
                  hybrid_scatter_ratio=d2h / ts)
         finally:
-            for k, v in old.items():
-                setattr(_table, k, v)
+            _set(_table, **old)
             table.engine = None
     out = table.gather(s["uniq_sorted"], unique=True)  # the default split's rows are right
     emit(part="L", what="hybrid correct", ok=bool(torch.equal(out.cpu(), s["data"][s["uniq_sorted_cpu"]])))

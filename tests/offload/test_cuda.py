@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from support.lone import lone_positions
 
 import offload
 from offload import _memory
@@ -14,12 +15,6 @@ pytestmark = pytest.mark.cuda
 
 def _launches(op: str) -> int:
     return offload.uva_launch_counts().get(op, 0)
-
-
-def _lone_positions(rows: list[int], rows_per_block: int) -> list[int]:
-    """Positions of the rows with no other row in their block of ``rows_per_block`` rows (brute force)."""
-    blocks = [r // rows_per_block for r in rows]
-    return [i for i, b in enumerate(blocks) if blocks.count(b) == 1]
 
 
 @pytest.mark.parametrize("dtype,dim", [(torch.float32, 128), (torch.float32, 3), (torch.bfloat16, 5),
@@ -61,7 +56,7 @@ def test_uva_and_cpu_engines_agree(monkeypatch, dtype, dim):
     c = hyb.gather(idx)
     assert _launches("gather") == before + 2 and torch.equal(c, a)  # hybrid: the kernel ran for its share
     uniq = idx.unique().tolist()
-    assert by_cpu == [[uniq[i] for i in _lone_positions(uniq, 3)]]
+    assert by_cpu == [[uniq[i] for i in lone_positions(uniq, row_bytes, 3 * row_bytes)]]
     new = torch.randperm(rows, generator=g)[:5003].cuda()
     vals = (torch.randn(5003, dim, generator=g) * 50).to(dtype).cuda()
     before = _launches("scatter")
@@ -72,7 +67,7 @@ def test_uva_and_cpu_engines_agree(monkeypatch, dtype, dim):
     hyb.scatter(new, vals)
     assert _launches("scatter") == before + 2
     keys = sorted(new.tolist())
-    assert by_cpu == [[keys[i] for i in _lone_positions(keys, 3)]] and 0 < len(by_cpu[0]) < 5003
+    assert by_cpu == [[keys[i] for i in lone_positions(keys, row_bytes, 3 * row_bytes)]] and 0 < len(by_cpu[0]) < 5003
     assert torch.equal(uva.data, cpu.data) and torch.equal(hyb.data, cpu.data)
     expected = src.clone()
     expected[new.cpu()] = vals.cpu()

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from support.lone import lone_positions
 
 import offload
 
@@ -357,12 +358,6 @@ def test_run_rows_covers_every_row_once_and_respects_gates(monkeypatch):
     assert hits.tolist() == [1] * 100 and not early and ready == list(range(len(rounds)))
 
 
-def _lone_reference(rows: list[int], row_bytes: int, block_bytes: int) -> list[int]:
-    """Positions of the rows that share no ``block_bytes`` block of the table with another row, by brute force."""
-    blocks = [r * row_bytes // block_bytes for r in rows]
-    return [i for i, b in enumerate(blocks) if blocks.count(b) == 1]
-
-
 @pytest.mark.parametrize("dim,dtype", [(128, torch.float32), (7, torch.float64), (13, torch.uint8)])
 def test_hybrid_lone_split_matches_brute_force(monkeypatch, dim, dtype):
     """The hybrid's split (lone rows to the CPU engine, the rest to the UVA kernel) against a brute-force
@@ -377,7 +372,7 @@ def test_hybrid_lone_split_matches_brute_force(monkeypatch, dim, dtype):
     row_bytes = dim * t.data.element_size()
     monkeypatch.setattr(_table, "LONE_BLOCK_BYTES", 24 * row_bytes + 5)
     uniq = torch.randperm(num_rows, generator=g)[:3000].sort().values
-    expected = _lone_reference(uniq.tolist(), row_bytes, _table.LONE_BLOCK_BYTES)
+    expected = lone_positions(uniq.tolist(), row_bytes, _table.LONE_BLOCK_BYTES)
     assert 0 < len(expected) < 3000  # both parts have rows
     monkeypatch.setattr(_table, "HYBRID_MIN_LONE_BYTES", 1)
     lone, near = t._lone_split(uniq)
