@@ -1126,17 +1126,24 @@ class HostTable:
         if op == "gather":
             rows.index_copy_(0, lone, staged)
 
-    def _gather_unique(self, uniq: Tensor, uniq_cpu: Tensor | None, out: Tensor, engine: str) -> None:
-        """``out[:] = rows[uniq]``; ``uniq`` checked, on ``self.device``; ``uniq_cpu`` its CPU copy or None."""
+    def _gather_unique(self, uniq: Tensor, uniq_cpu: Tensor | None, out: Tensor, engine: str,
+                       pos: Tensor | None = None) -> None:
+        """``out[:] = rows[uniq]`` (``out[pos[i]] = rows[uniq[i]]`` with ``pos``, a permutation of the rows of
+        ``out`` on the device); ``uniq`` checked, on ``self.device``; ``uniq_cpu`` its CPU copy or None."""
         n = uniq.numel()
         if n == 0:
+            return
+        if pos is not None and (engine != "uva" or self.device.type != "cuda"):
+            rows = torch.empty_like(out)
+            self._gather_unique(uniq, uniq_cpu, rows, engine)
+            out.index_copy_(0, pos, rows)
             return
         self._land()
         if self.device.type != "cuda":
             self._host_rows("gather", uniq.cpu() if uniq_cpu is None else uniq_cpu, out)
             return
         if engine == "uva":
-            _uva.gather_rows(self._data, uniq, out)
+            _uva.gather_tables([self._data], uniq, [out], pos=pos)
             self._note_gpu_access("read")
             return
         if engine == "hybrid":
@@ -1216,12 +1223,16 @@ class HostTable:
                 finally:  # after every copy that was queued, also when a piece failed
                     ev.record(stream)
 
-    def _scatter_unique(self, uniq: Tensor, uniq_cpu: Tensor | None, rows: Tensor, engine: str) -> None:
-        """``rows[uniq] = rows``; ``uniq`` checked and distinct, on ``self.device``."""
+    def _scatter_unique(self, uniq: Tensor, uniq_cpu: Tensor | None, rows: Tensor, engine: str,
+                        pos: Tensor | None = None) -> None:
+        """``table[uniq] = rows`` (``table[uniq[i]] = rows[pos[i]]`` with ``pos``, a permutation of the rows
+        of ``rows`` on the device); ``uniq`` checked and distinct, on ``self.device``."""
         self._check_writable()
         n = uniq.numel()
         if n == 0:
             return
+        if pos is not None and (engine != "uva" or self.device.type != "cuda"):
+            rows, pos = rows.index_select(0, pos), None
         self._land()
         if self.device.type != "cuda":
             self._host_rows("scatter", uniq.cpu() if uniq_cpu is None else uniq_cpu, rows)
@@ -1229,14 +1240,15 @@ class HostTable:
             return
         rows = rows.to(self.dtype).contiguous()
         if engine == "uva":
-            _uva.scatter_rows(self._data, uniq, rows)
+            _uva.scatter_tables([self._data], uniq, [rows], pos=pos)
             self._note_gpu_access("write")
         elif engine == "hybrid":
             self._hybrid("scatter", uniq, rows)
         else:
             self.synchronize()
             self._scatter_cpu(_host_index(uniq) if uniq_cpu is None else uniq_cpu, rows)
-        self._patch_prefetches(uniq, rows)
+        if self._prefetches:
+            self._patch_prefetches(uniq, rows if pos is None else rows.index_select(0, pos))
 
     def _scatter_cpu(self, uniq_cpu: Tensor, rows: Tensor, use: str = "scatter") -> None:
         """The CPU engine's scatter from the GPU: each chunk of ``rows`` is copied into page-locked staging
@@ -1360,14 +1372,21 @@ class HostTable:
     def _gather_ordered(self, flat: Tensor, ascending: bool, out: Tensor, engine: str) -> None:
         """``out[:] = rows[flat]`` for checked, distinct, non-empty ``flat``. Indices out of order are sorted
         first on a CUDA device: rows read in address order cost far fewer host address translations (the
-        UVA kernel reads sorted random rows of a 5 GB table twice as fast as the same rows unsorted)."""
+        UVA kernel reads sorted random rows of a 5 GB table twice as fast as the same rows unsorted); the
+        kernel writes each row to its place in ``out``."""
         if ascending or self.device.type != "cuda" or flat.numel() < 2:
             self._gather_unique(flat, None, out, engine)
             return
-        keys, order = torch.sort(flat)
-        tmp = torch.empty_like(out)
-        self._gather_unique(keys, None, tmp, engine)
-        out.index_copy_(0, order, tmp)
+        keys, order = self._sort_checked(flat)
+        self._gather_unique(keys, None, out, engine, pos=order)
+
+    def _sort_checked(self, flat: Tensor) -> tuple[Tensor, Tensor]:
+        """``torch.sort(flat)`` of bounds-checked indices, sorting 32-bit keys where every row number fits
+        (0.08 against 0.12 ms for 131,072 indices on an H200)."""
+        if self.num_rows <= 1 << 31:
+            keys, order = torch.sort(flat.int())
+            return keys.long(), order
+        return torch.sort(flat)
 
     def gather(self, idx, *, unique: bool = False, out: Tensor | None = None) -> Tensor:
         """Rows ``idx`` on :attr:`device`, shaped ``idx.shape + (dim,)``.
@@ -1461,7 +1480,7 @@ class HostTable:
             if self._check_unique(flat):
                 keys, order = flat, None
             else:
-                keys, order = torch.sort(flat)
+                keys, order = self._sort_checked(flat)
         else:
             keys, order = torch.sort(flat)
             dup = (keys[1:] == keys[:-1]).any() if n > 1 else torch.zeros((), dtype=torch.bool, device=flat.device)
@@ -1470,10 +1489,7 @@ class HostTable:
             if dup:
                 first = int(keys[1:][keys[1:] == keys[:-1]][0])
                 raise ValueError(f"scatter needs distinct indices, but index {first} appears more than once")
-        src = flat_rows.to(self.device)
-        if order is not None:
-            src = src.index_select(0, order)
-        self._scatter_unique(keys, None, src, self.resolved_engine("scatter"))
+        self._scatter_unique(keys, None, flat_rows.to(self.device), self.resolved_engine("scatter"), pos=order)
 
     # -- prefetch ----------------------------------------------------------------------------------------
     def prefetch(self, idx, *, unique: bool = False, _checked: bool = False) -> Prefetch:

@@ -113,7 +113,9 @@ def part_a(s):
             ok = torch.equal(got.cpu(), data[idx_cpu])
             for label, fn in [("gather(idx) [dedup + bounds check]", lambda: table.gather(idx)),
                               ("gather(unique sorted idx, unique=True)",
-                               lambda: table.gather(uniq_sorted, unique=True, out=dbuf))]:
+                               lambda: table.gather(uniq_sorted, unique=True, out=dbuf)),
+                              ("gather(unique unsorted idx, unique=True)",
+                               lambda: table.gather(uniq, unique=True, out=dbuf))]:
                 t = wall_seconds(fn, 10)
                 emit(part="A", op="gather", impl=f"offload {engine}: {label}", ms=t * 1e3, GBps=nbytes / t / 1e9,
                      ratio=h2d / t, correct=ok)
@@ -123,7 +125,9 @@ def part_a(s):
             ok = torch.equal(table.data[uniq.cpu()], src.cpu())
             for label, fn in [("scatter(idx) [distinct check]", lambda src=src: table.scatter(uniq, src)),
                               ("scatter(idx, unique=True)",
-                               lambda src=src: table.scatter(uniq, src, unique=True))]:
+                               lambda src=src: table.scatter(uniq, src, unique=True)),
+                              ("scatter(unique sorted idx, unique=True)",
+                               lambda src=src: table.scatter(uniq_sorted, src, unique=True))]:
                 t = wall_seconds(fn, 10)
                 emit(part="A", op="scatter", impl=f"offload {engine}: {label}", ms=t * 1e3, GBps=nbytes / t / 1e9,
                      ratio=d2h / t, correct=ok)
@@ -138,8 +142,12 @@ def part_a(s):
     for label, fn, anchor in [("gather(idx) [dedup + bounds check]", lambda: table.gather(idx), h2d),
                               ("gather(unique sorted idx, unique=True)",
                                lambda: table.gather(uniq_sorted, unique=True, out=dbuf), h2d),
+                              ("gather(unique unsorted idx, unique=True)",
+                               lambda: table.gather(uniq, unique=True, out=dbuf), h2d),
                               ("scatter(idx) [distinct check]", lambda: table.scatter(uniq, src), d2h),
-                              ("scatter(idx, unique=True)", lambda: table.scatter(uniq, src, unique=True), d2h)]:
+                              ("scatter(idx, unique=True)", lambda: table.scatter(uniq, src, unique=True), d2h),
+                              ("scatter(unique sorted idx, unique=True)",
+                               lambda: table.scatter(uniq_sorted, src, unique=True), d2h)]:
         t = wall_seconds(fn, 10)
         emit(part="A", op=label.split("(")[0], impl=f"offload auto: {label}", ms=t * 1e3, GBps=nbytes / t / 1e9,
              ratio=anchor / t)

@@ -74,6 +74,46 @@ def test_uva_and_cpu_engines_agree(monkeypatch, dtype, dim):
     assert torch.equal(uva.data, expected)
 
 
+@pytest.mark.parametrize("engine", ["uva", "cpu", "hybrid"])
+@pytest.mark.parametrize("dtype,dim", [(torch.float32, 128), (torch.bfloat16, 5), (torch.uint8, 13)])
+def test_distinct_indices_out_of_order_on_every_engine(monkeypatch, engine, dtype, dim):
+    """Distinct indices out of order, promised with unique=True (sorted on the GPU; the UVA kernel then
+    moves each row straight to or from its place in the caller's order, one launch a call) against plain
+    indexing of an independent copy, with a prefetch of some of the rows patched by the scatter."""
+    if engine != "cpu":
+        pytest.importorskip("cupy")
+    from offload import _table
+
+    monkeypatch.setattr(_table, "LONE_BLOCK_BYTES", 3 * dim * torch.empty((), dtype=dtype).element_size())
+    monkeypatch.setattr(_table, "HYBRID_MIN_LONE_BYTES", 1)
+    g = torch.Generator().manual_seed(4)
+    rows = 9001
+    src = (torch.randn(rows, dim, generator=g) * 50).to(dtype)
+    expected = src.clone()
+    t = offload.HostTable.from_tensor(src, device="cuda", engine=engine)
+    for n in (4099, 2):
+        idx = torch.randperm(rows, generator=g)[:n]
+        if n == 2:
+            idx = idx.sort(descending=True).values
+        assert not bool((idx[1:] >= idx[:-1]).all())
+        before = offload.uva_launch_counts()
+        out = torch.full((n, dim), 7, dtype=dtype, device="cuda")
+        assert t.gather(idx.cuda(), unique=True, out=out).data_ptr() == out.data_ptr()
+        assert torch.equal(out.cpu(), expected[idx])
+        if engine == "uva":
+            assert _launches("gather") == before.get("gather", 0) + 1
+        part = idx[: n // 2 + 1]
+        p = t.prefetch(part.cuda(), unique=True)
+        vals = (torch.randn(n, dim, generator=g) * 50).to(dtype)
+        t.scatter(idx.cuda(), vals.cuda(), unique=True)
+        expected[idx] = vals
+        if engine == "uva":
+            assert _launches("scatter") == before.get("scatter", 0) + 1
+        assert torch.equal(t.data, expected)
+        assert torch.equal(p.rows().cpu(), expected[part])  # patched, in the prefetch's order
+        p.release()
+
+
 def test_uva_prefetch_on_side_stream_is_patched():
     pytest.importorskip("cupy")
     src = torch.randn(5000, 32)
