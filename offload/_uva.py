@@ -75,80 +75,64 @@ __device__ __forceinline__ P pick(int j, P a, P b, P c, P d) { return j == 0 ? a
 // [0, dev_rows) skips the item (-1) and records r in *bad (the smallest one wins).
 __device__ __forceinline__ void load_items(const ll* __restrict__ idx, const ll* __restrict__ pos, ll i0,
                                            ll nslots, ll items, ll num_rows, ll dev_rows, ull* bad, int sub,
-                                           ll (&src)[OFFLOAD_U], ll (&dst)[OFFLOAD_U], int (&part)[OFFLOAD_U]) {
+                                           ll (&host)[OFFLOAD_U], ll (&dev)[OFFLOAD_U], int (&part)[OFFLOAD_U]) {
 #pragma unroll
   for (int k = 0; k < OFFLOAD_U; ++k) {
     const ll i = i0 + k * nslots;
-    ll s = -1, d = 0;
+    ll h = -1, d = 0;
     int j = 0;
     if (i < items) {
       const ll r = i / OFFLOAD_K;
       j = (int)(i - r * OFFLOAD_K);
-      s = idx[r];
+      h = idx[r];
       d = pos ? pos[r] : r;
-      if ((ull)s >= (ull)num_rows || (ull)d >= (ull)dev_rows) {
+      if ((ull)h >= (ull)num_rows || (ull)d >= (ull)dev_rows) {
         if (sub == 0) atomicMin(bad, (ull)r);
-        s = -1;
+        h = -1;
       }
     }
-    src[k] = s;
-    dst[k] = d;
+    host[k] = h;
+    dev[k] = d;
     part[k] = j;
   }
 }
 
-// d_j[pos[r] * rec + c] = h_j[idx[r] * vpr + c] for every row r < n, table j < OFFLOAD_K, vector c < vpr.
-extern "C" __global__ void offload_gather(const V* __restrict__ h0, const V* __restrict__ h1,
-                                          const V* __restrict__ h2, const V* __restrict__ h3,
-                                          V* __restrict__ d0, V* __restrict__ d1, V* __restrict__ d2,
-                                          V* __restrict__ d3, const ll* __restrict__ idx,
-                                          const ll* __restrict__ pos, ll n, ll vpr, ll rec, ll num_rows,
-                                          ll dev_rows, ull* bad) {
+// OFFLOAD_TO_HOST 0 (gather): d_j[pos[r] * rec + c] = h_j[idx[r] * vpr + c] for every row r < n, table
+// j < OFFLOAD_K, vector c < vpr; 1 (scatter): h_j[idx[r] * vpr + c] = d_j[pos[r] * rec + c]. One body, two kernels
+// (OFFLOAD_NAME): the direction decides only which side is read and which written.
+#if OFFLOAD_TO_HOST
+typedef V HostV;
+typedef const V DevV;
+#define FROM(k) pick(part[k], d0, d1, d2, d3)[dev[k] * rec + v]
+#define TO(k, x) st_host(pick(part[k], h0, h1, h2, h3) + host[k] * vpr + v, x)
+#else
+typedef const V HostV;
+typedef V DevV;
+#define FROM(k) ld_host(pick(part[k], h0, h1, h2, h3) + host[k] * vpr + v)
+#define TO(k, x) (pick(part[k], d0, d1, d2, d3)[dev[k] * rec + v] = x)
+#endif
+extern "C" __global__ void OFFLOAD_NAME(HostV* __restrict__ h0, HostV* __restrict__ h1, HostV* __restrict__ h2,
+                                        HostV* __restrict__ h3, DevV* __restrict__ d0, DevV* __restrict__ d1,
+                                        DevV* __restrict__ d2, DevV* __restrict__ d3, const ll* __restrict__ idx,
+                                        const ll* __restrict__ pos, ll n, ll vpr, ll rec, ll num_rows,
+                                        ll dev_rows, ull* bad) {
   const ull t = (ull)blockIdx.x * blockDim.x + threadIdx.x;
   const ll slot = (ll)(t / OFFLOAD_G);
   const int sub = (int)(threadIdx.x % OFFLOAD_G);
   const ll nslots = (ll)(((ull)gridDim.x * blockDim.x) / OFFLOAD_G);
   const ll items = n * OFFLOAD_K;
   for (ll i0 = slot; i0 < items; i0 += nslots * OFFLOAD_U) {
-    ll src[OFFLOAD_U], dst[OFFLOAD_U];
+    ll host[OFFLOAD_U], dev[OFFLOAD_U];
     int part[OFFLOAD_U];
-    load_items(idx, pos, i0, nslots, items, num_rows, dev_rows, bad, sub, src, dst, part);
+    load_items(idx, pos, i0, nslots, items, num_rows, dev_rows, bad, sub, host, dev, part);
     for (ll v = sub; v < vpr; v += OFFLOAD_G) {
       V val[OFFLOAD_U];
 #pragma unroll
       for (int k = 0; k < OFFLOAD_U; ++k)
-        if (src[k] >= 0) val[k] = ld_host(pick(part[k], h0, h1, h2, h3) + src[k] * vpr + v);
+        if (host[k] >= 0) val[k] = FROM(k);
 #pragma unroll
       for (int k = 0; k < OFFLOAD_U; ++k)
-        if (src[k] >= 0) pick(part[k], d0, d1, d2, d3)[dst[k] * rec + v] = val[k];
-    }
-  }
-}
-
-// h_j[idx[r] * vpr + c] = d_j[pos[r] * rec + c], the reverse.
-extern "C" __global__ void offload_scatter(V* __restrict__ h0, V* __restrict__ h1, V* __restrict__ h2,
-                                           V* __restrict__ h3, const V* __restrict__ d0,
-                                           const V* __restrict__ d1, const V* __restrict__ d2,
-                                           const V* __restrict__ d3, const ll* __restrict__ idx,
-                                           const ll* __restrict__ pos, ll n, ll vpr, ll rec, ll num_rows,
-                                           ll dev_rows, ull* bad) {
-  const ull t = (ull)blockIdx.x * blockDim.x + threadIdx.x;
-  const ll slot = (ll)(t / OFFLOAD_G);
-  const int sub = (int)(threadIdx.x % OFFLOAD_G);
-  const ll nslots = (ll)(((ull)gridDim.x * blockDim.x) / OFFLOAD_G);
-  const ll items = n * OFFLOAD_K;
-  for (ll i0 = slot; i0 < items; i0 += nslots * OFFLOAD_U) {
-    ll dst[OFFLOAD_U], src[OFFLOAD_U];
-    int part[OFFLOAD_U];
-    load_items(idx, pos, i0, nslots, items, num_rows, dev_rows, bad, sub, dst, src, part);
-    for (ll v = sub; v < vpr; v += OFFLOAD_G) {
-      V val[OFFLOAD_U];
-#pragma unroll
-      for (int k = 0; k < OFFLOAD_U; ++k)
-        if (dst[k] >= 0) val[k] = pick(part[k], d0, d1, d2, d3)[src[k] * rec + v];
-#pragma unroll
-      for (int k = 0; k < OFFLOAD_U; ++k)
-        if (dst[k] >= 0) st_host(pick(part[k], h0, h1, h2, h3) + dst[k] * vpr + v, val[k]);
+        if (host[k] >= 0) TO(k, val[k]);
     }
   }
 }
@@ -174,7 +158,8 @@ class _Plan:
     def __init__(self, op: str, device: int, width: int, group: int, k: int) -> None:
         threads, unroll, load, store = _variant()
         defines = {"V_T": _launch.VECTOR_TYPES[width], "OFFLOAD_G": group, "OFFLOAD_U": unroll, "OFFLOAD_K": k,
-                   "LD_HOST(p)": _LOADS[load], "ST_HOST(p, v)": _STORES[store]}
+                   "LD_HOST(p)": _LOADS[load], "ST_HOST(p, v)": _STORES[store],
+                   "OFFLOAD_TO_HOST": int(op == "scatter"), "OFFLOAD_NAME": f"offload_{op}"}
         self.kernel = _launch.compile_kernel("offload", _SRC, f"offload_{op}", defines, device, _FMT)
         with _lock:
             if device not in _bad:
