@@ -55,7 +55,7 @@ _engine: str = _check_engine(os.environ.get(ENV_ENGINE) or "auto")
 
 
 def get_engine() -> str:
-    """The default engine of tables created without ``engine=``: ``"auto"``, ``"uva"`` or ``"cpu"``.
+    """The default engine of tables created without ``engine=``: ``"auto"``, ``"uva"``, ``"cpu"`` or ``"hybrid"``.
 
     Starts as ``$TORCHMB_OFFLOAD_ENGINE`` (default ``"auto"``).
     """
