@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 # The CPU build that lies on this machine's disk; on a GPU machine use `make TORCH_SPEC=torch ...`.
 TORCH_SPEC ?= torch==2.13.0
+# The torchvision release built for that torch, installed without its dependencies so that pip keeps the
+# CPU torch (PyPI's wheel names the CUDA build); tests/support/torchvision_ops.py says why it then imports.
+TORCHVISION_SPEC ?= torchvision==0.28.0
 BIN := $(VENV)/bin
 
 .PHONY: demo test lint docs bench clean
@@ -11,6 +14,7 @@ $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_SPEC)
+	$(BIN)/pip install -q --no-deps $(TORCHVISION_SPEC)
 	$(BIN)/pip install -q -e ".[test,docs,sweep]"
 	touch $@
 
