@@ -1,22 +1,43 @@
-"""The ``torch.func`` path: any module with parameters becomes B models, without a batched layer.
+"""The ``torch.func`` path: a module's own state becomes B models, without a batched layer.
 
-The module keeps its identity and its state-dict keys: each of its parameters and buffers is replaced in
-place by a ``(B, *shape)`` stack, and its class is swapped for a subclass whose ``forward`` runs the
-original ``forward`` under ``vmap`` over the models (``functional_call``, ``randomness="different"`` so
-that dropout masks are independent). The same class swap is how ``torch.nn.utils.parametrize`` works.
+A generic module keeps its identity and its state-dict keys. Its per-model state (every parameter and
+persistent buffer, of the module itself or, for a subtree batched whole, of every module below it) is
+replaced in place by ``(B, *shape)`` stacks, and its class is swapped for a subclass whose ``forward``
+runs the original ``forward`` under ``vmap`` over the models (``randomness="different"``), the way
+``torch.nn.utils.parametrize`` swaps classes. Non-persistent buffers are not part of a model's state
+(``state_dict`` leaves them out): they stay one tensor, shared by all models as constants.
+
+While a generic module's own code runs under ``vmap`` (its *region*), every module it calls, whether a
+registered batched layer, a container of them or another generic module, *escapes*: its tensor arguments
+are taken out of the ``vmap`` onto the merged ``(B*n, ...)`` axis, the call runs outside the ``vmap``
+exactly as it would anywhere else in the model, and its outputs are handed back to the region as
+per-model tensors. So a root that owns a ``cls_token`` keeps every registered layer below it on its fast
+path, and a parameter of a child read directly by the region's code (``self.qkv.weight``) is that
+model's slice. Inside a region, tensors created from nothing (``torch.empty``, ``x.new_zeros``) are made
+per model, so in-place randomness on them (``torch.empty(s).bernoulli_(p)``) draws for each model, and
+``out=`` arguments (which ``vmap`` cannot batch) are written by ``copy_``.
 """
 
 from __future__ import annotations
 
+import contextvars
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch._C._functorch as functorch
 from torch import Tensor, nn
-from torch.func import functional_call, vmap
+from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+from torch.func import vmap
+from torch.overrides import TorchFunctionMode, _pop_mode_temporarily
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from batch_layers import AbstractBatchModule
 from batch_layers._base import check_merged_rows, is_shared_input
 
-__all__ = ["batch_generically", "is_generic"]
+__all__ = ["batch_generically", "escape_from_regions", "is_generic"]
 
 _GENERIC_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
 
@@ -26,25 +47,41 @@ def is_generic(module: nn.Module) -> bool:
     return type(module) in _GENERIC_CLASSES.values()
 
 
+def is_per_model(module: nn.Module, name: str, tensor: Tensor, batch: int) -> bool:
+    """Whether ``module``'s parameter or buffer ``name`` holds one slice per model in its dim 0."""
+    if name in module._buffers:
+        shared = module.shared_buffers if isinstance(module, AbstractBatchModule) else ()
+        if name in shared or name in module._non_persistent_buffers_set:
+            return False
+    return tensor.dim() > 0 and tensor.shape[0] == batch
+
+
 def _stack(tensor: Tensor, batch: int) -> Tensor:
     return tensor.detach().unsqueeze(0).expand(batch, *tensor.shape).clone()
 
 
-def batch_generically(module: nn.Module, batch: int) -> nn.Module:
-    """Turn ``module`` (in place) into ``batch`` models run through ``torch.func.vmap``; returns it."""
+def batch_generically(module: nn.Module, batch: int, *, whole: bool) -> nn.Module:
+    """Turn ``module`` (in place) into ``batch`` models run through ``torch.func.vmap``; returns it.
+
+    Args:
+        module: the module to batch.
+        batch: number of models B.
+        whole: stack the state of every module below ``module`` too (a subtree with no registered
+            layer); otherwise only ``module``'s own state, its children being batched on their own.
+    """
     stacked: dict[int, Tensor] = {}
-    for owner in module.modules():
+    for owner in module.modules() if whole else (module,):
         for name, param in owner._parameters.items():
             if param is not None:
                 if id(param) not in stacked:
                     stacked[id(param)] = nn.Parameter(_stack(param, batch), requires_grad=param.requires_grad)
                 owner._parameters[name] = stacked[id(param)]
         for name, buffer in owner._buffers.items():
-            if buffer is not None:
+            if buffer is not None and name not in owner._non_persistent_buffers_set:
                 owner._buffers[name] = _stack(buffer, batch)
     module.__class__ = _generic_class(type(module))
     module._torchmb_batch = batch
-    module._torchmb_calling_original = False
+    module._torchmb_whole = whole
     return module
 
 
@@ -58,48 +95,222 @@ def _generic_class(cls: type[nn.Module]) -> type[nn.Module]:
     return _GENERIC_CLASSES[cls]
 
 
-def _make_extra_repr(original_extra_repr):
+def _make_extra_repr(original_extra_repr: Callable[[nn.Module], str]) -> Callable[[nn.Module], str]:
     def extra_repr(self: nn.Module) -> str:
+        scope = "whole subtree" if self._torchmb_whole else "own state"
         own = original_extra_repr(self)
-        return ", ".join(p for p in (own, f"batch={self._torchmb_batch}, batched via torch.func") if p)
+        return ", ".join(p for p in (own, f"batch={self._torchmb_batch}, batched via torch.func ({scope})") if p)
 
     return extra_repr
 
 
-def _make_forward(original_forward):
+def _make_forward(original_forward: Callable[..., Any]) -> Callable[..., Any]:
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if self._torchmb_calling_original:
-            # functional_call re-enters here with one model's parameters swapped in.
-            return original_forward(self, *args, **kwargs)
-        return _vmapped_call(self, args, kwargs)
+        return _on_merged_axis(self, functools.partial(_vmapped_call, self, original_forward), args, kwargs)
 
     return forward
 
 
-def _vmapped_call(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+# -- regions: a generic module's own code, running under vmap --------------------------------------------
+
+
+@dataclass
+class _Region:
+    """The generic module whose own code is running under ``vmap`` at ``level``.
+
+    ``real`` maps each of its subtree's tensors, by owner and name, to the stacked tensor it stands for;
+    the region's code sees per-model slices in their place, and an escaping call gets the real ones back.
+    """
+
+    level: int
+    batch: int
+    mode: TorchFunctionMode
+    real: dict[tuple[int, str], Tensor]
+
+
+_REGION: contextvars.ContextVar[_Region | None] = contextvars.ContextVar("torchmb_region", default=None)
+
+
+def escape_from_regions(module: nn.Module) -> None:
+    """Make ``module`` run on the merged model axis whenever a generic module's own code calls it."""
+    if is_generic(module) or "_torchmb_escapes" in module.__dict__:
+        return  # a generic module escapes in its own forward
+    inner = module.__dict__.get("forward")  # an instance-level forward someone installed before us
+    module.forward = functools.partial(_escaping_forward, module, inner)
+    module._torchmb_escapes = True
+
+
+def _escaping_forward(module: nn.Module, inner: Callable[..., Any] | None, *args: Any, **kwargs: Any) -> Any:
+    call = inner if inner is not None else functools.partial(type(module).forward, module)
+    return _on_merged_axis(module, call, args, kwargs)
+
+
+def _on_merged_axis(module: nn.Module, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    region = _REGION.get()
+    if region is None:
+        return call(*args, **kwargs)
+    interpreter = retrieve_current_functorch_interpreter()
+    if interpreter is None or interpreter.level() != region.level:
+        raise RuntimeError(
+            f"{type(module).__name__} was called inside a torch.func transform within a generic module's "
+            "forward; torchmb cannot take its inputs out onto the merged model axis there"
+        )
+    merged_args, merged_kwargs = tree_map(functools.partial(_to_merged, region), (args, kwargs))
+    entries = [(key, region.real[key]) for m in module.modules() for key in _keys(m) if key in region.real]
+    slices = _swap(module, dict(entries))
+    token = _REGION.set(None)
+    try:
+        with interpreter.lower(), _pop_mode_temporarily():
+            out = call(*merged_args, **merged_kwargs)
+    finally:
+        _REGION.reset(token)
+        for key, real in _swap(module, slices).items():
+            region.real[key] = real  # an escaped generic module may have reassigned a buffer
+    return tree_map(functools.partial(_to_region, region, type(module).__name__), out)
+
+
+def _keys(module: nn.Module) -> list[tuple[int, str]]:
+    return [(id(module), name) for name in (*module._parameters, *module._buffers)]
+
+
+def _swap(root: nn.Module, values: dict[tuple[int, str], Tensor]) -> dict[tuple[int, str], Tensor]:
+    """Put ``values`` into the modules below ``root``; returns what they held."""
+    previous = {}
+    for module in root.modules():
+        for table in (module._parameters, module._buffers):
+            for name in table:
+                key = (id(module), name)
+                if key in values:
+                    previous[key] = table[name]
+                    table[name] = values[key]
+    return previous
+
+
+def _to_merged(region: _Region, value: Any) -> Any:
+    if not isinstance(value, Tensor) or functorch.maybe_get_level(value) != region.level:
+        return value  # the same for every model (a constant or the shared input): passed as it is
+    physical = functorch._remove_batch_dim(value, region.level, region.batch, 0)
+    return physical.reshape(-1, *physical.shape[2:]) if physical.dim() > 1 else physical
+
+
+def _to_region(region: _Region, owner: str, value: Any) -> Any:
+    if not isinstance(value, Tensor):
+        return value
+    if value.dim() == 0 or value.shape[0] % region.batch:
+        raise ValueError(
+            f"{owner} returned a tensor of shape {tuple(value.shape)} to a generic module's forward; its dim 0 "
+            f"must be a multiple of batch={region.batch} (the merged model axis)"
+        )
+    return functorch._add_batch_dim(value.view(region.batch, -1, *value.shape[1:]), 0, region.level)
+
+
+class _PerModelTensors(TorchFunctionMode):
+    """Inside a region: tensors made from nothing get a model axis; ``out=`` is written by ``copy_``."""
+
+    FRESH = frozenset(
+        {
+            torch.empty, torch.zeros, torch.ones, torch.full,
+            torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like,
+            Tensor.new_empty, Tensor.new_zeros, Tensor.new_ones, Tensor.new_full,
+        }
+    )  # fmt: skip
+
+    def __init__(self, level: int, batch: int) -> None:
+        super().__init__()
+        self.level, self.batch = level, batch
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = kwargs.get("out")
+        if isinstance(out, Tensor) and functorch.maybe_get_level(out) == self.level:
+            result = func(*args, **{k: v for k, v in kwargs.items() if k != "out"})
+            return out.copy_(result)
+        result = func(*args, **kwargs)
+        if func in self.FRESH and isinstance(result, Tensor) and functorch.maybe_get_level(result) != self.level:
+            physical = result.unsqueeze(0).expand(self.batch, *result.shape).contiguous()
+            return functorch._add_batch_dim(physical, 0, self.level)
+        return result
+
+
+# -- the vmapped call --------------------------------------------------------------------------------------
+
+
+def _region_state(module: nn.Module) -> list[tuple[tuple[int, str], Tensor, bool]]:
+    """Every tensor of ``module``'s subtree, once per owner and name, and whether it is mapped."""
+    batch = module._torchmb_batch
+    found = []
+    for owner in module.modules():
+        for table in (owner._parameters, owner._buffers):
+            for name, tensor in table.items():
+                if tensor is not None:
+                    found.append(((id(owner), name), tensor, is_per_model(owner, name, tensor, batch)))
+    return found
+
+
+def _vmapped_call(module: nn.Module, original_forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     batch = module._torchmb_batch
     leaves, spec = tree_flatten((args, kwargs))
-    mapped_positions, mapped, in_dims = [], [], []
+    positions, mapped_inputs = [], []
     for position, leaf in enumerate(leaves):
         if not isinstance(leaf, Tensor) or is_shared_input(leaf, batch):
             continue  # constants, and the shared input that every model reads as it is
         check_merged_rows(leaf, batch, f"{type(module).__name__} (batched via torch.func)", "tensor argument")
-        mapped_positions.append(position)
-        mapped.append(leaf.view(batch, -1, *leaf.shape[1:]))
-        in_dims.append(0)
-    params = dict(module.named_parameters())
-    buffers = dict(module.named_buffers())
+        positions.append(position)
+        mapped_inputs.append(leaf.view(batch, -1, *leaf.shape[1:]))
+    state = _region_state(module)
+    keys = [key for key, _, _ in state]
+    real = {key: tensor for key, tensor, _ in state}
+    mapped_keys = [key for key, _, mapped in state if mapped]
+    unmapped = {key: tensor for key, tensor, mapped in state if not mapped}
+    output_spec: list = []
+    reassigned_shared: dict[tuple[int, str], Tensor] = {}
 
-    def one_model(params: dict, buffers: dict, *tensors: Tensor) -> Any:
+    def one_model(mapped_state: list[Tensor], *inputs: Tensor) -> tuple[list[Tensor], dict]:
+        level = functorch.current_level()
+        slices = {**unmapped, **dict(zip(mapped_keys, mapped_state))}
         call_leaves = list(leaves)
-        for position, tensor in zip(mapped_positions, tensors):
+        for position, tensor in zip(positions, inputs):
             call_leaves[position] = tensor
         call_args, call_kwargs = tree_unflatten(call_leaves, spec)
-        return functional_call(module, {**params, **buffers}, call_args, call_kwargs)
+        region = _Region(level, batch, _PerModelTensors(level, batch), dict(real))
+        _swap(module, slices)
+        token = _REGION.set(region)
+        try:
+            with region.mode:
+                out = original_forward(module, *call_args, **call_kwargs)
+            reassigned = _reassigned_buffers(module, slices, keys)
+        finally:
+            _REGION.reset(token)
+            _swap(module, region.real)
+        for key, value in list(reassigned.items()):
+            if key in unmapped:
+                if functorch.maybe_get_level(value) == level:
+                    raise RuntimeError(
+                        f"{type(module).__name__} assigned a per-model value to a buffer that is shared by all "
+                        "models (a non-persistent buffer); register it as a persistent buffer"
+                    )
+                reassigned_shared[key] = reassigned.pop(key)
+        out_leaves, out_spec = tree_flatten(out)
+        output_spec.append((out_spec, [None if isinstance(t, Tensor) else t for t in out_leaves]))
+        return [t for t in out_leaves if isinstance(t, Tensor)], reassigned
 
-    module._torchmb_calling_original = True
-    try:
-        out = vmap(one_model, in_dims=(0, 0, *in_dims), randomness="different")(params, buffers, *mapped)
-    finally:
-        module._torchmb_calling_original = False
-    return tree_map(lambda t: t.reshape(-1, *t.shape[2:]) if isinstance(t, Tensor) else t, out)
+    mapped_state = [real[key] for key in mapped_keys]
+    outputs, reassigned = vmap(one_model, randomness="different")(mapped_state, *mapped_inputs)
+    _swap(module, {**reassigned_shared, **reassigned})
+    out_spec, out_leaves = output_spec[0]
+    tensors = iter(t.reshape(-1, *t.shape[2:]) for t in outputs)
+    return tree_unflatten([next(tensors) if leaf is None else leaf for leaf in out_leaves], out_spec)
+
+
+def _reassigned_buffers(
+    module: nn.Module, given: dict[tuple[int, str], Tensor], keys: list[tuple[int, str]]
+) -> dict[tuple[int, str], Tensor]:
+    """The buffers below ``module`` that its forward replaced by new tensors (``self.b = 0.9 * self.b``)."""
+    wanted = set(keys)
+    current = {}
+    for owner in module.modules():
+        for name, tensor in owner._buffers.items():
+            key = (id(owner), name)
+            if key in wanted and tensor is not given.get(key):
+                current[key] = tensor
+    return current

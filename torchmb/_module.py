@@ -18,7 +18,8 @@ from batch_layers import (
     forward_context,
 )
 
-from ._generic import batch_generically, is_generic
+from ._convert import ConversionEntry, convert, warn_if_mostly_generic
+from ._generic import is_generic
 from ._registry import lookup_batch_module
 
 __all__ = ["BatchModule"]
@@ -89,8 +90,8 @@ class BatchModule(nn.Module):
         self.batch = batch
         # A pristine copy to build plain models from (unbatch); kept out of the module tree on purpose.
         object.__setattr__(self, "_template", copy.deepcopy(model))
-        self.generic_modules: list[str] = []
-        self.module = self._convert(copy.deepcopy(model), "")  # first: refuses what cannot be batched
+        self.module, self._conversion = convert(copy.deepcopy(model), batch)  # first: refuses what can't batch
+        self.generic_modules: list[str] = [e.name or e.type for e in self._conversion if e.generic]
         self.merged_order = self._choose_order(merged_order)
         self._order_on_trial = merged_order == "auto" and self.merged_order == "samples"
         self._plain_shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
@@ -98,35 +99,17 @@ class BatchModule(nn.Module):
             logger.info(
                 "torchmb: batched through torch.func (no registered layer): %s", ", ".join(self.generic_modules)
             )
+            warn_if_mostly_generic(self._conversion)
         if init == "copy":
             self.load_state_dicts(model.state_dict())
         else:
             self._initialise_independently(seed)
 
-    # -- conversion -------------------------------------------------------------------------------
-    def _convert(self, module: nn.Module, name: str) -> nn.Module:
-        batch_class = lookup_batch_module(type(module))
-        if batch_class is not None:
-            return batch_class.from_module(module, self.batch)
-        if any(p is not None for p in module._parameters.values()):
-            self.generic_modules.append(name or type(module).__name__)
-            return batch_generically(module, self.batch)
-        for child_name, child in module.named_children():
-            converted = self._convert(child, f"{name}.{child_name}" if name else child_name)
-            if converted is not child:
-                setattr(module, child_name, converted)
-        if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
-            if not module.self_attn.batch_first:
-                # Its feed-forward and norms see (seq, B*n, d): hand them batch-first tensors, so that
-                # the model axis is found even where seq == B*n and the shapes alone cannot tell.
-                for child in module.children():
-                    if isinstance(child, AbstractBatchModule) and not hasattr(child, "batch_first"):
-                        _sequence_first_around(child)
-        if isinstance(module, nn.TransformerEncoder):
-            # torch's nested-tensor inference path drops padded positions into a nested tensor, which
-            # has no merged model axis; the padded computation gives the same results.
-            module.use_nested_tensor = False
-        return module
+    def conversion_report(self) -> list[ConversionEntry]:
+        """How each module of the plain model was batched: one entry per module, in ``named_modules`` order
+        (registered batched class, ``torch.func`` for its own state or its whole subtree, or unchanged), with
+        the reason and the parameters per model that the path batches."""
+        return list(self._conversion)
 
     def _choose_order(self, requested: str) -> str:
         """The merged order for ``requested``; sets every batched layer's order or reorders around it."""
@@ -353,10 +336,12 @@ class BatchModule(nn.Module):
         """
         index = self._keep_index(keep)
         self._refuse_offloaded("select() cannot shrink", "build a new BatchModule from the survivors' state_dicts")
+        shrunk: set[int] = set()
         with torch.no_grad():
             for key, value in self.module.state_dict(keep_vars=True).items():
-                if not self._is_per_model(key, value):
-                    continue
+                if id(value) in shrunk or not self._is_per_model(key, value):
+                    continue  # a tied parameter is shrunk once
+                shrunk.add(id(value))
                 kept = value.data[index.to(value.device)]
                 if isinstance(value, nn.Parameter):
                     # Swap in place rather than assign .data: autograd caches a parameter's gradient
@@ -405,20 +390,6 @@ class BatchModule(nn.Module):
     def extra_repr(self) -> str:
         generic = f", torch.func path: {', '.join(self.generic_modules)}" if self.generic_modules else ""
         return f"batch={self.batch}, merged_order={self.merged_order!r}{generic}"
-
-
-def _sequence_first_around(module: AbstractBatchModule) -> None:
-    """Run ``module`` on ``(B*n, seq, ...)`` tensors although its caller passes ``(seq, B*n, ...)``."""
-
-    def to_batch_first(tensor: Any) -> Any:
-        return tensor.movedim(1, 0) if isinstance(tensor, Tensor) and tensor.dim() > 2 else tensor
-
-    def to_sequence_first(tensor: Any) -> Any:
-        return tensor.movedim(0, 1) if isinstance(tensor, Tensor) and tensor.dim() > 2 else tensor
-
-    module.register_forward_pre_hook(lambda _, args: tree_map(to_batch_first, args))
-    module.register_forward_hook(lambda _, args, out: tree_map(to_sequence_first, out))
-    module.sequence_first = True
 
 
 def _reorder_around(module: AbstractBatchModule) -> None:

@@ -268,7 +268,8 @@ def test_generic_path_dropout_masks_differ_between_models() -> None:
         def forward(self, x):
             return F.dropout(x * self.w, 0.5, self.training)
 
-    batched = BatchModule(Noisy(), 4)
+    with pytest.warns(UserWarning, match="100% of the model's parameters are batched through torch.func"):
+        batched = BatchModule(Noisy(), 4)
     out = batched(torch.ones(32, 64), shared_input=True)
     masks = out != 0
     assert all(not torch.equal(masks[0], masks[i]) for i in range(1, 4))

@@ -1,0 +1,238 @@
+"""The conversion walk: which path each module of a plain model takes, and the report of it.
+
+Each module takes one of four paths (:class:`ConversionEntry.path`):
+
+- ``"registered"``: its type (or a parent type whose ``forward`` it keeps) has a batched class.
+- ``"generic-whole"``: nothing below it is registered, but it or a module below it holds per-model state
+  (parameters, persistent buffers), is parametrized (``torch.nn.utils.parametrize``) or draws one random
+  value per batch; the whole subtree runs under one ``vmap``.
+- ``"generic-own"``: it owns parameters or persistent buffers and has registered layers below it; only
+  its own state goes through ``vmap``, its children are converted as usual and keep their fast paths.
+- ``"passthrough"``: no per-model state of its own; it runs unchanged on the merged model axis (its
+  children are converted).
+
+Parameters shared between modules (tied weights) stay one batched parameter, and a module reachable
+under two names stays one batched module.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Literal
+
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+from torch.utils._pytree import tree_map
+
+from batch_layers import AbstractBatchModule
+
+from ._generic import batch_generically, escape_from_regions, is_generic
+from ._registry import lookup_batch_module, registered_batch_modules
+
+__all__ = ["ConversionEntry", "convert", "warn_if_mostly_generic"]
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+Path = Literal["registered", "generic-whole", "generic-own", "passthrough"]
+
+
+@dataclass(frozen=True)
+class ConversionEntry:
+    """How one module of the plain model was batched.
+
+    Attributes:
+        name: its qualified name in the model (``""`` for the root).
+        type: its plain class name.
+        path: ``"registered"``, ``"generic-whole"``, ``"generic-own"`` or ``"passthrough"``.
+        reason: why it took that path.
+        parameters: parameter elements per model that this path batches (the subtree's for
+            ``"registered"`` and ``"generic-whole"``, the module's own for ``"generic-own"``); a tied
+            parameter counts once.
+    """
+
+    name: str
+    type: str
+    path: Path
+    reason: str
+    parameters: int
+
+    @property
+    def generic(self) -> bool:
+        """Whether this module's state goes through ``torch.func`` (the slow path)."""
+        return self.path in ("generic-whole", "generic-own")
+
+
+def convert(model: nn.Module, batch: int) -> tuple[nn.Module, list[ConversionEntry]]:
+    """Batch ``model`` in place: ``batch`` models; returns the converted root and one entry per module."""
+    walk = _Walk(batch)
+    ties = _tied_parameters(model)
+    converted = walk.convert(model, "")
+    _retie(converted, ties)
+    for module in converted.modules():
+        if is_generic(module) and not module._torchmb_whole:  # generic-own: its callees leave its vmap
+            for below in list(module.modules())[1:]:
+                escape_from_regions(below)
+    return converted, walk.entries
+
+
+def warn_if_mostly_generic(entries: list[ConversionEntry]) -> None:
+    """A ``UserWarning`` when most of a model's parameters go through ``torch.func`` (the slow path)."""
+    total = sum(entry.parameters for entry in entries)
+    generic = [entry for entry in entries if entry.generic and entry.parameters]
+    share = sum(entry.parameters for entry in generic) / total if total else 0.0
+    if share > 0.5:
+        largest = sorted(generic, key=lambda entry: -entry.parameters)[:3]
+        named = "; ".join(f"{entry.name or entry.type} ({entry.reason})" for entry in largest)
+        warnings.warn(
+            f"torchmb: {share:.0%} of the model's parameters are batched through torch.func, without a "
+            f"registered batched layer (slower); largest: {named}. See BatchModule.conversion_report()",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+class _Walk:
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+        self.entries: list[ConversionEntry] = []
+        self.converted: dict[int, nn.Module] = {}
+        self.fast_below: dict[int, bool] = {}
+        self.counted: set[int] = set()
+
+    def convert(self, module: nn.Module, name: str) -> nn.Module:
+        if id(module) not in self.converted:
+            self.converted[id(module)] = self._convert_new(module, name)
+        return self.converted[id(module)]
+
+    def _convert_new(self, module: nn.Module, name: str) -> nn.Module:
+        batch_class = lookup_batch_module(type(module))
+        if batch_class is not None and not parametrize.is_parametrized(module):
+            self._record(module, name, "registered", f"registered: {batch_class.__qualname__}", module.parameters())
+            return batch_class.from_module(module, self.batch)
+        whole_reason = self._whole_reason(module)
+        if whole_reason is not None:
+            self._record(module, name, "generic-whole", whole_reason, module.parameters())
+            return batch_generically(module, self.batch, whole=True)
+        own = _own_state(module)
+        if own:
+            self._record(module, name, "generic-own", f"owns {', '.join(own)}", module.parameters(recurse=False))
+        else:
+            self._record(module, name, "passthrough", "no per-model state of its own", ())
+        for child_name, child in module.named_children():
+            converted = self.convert(child, f"{name}.{child_name}" if name else child_name)
+            if converted is not child:
+                setattr(module, child_name, converted)
+        _adapt_transformer(module)
+        return batch_generically(module, self.batch, whole=False) if own else module
+
+    def _whole_reason(self, module: nn.Module) -> str | None:
+        """Why ``module``'s whole subtree goes through ``vmap``, or None when it should not."""
+        if parametrize.is_parametrized(module):
+            return f"parametrized ({', '.join(module.parametrizations)}): the parametrization runs per model"
+        if self._fast_path_below(module) or isinstance(module, _CONTAINERS):
+            return None  # a container never reads its children's state: they decide for themselves
+        if any(_draws_once_per_batch(m) for m in module.modules()):
+            return "draws one random value per batch: under vmap, one per model"
+        if not any(_own_state(m) for m in module.modules()):
+            return None
+        overridden = _overridden_parent(type(module))
+        if overridden is not None:
+            return f"subclass of registered {overridden.__qualname__} overriding forward; no registered layer below"
+        if not any(True for _ in module.parameters()):
+            return "holds persistent buffers (per model, as they may change in training); no parameters"
+        return f"unregistered type {type(module).__qualname__}; no registered layer below"
+
+    def _fast_path_below(self, module: nn.Module) -> bool:
+        """Whether a registered layer that keeps its fast path lies in ``module``'s subtree."""
+        key = id(module)
+        if key not in self.fast_below:
+            own = lookup_batch_module(type(module)) is not None and not parametrize.is_parametrized(module)
+            self.fast_below[key] = not parametrize.is_parametrized(module) and (
+                own or any(self._fast_path_below(child) for child in module.children())
+            )
+        return self.fast_below[key]
+
+    def _record(self, module: nn.Module, name: str, path: Path, reason: str, params) -> None:
+        fresh = [p for p in params if id(p) not in self.counted]
+        self.counted.update(id(p) for p in fresh)
+        count = sum(p.numel() for p in fresh)
+        self.entries.append(ConversionEntry(name, type(module).__qualname__, path, reason, count))
+
+
+def _own_state(module: nn.Module) -> list[str]:
+    """The names of ``module``'s own parameters and persistent buffers."""
+    params = [name for name, p in module._parameters.items() if p is not None]
+    buffers = [
+        name for name, b in module._buffers.items() if b is not None and name not in module._non_persistent_buffers_set
+    ]
+    return params + buffers
+
+
+def _draws_once_per_batch(module: nn.Module) -> bool:
+    """torchvision's ``StochasticDepth(mode="batch")`` keeps or drops the whole batch with one draw: run on
+    the merged axis, one draw would decide for all models."""
+    return type(module).__name__ == "StochasticDepth" and getattr(module, "mode", None) == "batch"
+
+
+def _overridden_parent(cls: type[nn.Module]) -> type[nn.Module] | None:
+    registered = registered_batch_modules()
+    return next((parent for parent in cls.__mro__[1:] if parent in registered), None)
+
+
+def _adapt_transformer(module: nn.Module) -> None:
+    if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+        if not module.self_attn.batch_first:
+            # Its feed-forward and norms see (seq, B*n, d): hand them batch-first tensors, so that
+            # the model axis is found even where seq == B*n and the shapes alone cannot tell.
+            for child in module.children():
+                if isinstance(child, AbstractBatchModule) and not hasattr(child, "batch_first"):
+                    _sequence_first_around(child)
+    if isinstance(module, nn.TransformerEncoder):
+        # torch's nested-tensor inference path drops padded positions into a nested tensor, which
+        # has no merged model axis; the padded computation gives the same results.
+        module.use_nested_tensor = False
+
+
+def _sequence_first_around(module: AbstractBatchModule) -> None:
+    """Run ``module`` on ``(B*n, seq, ...)`` tensors although its caller passes ``(seq, B*n, ...)``."""
+
+    def to_batch_first(tensor):
+        return tensor.movedim(1, 0) if isinstance(tensor, Tensor) and tensor.dim() > 2 else tensor
+
+    def to_sequence_first(tensor):
+        return tensor.movedim(0, 1) if isinstance(tensor, Tensor) and tensor.dim() > 2 else tensor
+
+    module.register_forward_pre_hook(lambda _, args: tree_map(to_batch_first, args))
+    module.register_forward_hook(lambda _, args, out: tree_map(to_sequence_first, out))
+    module.sequence_first = True
+
+
+# -- tied parameters -------------------------------------------------------------------------------------
+
+
+def _tied_parameters(model: nn.Module) -> list[list[tuple[str, str]]]:
+    """Groups of (module name, parameter name) that hold one parameter, for each parameter held twice."""
+    holders: dict[int, list[tuple[str, str]]] = {}
+    for module_name, module in model.named_modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), []).append((module_name, name))
+    return [group for group in holders.values() if len(group) > 1]
+
+
+def _retie(model: nn.Module, ties: list[list[tuple[str, str]]]) -> None:
+    """Make each group of tied parameters one batched parameter again (the first holder's)."""
+    for (first_module, first_name), *others in ties:
+        shared = model.get_submodule(first_module)._parameters[first_name]
+        for module_name, name in others:
+            holder = model.get_submodule(module_name)
+            current = holder._parameters[name]
+            if current is shared:
+                continue
+            if current.shape != shared.shape:
+                raise ValueError(
+                    f"cannot keep {module_name}.{name} tied to {first_module}.{first_name}: their batched shapes "
+                    f"differ ({tuple(current.shape)} vs {tuple(shared.shape)})"
+                )
+            holder._parameters[name] = shared
