@@ -20,7 +20,6 @@ from batch_layers import (
 
 from ._convert import ConversionEntry, convert, warn_if_mostly_generic
 from ._generic import is_generic
-from ._registry import lookup_batch_module
 
 __all__ = ["BatchModule"]
 
