@@ -1,0 +1,277 @@
+"""The torch.func path: own state under vmap, children on their fast paths, randomness and buffers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support.torchvision_ops import import_torchvision
+from torch import Tensor, nn
+
+import batch_layers
+from torchmb import BatchModule
+from torchmb.testing import assert_equivalent, assert_isolated
+
+torchvision = import_torchvision()
+import timm  # noqa: E402  (timm imports torchvision, which must be imported through import_torchvision first)
+from timm.models import convnext as timm_convnext  # noqa: E402
+from timm.models import swin_transformer as timm_swin  # noqa: E402
+from torchvision.models import convnext as tv_convnext  # noqa: E402
+from torchvision.models import swin_transformer as tv_swin  # noqa: E402
+
+B, N = 3, 2
+DOUBLE = dict(atol=1e-9, rtol=1e-9)
+
+
+def generic_paths(batched: BatchModule) -> dict[str, str]:
+    return {entry.name: entry.path for entry in batched.conversion_report() if entry.generic}
+
+
+def registered_layers_everywhere(batched: BatchModule, plain_type: type[nn.Module]) -> int:
+    """How many modules of ``plain_type`` the model had, asserting each is now a registered batched layer."""
+    plain = [name for name, m in batched._template.named_modules() if type(m) is plain_type]
+    for name in plain:
+        assert isinstance(batched.module.get_submodule(name), batch_layers.AbstractBatchModule), name
+    return len(plain)
+
+
+class Tokens(nn.Module):
+    """A root owning a class token and positions around registered layers (the ViT pattern, in small)."""
+
+    def __init__(self, d: int = 6, tokens: int = 3) -> None:
+        super().__init__()
+        self.cls_token = nn.Parameter(torch.randn(1, 1, d))
+        self.pos_embed = nn.Parameter(torch.randn(1, tokens + 1, d))
+        self.gamma = nn.Parameter(torch.randn(d))
+        self.embed = nn.Linear(4, d)
+        self.blocks = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d))
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.embed(x)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        for block in self.blocks:  # iterated, not called: each block is called from the root's own code
+            x = block(x)
+        x = x * self.gamma.view(1, 1, -1)
+        return self.head(x[:, 0] + F.linear(x[:, 1], self.blocks[0].weight))  # a child's weight read directly
+
+
+def test_own_parameters_keep_the_childrens_fast_paths() -> None:
+    torch.manual_seed(0)
+    batched = BatchModule(Tokens(), B)
+    assert generic_paths(batched) == {"": "generic-own"}
+    assert registered_layers_everywhere(batched, nn.Linear) == 4
+    assert batched.module.cls_token.shape == (B, 1, 1, 6)
+    x = torch.randn(B, N, 3, 4, dtype=torch.float64)
+    assert_equivalent(lambda: Tokens().double(), B, x, steps=3, **DOUBLE)
+    assert_isolated(BatchModule(Tokens(), B, init="independent", seed=0), x.float(), model=1)
+
+
+def test_own_parameters_with_the_shared_input() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(N, 3, 4, dtype=torch.float64)
+    assert_equivalent(lambda: Tokens().double(), B, x, steps=2, shared_input=True, **DOUBLE)
+
+
+def tiny_timm_vit() -> nn.Module:
+    return timm.create_model(
+        "vit_tiny_patch16_224", img_size=16, patch_size=8, depth=2, embed_dim=16, num_heads=2, num_classes=10
+    ).double()
+
+
+def test_timm_vit_root_owns_tokens_and_its_layers_stay_registered() -> None:
+    torch.manual_seed(0)
+    batched = BatchModule(tiny_timm_vit(), B)
+    paths = generic_paths(batched)
+    assert paths.pop("") == "generic-own"  # cls_token, pos_embed
+    # what remains generic is timm's LayerNorm (a subclass overriding forward, the registry's concern)
+    assert all(type(batched.module.get_submodule(name)).__name__ == "FuncBatchedLayerNorm" for name in paths)
+    assert registered_layers_everywhere(batched, nn.Linear) == 9
+    assert registered_layers_everywhere(batched, nn.Conv2d) == 1
+    assert_equivalent(tiny_timm_vit, B, torch.randn(B, N, 3, 16, 16, dtype=torch.float64), steps=2, **DOUBLE)
+
+
+def test_torchvision_vit_class_token_and_encoder_positions() -> None:
+    def make() -> nn.Module:
+        return torchvision.models.VisionTransformer(
+            image_size=16, patch_size=8, num_layers=1, num_heads=2, hidden_dim=8, mlp_dim=16, num_classes=10
+        ).double()
+
+    torch.manual_seed(0)
+    batched = BatchModule(make(), B)
+    assert generic_paths(batched) == {"": "generic-own", "encoder": "generic-own"}  # class_token; pos_embedding
+    assert registered_layers_everywhere(batched, nn.Conv2d) == 1
+    assert_equivalent(make, B, torch.randn(B, N, 3, 16, 16, dtype=torch.float64), steps=2, **DOUBLE)
+
+
+LAYER_SCALE_BLOCKS = {
+    # torchvision ConvNeXt: `self.layer_scale * result` with layer_scale (C, 1, 1)
+    "torchvision-cnblock": (lambda: tv_convnext.CNBlock(8, layer_scale=0.5, stochastic_depth_prob=0.0), (8, 5, 5)),
+    # timm ConvNeXt: `x.mul(self.gamma.reshape(1, -1, 1, 1))`
+    "timm-convnext-block": (lambda: timm_convnext.ConvNeXtBlock(8, ls_init_value=0.5, kernel_size=3), (8, 5, 5)),
+    # timm LayerScale, in place: `x.mul_(self.gamma)`
+    "timm-layerscale-inplace": (
+        lambda: nn.Sequential(nn.Linear(4, 6), timm.layers.LayerScale(6, 0.5, inplace=True), nn.Linear(6, 3)),
+        (4,),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", LAYER_SCALE_BLOCKS)
+def test_layer_scales(name: str) -> None:
+    make, shape = LAYER_SCALE_BLOCKS[name]
+    torch.manual_seed(0)
+    batched = BatchModule(make(), B)
+    assert registered_layers_everywhere(batched, nn.Linear) >= 2
+    assert sum(path == "generic-own" for path in generic_paths(batched).values()) <= 1
+    assert_equivalent(lambda: make().double(), B, torch.randn(B, N, *shape, dtype=torch.float64), steps=2, **DOUBLE)
+
+
+def test_swin_relative_position_tables() -> None:
+    def timm_attention() -> nn.Module:
+        return timm_swin.WindowAttention(8, num_heads=2, window_size=2).double()
+
+    def torchvision_attention() -> nn.Module:
+        return tv_swin.ShiftedWindowAttention(8, [2, 2], [1, 1], num_heads=2).double()
+
+    torch.manual_seed(0)
+    for make, shape in ((timm_attention, (4, 8)), (torchvision_attention, (4, 4, 8))):
+        batched = BatchModule(make(), B)
+        assert generic_paths(batched) == {"": "generic-own"}  # relative_position_bias_table (and its index)
+        assert registered_layers_everywhere(batched, nn.Linear) == 2
+        # torchvision's attention reads self.qkv.weight itself: the root's code sees each model's slice
+        assert_equivalent(make, B, torch.randn(B, N, *shape, dtype=torch.float64), steps=2, **DOUBLE)
+
+
+# -- randomness -------------------------------------------------------------------------------------------
+
+
+class OwnNoise(nn.Module):
+    """Randomness in a generic module's own code: an in-place draw on a fresh tensor, and torch.rand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(16))
+
+    def forward(self, x: Tensor) -> Tensor:
+        keep = torch.empty(x.shape[0], 16).bernoulli_(0.5) if self.training else 1.0
+        return x * self.w * keep + (torch.rand(16) if self.training else 0.0)
+
+
+def test_randomness_in_generic_code_differs_between_models() -> None:
+    with pytest.warns(UserWarning, match="batched through torch.func"):
+        batched = BatchModule(OwnNoise(), 4)
+    out = batched(torch.ones(4, 8, 16))
+    assert all(not torch.equal(out[0], out[i]) for i in range(1, 4))
+    batched.eval()
+    torch.testing.assert_close(batched(torch.ones(4, 8, 16)), torch.ones(4, 8, 16))
+
+
+@pytest.mark.parametrize("mode", ["batch", "row"])
+def test_stochastic_depth_draws_per_model(mode: str) -> None:
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 8), torchvision.ops.StochasticDepth(0.5, mode))
+
+    batched = BatchModule(make(), 16)
+    if mode == "batch":  # one draw per batch, so one per model: run under vmap
+        assert generic_paths(batched) == {"1": "generic-whole"}
+    else:  # one draw per sample is already per model on the merged axis
+        assert generic_paths(batched) == {}
+    kept = (batched(torch.ones(5, 4), shared_input=True) != 0).any(-1)  # (B, n): which samples survived
+    if mode == "batch":
+        assert all(len(set(row.tolist())) == 1 for row in kept), "a model keeps or drops all its samples"
+    assert len({tuple(row.tolist()) for row in kept}) > 1, "models draw independently"
+    torch.manual_seed(0)
+    assert_equivalent(make, 3, torch.randn(3, N, 4), steps=2, train=False)
+
+
+def test_convnext_block_trains_with_stochastic_depth_in_each_mode() -> None:
+    # torchvision's CNBlock owns layer_scale; its StochasticDepth("row") runs on the merged axis
+    torch.manual_seed(0)
+    batched = BatchModule(tv_convnext.CNBlock(8, layer_scale=0.5, stochastic_depth_prob=0.5), 8)
+    x = torch.randn(8, 4, 8, 3, 3)
+    out = batched(x)
+    out.square().sum().backward()
+    dropped = (out - x).flatten(2).abs().sum(-1) == 0  # (B, n): the residual branch dropped, per sample
+    assert dropped.any() and not dropped.all()
+    assert len({tuple(row.tolist()) for row in dropped}) > 1
+
+
+def test_timm_drop_path_in_a_vit_draws_per_model() -> None:
+    def make() -> nn.Module:
+        return timm.create_model(
+            "vit_tiny_patch16_224", img_size=16, patch_size=8, depth=2, embed_dim=16, num_heads=2, drop_path_rate=0.5
+        )
+
+    batched = BatchModule(make(), 4)
+    x = torch.randn(8, 3, 16, 16)
+    torch.manual_seed(0)
+    first = batched(x, shared_input=True)
+    assert all(not torch.allclose(first[0], first[i]) for i in range(1, 4))
+    first.sum().backward()
+    batched.eval()
+    torch.testing.assert_close(batched(x, shared_input=True), batched(x, shared_input=True))
+
+
+# -- buffers ----------------------------------------------------------------------------------------------
+
+
+class RunningMean(nn.Module):
+    """An EMA kept by reassignment, the way custom norms and EMA trackers write it."""
+
+    def __init__(self, d: int = 5) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(d))
+        self.register_buffer("running", torch.zeros(d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.training:
+            self.running = 0.9 * self.running + 0.1 * x.detach().mean(0)
+        return (x - self.running) * self.scale
+
+
+class Accumulator(nn.Module):
+    """No parameters; a buffer that accumulates data."""
+
+    def __init__(self, d: int = 5) -> None:
+        super().__init__()
+        self.register_buffer("total", torch.zeros(d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.total += x.detach().sum(0)
+        return x - self.total
+
+
+def test_reassigned_buffer_is_written_back_per_model() -> None:
+    torch.manual_seed(0)
+    make = lambda: nn.Sequential(nn.Linear(5, 5), RunningMean())  # noqa: E731
+    report = assert_equivalent(make, B, torch.randn(B, N, 5), steps=3)
+    assert "final model 2 1.running" in report
+    batched = BatchModule(make(), B)
+    x = torch.randn(B, N, 5)
+    batched(x)
+    assert not torch.equal(batched.module[1].running[0], batched.module[1].running[1])
+
+
+def test_parameter_free_module_with_a_buffer_keeps_one_per_model() -> None:
+    torch.manual_seed(0)
+    make = lambda: nn.Sequential(nn.Linear(5, 5), Accumulator(), nn.Linear(5, 2))  # noqa: E731
+    batched = BatchModule(make(), B)
+    assert generic_paths(batched) == {"1": "generic-whole"}
+    assert batched.module[1].total.shape == (B, 5)
+    assert_equivalent(make, B, torch.randn(B, N, 5), steps=3)
+    assert_isolated(batched, torch.randn(B, N, 5))
+
+
+def test_non_persistent_buffer_is_a_shared_constant() -> None:
+    class Offsets(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("offset", torch.arange(5.0), persistent=False)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return x + self.offset
+
+    batched = BatchModule(nn.Sequential(nn.Linear(5, 5), Offsets()), B)
+    assert generic_paths(batched) == {}
+    assert batched.module[1].offset.shape == (5,)
