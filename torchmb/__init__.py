@@ -7,6 +7,7 @@ hyperparameter sweeps, seed studies and ensembles in the time one model used to 
 from batch_layers import AbstractBatchModule
 
 from . import amp, clip, distributed, graphs, lr_scheduler, memory, optim, sweep, testing
+from ._convert import ConversionEntry
 from ._module import BatchModule
 from ._registry import lookup_batch_module, register_batch_module, registered_batch_modules
 from .functional import batch_accuracy, batch_loss, batch_topk, merge_batch, split_batch
@@ -16,6 +17,7 @@ __version__ = "0.3.0"
 __all__ = [
     "AbstractBatchModule",
     "BatchModule",
+    "ConversionEntry",
     "amp",
     "batch_accuracy",
     "batch_loss",
