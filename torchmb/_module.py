@@ -32,9 +32,13 @@ class BatchModule(nn.Module):
     """``batch`` independent copies of ``model`` trained as one module.
 
     Every submodule whose type is registered (see :func:`register_batch_module`) is swapped for its
-    grouped-weight batched class; an unregistered module that owns parameters is batched through
-    ``torch.func`` (listed in :attr:`generic_modules` and in the ``repr``); parameter-free modules run
-    unchanged on the merged model axis. Nothing is traced, so Python control flow in ``forward`` works.
+    grouped-weight batched class. An unregistered module that owns parameters or persistent buffers
+    is batched through ``torch.func``: only its own state when registered layers lie below it (they keep
+    their fast paths), its whole subtree otherwise; parametrized modules too. Modules without per-model
+    state run unchanged on the merged model axis. :meth:`conversion_report` says which path each module
+    took and why (the generic ones are listed in :attr:`generic_modules` and the ``repr``; a
+    ``UserWarning`` says when most parameters went generic). Tied parameters stay one batched parameter.
+    Nothing is traced, so Python control flow in ``forward`` works.
 
     Args:
         model: the plain model. It is copied, never modified.
