@@ -70,10 +70,18 @@ def convert(model: nn.Module, batch: int) -> tuple[nn.Module, list[ConversionEnt
     converted = walk.convert(model, "")
     _retie(converted, ties)
     for module in converted.modules():
-        if is_generic(module) and not module._torchmb_whole:  # generic-own: its callees leave its vmap
-            for below in list(module.modules())[1:]:
-                escape_from_regions(below)
+        if is_generic(module) and not module._torchmb_whole:
+            _escape_below(module)
     return converted, walk.entries
+
+
+def _escape_below(module: nn.Module) -> None:
+    """Let every module below a generic-own module leave its ``vmap`` when called from its code, except
+    inside a subtree batched whole, whose modules run under that subtree's own ``vmap``."""
+    for child in module.children():
+        escape_from_regions(child)
+        if not (is_generic(child) and child._torchmb_whole):
+            _escape_below(child)
 
 
 def warn_if_mostly_generic(entries: list[ConversionEntry]) -> None:

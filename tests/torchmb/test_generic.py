@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -47,6 +49,14 @@ class Tokens(nn.Module):
         self.blocks = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d))
         self.head = nn.Linear(d, 2)
 
+    class Bias(nn.Module):
+        def __init__(self, d: int) -> None:
+            super().__init__()
+            self.b = nn.Parameter(torch.randn(d))
+
+        def forward(self, x: Tensor) -> Tensor:
+            return x + self.b
+
     def forward(self, x: Tensor) -> Tensor:
         x = self.embed(x)
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
@@ -65,6 +75,37 @@ def test_own_parameters_keep_the_childrens_fast_paths() -> None:
     x = torch.randn(B, N, 3, 4, dtype=torch.float64)
     assert_equivalent(lambda: Tokens().double(), B, x, steps=3, **DOUBLE)
     assert_isolated(BatchModule(Tokens(), B, init="independent", seed=0), x.float(), model=1)
+
+
+class Gate(nn.Module):
+    """No registered layer below: batched whole, its child running under its vmap."""
+
+    def __init__(self, d: int = 6) -> None:
+        super().__init__()
+        self.inner = Tokens.Bias(d)
+        self.w = nn.Parameter(torch.randn(d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner(x) * torch.sigmoid(self.w)
+
+
+class Gated(Tokens):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = Gate()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x) + self.gate(self.embed(x[:, 0]))[:, :2]
+
+
+def test_a_whole_subtree_inside_an_own_state_module() -> None:
+    torch.manual_seed(0)
+    batched = BatchModule(Gated(), B)
+    assert generic_paths(batched) == {"": "generic-own", "gate": "generic-whole"}
+    x = torch.randn(B, N, 3, 4, dtype=torch.float64)
+    assert_equivalent(lambda: Gated().double(), B, x, steps=2, **DOUBLE)
+    copied = copy.deepcopy(batched)
+    torch.testing.assert_close(copied(x.float()), batched(x.float()))
 
 
 def test_own_parameters_with_the_shared_input() -> None:
