@@ -316,3 +316,31 @@ def test_non_persistent_buffer_is_a_shared_constant() -> None:
     batched = BatchModule(nn.Sequential(nn.Linear(5, 5), Offsets()), B)
     assert generic_paths(batched) == {}
     assert batched.module[1].offset.shape == (5,)
+
+
+@pytest.mark.cuda
+def test_timm_vit_trains_on_cuda_with_fused_attention() -> None:
+    """The blocks run on the merged axis outside the root's vmap, so SDPA gets plain tensors."""
+
+    def make() -> nn.Module:
+        return timm.create_model(
+            "vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=10, drop_path_rate=0.1
+        ).cuda()
+
+    torch.manual_seed(0)
+    assert_equivalent(make, B, torch.randn(B, N, 3, 32, 32, device="cuda"), steps=2, train=False, atol=1e-4)
+    batched = BatchModule(make(), 8)
+    with torch.autocast("cuda", torch.bfloat16):
+        out = batched(torch.randn(16, 3, 32, 32, device="cuda"), shared_input=True)
+    out.float().square().sum().backward()
+    assert all(p.grad is not None for p in batched.parameters())
+    assert not torch.equal(out[0], out[1])
+
+
+@pytest.mark.cuda
+def test_convnext_block_trains_on_cuda() -> None:
+    def make() -> nn.Module:
+        return tv_convnext.CNBlock(16, layer_scale=0.5, stochastic_depth_prob=0.0).cuda()
+
+    torch.manual_seed(0)
+    assert_equivalent(make, B, torch.randn(B, N, 16, 8, 8, device="cuda"), steps=2, atol=1e-4)
