@@ -18,6 +18,7 @@ under two names stays one batched module.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -34,7 +35,7 @@ __all__ = ["ConversionEntry", "convert", "warn_if_mostly_generic"]
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
-Path = Literal["registered", "generic-whole", "generic-own", "passthrough"]
+ConversionPath = Literal["registered", "generic-whole", "generic-own", "passthrough"]
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class ConversionEntry:
 
     name: str
     type: str
-    path: Path
+    path: ConversionPath
     reason: str
     parameters: int
 
@@ -146,22 +147,25 @@ class _Walk:
             return None
         overridden = _overridden_parent(type(module))
         if overridden is not None:
-            return f"subclass of registered {overridden.__qualname__} overriding forward; no registered layer below"
-        if not any(True for _ in module.parameters()):
+            parent = f"{overridden.__module__}.{overridden.__qualname__}"
+            return f"subclass of registered {parent} overriding forward; no registered layer below"
+        if next(module.parameters(), None) is None:
             return "holds persistent buffers (per model, as they may change in training); no parameters"
         return f"unregistered type {type(module).__qualname__}; no registered layer below"
 
     def _fast_path_below(self, module: nn.Module) -> bool:
-        """Whether a registered layer that keeps its fast path lies in ``module``'s subtree."""
+        """Whether a registered layer that keeps its fast path lies in ``module``'s subtree (or is it)."""
         key = id(module)
         if key not in self.fast_below:
-            own = lookup_batch_module(type(module)) is not None and not parametrize.is_parametrized(module)
+            registered = lookup_batch_module(type(module)) is not None
             self.fast_below[key] = not parametrize.is_parametrized(module) and (
-                own or any(self._fast_path_below(child) for child in module.children())
+                registered or any(self._fast_path_below(child) for child in module.children())
             )
         return self.fast_below[key]
 
-    def _record(self, module: nn.Module, name: str, path: Path, reason: str, params) -> None:
+    def _record(
+        self, module: nn.Module, name: str, path: ConversionPath, reason: str, params: Iterable[nn.Parameter]
+    ) -> None:
         fresh = [p for p in params if id(p) not in self.counted]
         self.counted.update(id(p) for p in fresh)
         count = sum(p.numel() for p in fresh)
