@@ -117,8 +117,9 @@ class _Walk:
     def _convert_new(self, module: nn.Module, name: str) -> nn.Module:
         batch_class = lookup_batch_module(type(module))
         if batch_class is not None and not parametrize.is_parametrized(module):
+            batched = batch_class.from_module(module, self.batch)  # first: refuses what it cannot batch
             self._record(module, name, "registered", f"registered: {batch_class.__qualname__}", module.parameters())
-            return batch_class.from_module(module, self.batch)
+            return batched
         whole_reason = self._whole_reason(module)
         if whole_reason is not None:
             self._record(module, name, "generic-whole", whole_reason, module.parameters())
