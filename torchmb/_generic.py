@@ -251,10 +251,15 @@ def _vmapped_call(module: nn.Module, original_forward: Callable[..., Any], *args
     batch = module._torchmb_batch
     leaves, spec = tree_flatten((args, kwargs))
     positions, mapped_inputs = [], []
+    merged_rows = None  # dim 0 of the first per-model argument: the data
     for position, leaf in enumerate(leaves):
         if not isinstance(leaf, Tensor) or is_shared_input(leaf, batch):
             continue  # constants, and the shared input that every model reads as it is
-        check_merged_rows(leaf, batch, f"{type(module).__name__} (batched via torch.func)", "tensor argument")
+        if merged_rows is None:
+            check_merged_rows(leaf, batch, f"{type(module).__name__} (batched via torch.func)", "tensor argument")
+            merged_rows = leaf.shape[0]
+        elif leaf.dim() == 0 or leaf.shape[0] != merged_rows:
+            continue  # rows other than the data's: a constant such as a mask or rotary tables, as it is
         positions.append(position)
         mapped_inputs.append(leaf.view(batch, -1, *leaf.shape[1:]))
     state = _region_state(module)

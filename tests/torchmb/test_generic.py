@@ -184,6 +184,23 @@ def test_swin_relative_position_tables() -> None:
         assert_equivalent(make, B, torch.randn(B, N, *shape, dtype=torch.float64), steps=2, **DOUBLE)
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented the batching")
+def test_constant_tensor_arguments_of_a_generic_module_are_not_split() -> None:
+    # timm's shifted-window block hands its attention a (windows, N, N) mask; here windows == B * n == 6
+    def swin_block() -> nn.Module:
+        return timm_swin.SwinTransformerBlock(8, (4, 6), num_heads=2, window_size=2, shift_size=1).double()
+
+    # EVA's blocks hand their attention rotary tables computed from non-persistent buffers
+    def eva() -> nn.Module:
+        return timm.create_model(
+            "eva02_tiny_patch14_224", img_size=28, patch_size=14, depth=1, embed_dim=16, num_heads=2, num_classes=5
+        ).double()
+
+    torch.manual_seed(0)
+    assert_equivalent(swin_block, 2, torch.randn(2, 3, 4, 6, 8, dtype=torch.float64), steps=2, **DOUBLE)
+    assert_equivalent(eva, B, torch.randn(B, N, 3, 28, 28, dtype=torch.float64), steps=2, **DOUBLE)
+
+
 # -- randomness -------------------------------------------------------------------------------------------
 
 
