@@ -156,8 +156,7 @@ def _on_merged_axis(module: nn.Module, call: Callable[..., Any], args: tuple, kw
             "forward; torchmb cannot take its inputs out onto the merged model axis there"
         )
     merged_args, merged_kwargs = tree_map(functools.partial(_to_merged, region), (args, kwargs))
-    entries = [(key, region.real[key]) for m in module.modules() for key in _keys(m) if key in region.real]
-    slices = _swap(module, dict(entries))
+    slices = _swap(module, region.real)  # the callee's own subtree computes with the stacked tensors
     token = _REGION.set(None)
     try:
         with interpreter.lower(), _pop_mode_temporarily():
@@ -167,10 +166,6 @@ def _on_merged_axis(module: nn.Module, call: Callable[..., Any], args: tuple, kw
         for key, real in _swap(module, slices).items():
             region.real[key] = real  # an escaped generic module may have reassigned a buffer
     return tree_map(functools.partial(_to_region, region, type(module).__name__), out)
-
-
-def _keys(module: nn.Module) -> list[tuple[int, str]]:
-    return [(id(module), name) for name in (*module._parameters, *module._buffers)]
 
 
 def _swap(root: nn.Module, values: dict[tuple[int, str], Tensor]) -> dict[tuple[int, str], Tensor]:
