@@ -391,7 +391,9 @@ class BatchModule(nn.Module):
         return index % self.batch
 
     def extra_repr(self) -> str:
-        generic = f", torch.func path: {', '.join(self.generic_modules)}" if self.generic_modules else ""
+        names = self.generic_modules
+        listed = ", ".join(names[:5]) + (f", ... ({len(names)} in all, see conversion_report())" if names[5:] else "")
+        generic = f", torch.func path: {listed}" if names else ""
         return f"batch={self.batch}, merged_order={self.merged_order!r}{generic}"
 
 

@@ -157,3 +157,16 @@ def test_parametrizations_match_plain_models(name: str) -> None:
         batched(torch.randn(B, N, 4))
         u = batched.module[0].parametrizations.weight[0]._u
         assert u.shape == (B, 5) and not torch.equal(u[0], u[1])
+
+
+def test_repr_lists_a_few_generic_modules() -> None:
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(2))
+
+        def forward(self, x: Tensor) -> Tensor:
+            return x * self.w
+
+    batched = BatchModule(nn.Sequential(nn.Linear(2, 100), *(Scale() for _ in range(7))), B)
+    assert "torch.func path: 1, 2, 3, 4, 5, ... (7 in all, see conversion_report())" in repr(batched)
