@@ -6,10 +6,11 @@ Each module takes one of four paths (:class:`ConversionEntry.path`):
 - ``"generic-whole"``: nothing below it is registered, but it or a module below it holds per-model state
   (parameters, persistent buffers), is parametrized (``torch.nn.utils.parametrize``) or draws one random
   value per batch; the whole subtree runs under one ``vmap``.
-- ``"generic-own"``: it owns parameters or persistent buffers and has registered layers below it; only
-  its own state goes through ``vmap``, its children are converted as usual and keep their fast paths.
+- ``"generic-own"``: it owns parameters and has registered layers below it; only its own state goes
+  through ``vmap``, its children are converted as usual and keep their fast paths.
 - ``"passthrough"``: no per-model state of its own; it runs unchanged on the merged model axis (its
-  children are converted).
+  children are converted). Persistent buffers of a module without parameters above registered layers
+  are constants kept once; changing one in forward is refused.
 
 Parameters shared between modules (tied weights) stay one batched parameter, and a module reachable
 under two names stays one batched module.
@@ -125,7 +126,15 @@ class _Walk:
             self._record(module, name, "generic-whole", whole_reason, module.parameters())
             return batch_generically(module, self.batch, whole=True)
         own = _own_state(module)
-        if own:
+        if own and not _owns_parameters(module):
+            # Registered layers below and buffers only: the buffers are constants (positional tables), kept
+            # once rather than sending the module's code through vmap; one changing in forward is refused.
+            own_buffers = ", ".join(own)
+            reason = f"no parameters; buffers {own_buffers} stay shared constants, changing them in forward is refused"
+            self._record(module, name, "passthrough", reason, ())
+            _refuse_buffer_changes(module)
+            own = []
+        elif own:
             self._record(module, name, "generic-own", f"owns {', '.join(own)}", module.parameters(recurse=False))
         else:
             self._record(module, name, "passthrough", "no per-model state of its own", ())
@@ -180,6 +189,35 @@ def _own_state(module: nn.Module) -> list[str]:
         name for name, b in module._buffers.items() if b is not None and name not in module._non_persistent_buffers_set
     ]
     return params + buffers
+
+
+def _owns_parameters(module: nn.Module) -> bool:
+    return any(p is not None for p in module._parameters.values())
+
+
+def _refuse_buffer_changes(module: nn.Module) -> None:
+    module.register_forward_pre_hook(_note_buffer_versions)
+    module.register_forward_hook(_check_buffer_versions)
+
+
+def _buffer_versions(module: nn.Module) -> dict[str, tuple[int, int]]:
+    return {name: (id(module._buffers[name]), module._buffers[name]._version) for name in _own_state(module)}
+
+
+def _note_buffer_versions(module: nn.Module, args: tuple) -> None:
+    module._torchmb_buffer_versions = _buffer_versions(module)
+
+
+def _check_buffer_versions(module: nn.Module, args: tuple, output: object) -> None:
+    before = module._torchmb_buffer_versions
+    changed = [name for name, version in _buffer_versions(module).items() if before.get(name) != version]
+    if changed:
+        raise RuntimeError(
+            f"{type(module).__qualname__} changed its buffers {', '.join(changed)} in forward. torchmb keeps the "
+            "buffers of a module without parameters whose children are registered layers once, for all models "
+            "(constants); a buffer that changes must be per model: move it into a child module of its own, "
+            "which torchmb batches per model"
+        )
 
 
 def _draws_once_per_batch(module: nn.Module) -> bool:

@@ -361,3 +361,30 @@ def test_convnext_block_trains_on_cuda() -> None:
 
     torch.manual_seed(0)
     assert_equivalent(make, B, torch.randn(B, N, 16, 8, 8, device="cuda"), steps=2, atol=1e-4)
+
+
+class Counting(nn.Module):
+    """No parameters of its own, registered layers below, and a buffer it changes: refused, not pooled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 5)
+        self.register_buffer("seen", torch.zeros(5))
+        self.register_buffer("table", torch.arange(5.0))  # a constant, like a positional table
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.training:
+            self.seen += x.detach().sum(0)
+        return self.fc(x) + self.table
+
+
+def test_buffers_of_a_module_without_parameters_above_registered_layers() -> None:
+    batched = BatchModule(Counting(), B)
+    entry = batched.conversion_report()[0]
+    assert entry.path == "passthrough" and "buffers seen, table stay shared constants" in entry.reason
+    assert batched.module.table.shape == (5,)
+    batched.eval()
+    assert_equivalent(lambda: Counting().eval(), B, torch.randn(B, N, 5), steps=1, train=False)
+    batched.train()
+    with pytest.raises(RuntimeError, match=r"Counting changed its buffers seen in forward.*move it into a child"):
+        batched(torch.randn(B, N, 5))
