@@ -242,11 +242,15 @@ def _region_state(module: nn.Module) -> list[tuple[tuple[int, str], Tensor, bool
     return found
 
 
-def _vmapped_call(module: nn.Module, original_forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def _per_model_arguments(module: nn.Module, leaves: list) -> tuple[list[int], list[Tensor]]:
+    """Which argument leaves hold the models' data on the merged axis, and those as ``(B, m, ...)``.
+
+    The first tensor is the data (or the shared input); a later tensor with the same rows in dim 0 is
+    per model too, one with other rows a constant such as a mask or rotary tables, passed as it is.
+    """
     batch = module._torchmb_batch
-    leaves, spec = tree_flatten((args, kwargs))
-    positions, mapped_inputs = [], []
-    merged_rows = None  # dim 0 of the first per-model argument: the data
+    positions, per_model = [], []
+    merged_rows = None
     for position, leaf in enumerate(leaves):
         if not isinstance(leaf, Tensor) or is_shared_input(leaf, batch):
             continue  # constants, and the shared input that every model reads as it is
@@ -254,11 +258,17 @@ def _vmapped_call(module: nn.Module, original_forward: Callable[..., Any], *args
             check_merged_rows(leaf, batch, f"{type(module).__name__} (batched via torch.func)", "tensor argument")
             merged_rows = leaf.shape[0]
         elif leaf.dim() == 0 or leaf.shape[0] != merged_rows:
-            continue  # rows other than the data's: a constant such as a mask or rotary tables, as it is
+            continue
         positions.append(position)
-        mapped_inputs.append(leaf.view(batch, -1, *leaf.shape[1:]))
+        per_model.append(leaf.view(batch, -1, *leaf.shape[1:]))
+    return positions, per_model
+
+
+def _vmapped_call(module: nn.Module, original_forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    batch = module._torchmb_batch
+    leaves, spec = tree_flatten((args, kwargs))
+    positions, mapped_inputs = _per_model_arguments(module, leaves)
     state = _region_state(module)
-    keys = [key for key, _, _ in state]
     real = {key: tensor for key, tensor, _ in state}
     mapped_keys = [key for key, _, mapped in state if mapped]
     unmapped = {key: tensor for key, tensor, mapped in state if not mapped}
@@ -278,7 +288,7 @@ def _vmapped_call(module: nn.Module, original_forward: Callable[..., Any], *args
         try:
             with region.mode:
                 out = original_forward(module, *call_args, **call_kwargs)
-            reassigned = _reassigned_buffers(module, slices, keys)
+            reassigned = _reassigned_buffers(module, slices)
         finally:
             _REGION.reset(token)
             _swap(module, region.real)
@@ -302,15 +312,12 @@ def _vmapped_call(module: nn.Module, original_forward: Callable[..., Any], *args
     return tree_unflatten([next(tensors) if leaf is None else leaf for leaf in out_leaves], out_spec)
 
 
-def _reassigned_buffers(
-    module: nn.Module, given: dict[tuple[int, str], Tensor], keys: list[tuple[int, str]]
-) -> dict[tuple[int, str], Tensor]:
+def _reassigned_buffers(module: nn.Module, given: dict[tuple[int, str], Tensor]) -> dict[tuple[int, str], Tensor]:
     """The buffers below ``module`` that its forward replaced by new tensors (``self.b = 0.9 * self.b``)."""
-    wanted = set(keys)
     current = {}
     for owner in module.modules():
         for name, tensor in owner._buffers.items():
             key = (id(owner), name)
-            if key in wanted and tensor is not given.get(key):
+            if key in given and tensor is not given[key]:
                 current[key] = tensor
     return current
