@@ -2,7 +2,7 @@
 
 A cached training step is bound by host time: every torch operation costs the host a few microseconds
 whatever its size, and the bookkeeping of a lookup, an admission and a store took some 40 of them per
-table. These kernels do the same work in fewer launches (through :mod:`offload._launch`'s cheap path):
+table. These kernels do the same work in fewer launches (through :mod:`offload.cuda_launch`'s cheap path):
 
 ``cache_mark`` / ``cache_fill``
     Deduplication of sorted indices (with ``torch.sort`` before and one ``cumsum`` between them): the
@@ -32,7 +32,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from . import _launch
+from . import cuda_launch as _launch
 
 try:
     import cupy
