@@ -28,7 +28,8 @@ from ._embedding_offload import OffloadedBatchEmbedding, offload_embeddings
 from ._linear import Linear
 from ._norm import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm, RMSNorm
 from ._out_of_scope import OUT_OF_SCOPE, LazyLinear, SyncBatchNorm
-from ._recurrent import GRU, LSTM, RNN, GRUCell, LSTMCell, RNNCell
+from ._recurrent import GRU, LSTM, RNN
+from ._recurrent_cells import GRUCell, LSTMCell, RNNCell
 
 __all__ = [
     "GRU",
