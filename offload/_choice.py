@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from . import _engine_cpu, _engine_hybrid, _engine_uva, _row_copy, _staging, _uva  # noqa: F401 (importing them registers the engines)
+from . import _engine_cpu, _engine_hybrid, _engine_uva, _row_copy, _staging, _uva
 from ._engine import ENGINES
 from ._memory import host_memory_available
 
@@ -27,6 +27,7 @@ TABLE: type[HostTable] | None = None
 """The table class that :func:`engine_choice` measures on: :class:`~offload.HostTable`, which sets it
 here when it is defined (``offload._table`` imports this module; this module does not import it)."""
 
+_REGISTERED = (_engine_cpu, _engine_hybrid, _engine_uva)  # importing an engine's module registers it
 Engine = Literal["auto", "uva", "cpu", "hybrid"]
 ENV_ENGINE = "TORCHMB_OFFLOAD_ENGINE"
 

@@ -37,7 +37,7 @@ LAUNCHES: Counter[str] = Counter()
 #: The launches among those that took the slower ``cupy.cuda.Function`` call instead of the direct
 #: ``cuLaunchKernel`` (see :data:`LAUNCH_MODE`).
 SLOW_LAUNCHES: Counter[str] = Counter()
-#: Compiled kernels by (kind, name, device, *defines).
+#: Compiled kernels by ``(kind, name, device, *defines)``.
 KERNELS: dict[tuple, Kernel] = {}
 
 _LOCK = threading.Lock()
