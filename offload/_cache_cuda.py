@@ -17,10 +17,10 @@ table. These kernels do the same work in fewer launches (through :mod:`offload.c
     A stepped working set back into the cache: weight and state rows into their records, the slots marked
     dirty.
 
-The torch implementations in ``_embedding.py`` are the reference (and the path on the CPU or without
-CuPy); :func:`use_cache_kernels` switches these off (environment variable ``TORCHMB_OFFLOAD_KERNELS=0``). Every
-index a kernel writes through is one the cache made itself; the kernels still skip entries out of range
-rather than write outside an array.
+The torch implementations beside their callers (``_lookup.py``, ``_gpu_cache.py``, ``_optim_state.py``) are
+the reference (and the path on the CPU or without CuPy); :func:`use_cache_kernels` switches these off
+(environment variable ``TORCHMB_OFFLOAD_KERNELS=0``). Every index a kernel writes through is one the cache
+made itself; the kernels still skip entries out of range rather than write outside an array.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ _enabled = os.environ.get("TORCHMB_OFFLOAD_KERNELS", "1") != "0"
 
 def get_cache_kernels() -> bool:
     """Whether the GPU cache's bookkeeping uses these kernels where they can run (CUDA tensors, CuPy
-    importable); else the torch operations of ``_embedding.py``. Starts as ``$TORCHMB_OFFLOAD_KERNELS``
+    importable); else the torch operations beside their callers (``offload._lookup``, ``_gpu_cache``,
+    ``_optim_state``). Starts as ``$TORCHMB_OFFLOAD_KERNELS``
     (``0`` turns them off; default on)."""
     return _enabled
 

@@ -66,7 +66,7 @@ def scatter_host_indices(table: HostTable, idx, rows: Tensor, unique: bool) -> N
 
 def host_rows(table: HostTable, op: str, idx_cpu: Tensor, rows: Tensor) -> None:
     """A CPU compute device: ``rows[:] = table[idx]`` or ``table[idx] = rows``, in one torch indexing
-    call or on the worker pool (see :data:`CPU_COPY`)."""
+    call or on the worker pool (see :data:`~offload._row_copy.CPU_COPY`)."""
     way, threads = _copy_plan(None, op)
     if op == "gather" and (not rows.is_contiguous() or rows.dtype != table.dtype):
         raise ValueError(f"gather needs a contiguous {table.dtype} output, got {rows.dtype}")
@@ -91,7 +91,7 @@ def host_rows(table: HostTable, op: str, idx_cpu: Tensor, rows: Tensor) -> None:
 
 def gather_cpu(table: HostTable, uniq_cpu: Tensor, out: Tensor, use: str = "gather") -> None:
     """The CPU engine's gather to the GPU: rows are copied into page-locked staging memory chunk by
-    chunk (by torch or the worker pool, see :data:`CPU_COPY`), and each chunk's copy to ``out`` is
+    chunk (by torch or the worker pool, see :data:`~offload._row_copy.CPU_COPY`), and each chunk's copy to ``out`` is
     queued (on the current stream) as soon as its rows are there."""
     n = uniq_cpu.numel()
     if n == 0:
@@ -133,7 +133,7 @@ def gather_cpu(table: HostTable, uniq_cpu: Tensor, out: Tensor, use: str = "gath
 def scatter_cpu(table: HostTable, uniq_cpu: Tensor, rows: Tensor, use: str = "scatter") -> None:
     """The CPU engine's scatter from the GPU: each chunk of ``rows`` is copied into page-locked staging
     memory (queued on the current stream, all at once), and its rows are written into the table (by
-    torch or the worker pool, see :data:`CPU_COPY`) as soon as its copy has finished."""
+    torch or the worker pool, see :data:`~offload._row_copy.CPU_COPY`) as soon as its copy has finished."""
     n = uniq_cpu.numel()
     if n == 0:
         return
@@ -186,7 +186,7 @@ def gather_host(table: HostTable, flat: Tensor, out: Tensor) -> None:
 
 def scatter_host(table: HostTable, flat: Tensor, owned: bool, rows: Tensor) -> None:
     """``table[flat] = rows`` by the CPU engine for checked, distinct, non-empty host indices (``owned``:
-    ``flat`` is no memory of the caller's). Deferred (see :data:`DEFER_SCATTER`): the rows' copy into
+    ``flat`` is no memory of the caller's). Deferred (see :data:`~offload._staging.DEFER_SCATTER`): the rows' copy into
     staging memory is queued, then the previous deferred scatter is written (while that copy runs)."""
     table._check_writable()
     rows = rows.to(device=table.device, dtype=table.dtype).contiguous()

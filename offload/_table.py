@@ -47,14 +47,14 @@ class HostTable:
         ``"uva"`` launches a CuPy kernel that reads (writes) the page-locked rows directly over PCIe.
         ``"cpu"`` copies rows into page-locked staging memory chunk by chunk, with torch's multi-threaded
         indexing or with numpy on a pool of threads (whichever :func:`engine_choice` measured faster, see
-        :data:`CPU_COPY`), and copies each chunk to the GPU as soon as its rows are there, so CPU gathering
-        and the DMA overlap (scatter is the reverse: each chunk's rows are written into the table as soon
-        as its copy from the GPU has landed).
+        :data:`~offload._row_copy.CPU_COPY`), and copies each chunk to the GPU as soon as its rows are there,
+        so CPU gathering and the DMA overlap (scatter is the reverse: each chunk's rows are written into the
+        table as soon as its copy from the GPU has landed).
         ``"hybrid"`` runs both at once on disjoint rows: the CPU engine moves a large call's lone rows, those
         with no other row of the call within the same 128 KiB of the table, and the UVA kernel the rest
-        (see :data:`LONE_BLOCK_BYTES`). Its split costs a second synchronisation and the CPU engine's fixed
-        cost, which on the machines measured outweighed what the kernel gains (:func:`engine_choice` does
-        not pick it).
+        (see :data:`~offload._engine_hybrid.LONE_BLOCK_BYTES`). Its split costs a second synchronisation and
+        the CPU engine's fixed cost, which on the machines measured outweighed what the kernel gains
+        (:func:`engine_choice` does not pick it).
         ``"auto"`` uses :func:`engine_choice`, measured once per device, apart for indices on the GPU and
         indices in host memory. On a CPU compute device every engine is plain CPU indexing.
 
@@ -63,7 +63,7 @@ class HostTable:
     call's copy to the GPU may still run, and the call returns with its own copy queued on the current
     stream. Such a gather copies the rows as indexed (repeats included: deduplicating on the host costs more
     than it saves), and such a scatter writes the rows into the table after it returns (see
-    :data:`DEFER_SCATTER`), before anything else uses the table.
+    :data:`~offload._staging.DEFER_SCATTER`), before anything else uses the table.
 
     Indices are checked before any engine touches host memory: they must be integers in
     ``[0, num_rows)``, else :class:`IndexError` names the first bad value and the table size. ``gather``
@@ -204,8 +204,8 @@ class HostTable:
 
     def synchronize(self, *, reads: bool = True) -> None:
         """Wait until the GPU-side writes (and, with ``reads``, reads) of this table launched so far finished,
-        and write a deferred scatter into the table (see :data:`DEFER_SCATTER`), raising its error if that
-        failed."""
+        and write a deferred scatter into the table (see :data:`~offload._staging.DEFER_SCATTER`), raising its
+        error if that failed."""
         self._land()
         self._wait_gpu(reads=reads)
 

@@ -155,7 +155,7 @@ def test_engine_choice_knows_where_the_indices_are():
         assert t.resolved_engine(op, host_indices=True) == choice[f"{op} host"]
     t.engine = "cpu"  # an explicit engine is honoured whatever the indices
     assert t.resolved_engine("gather", host_indices=True) == "cpu" == t.resolved_engine("gather")
-    if _uva._uva.available(t.device):
+    if _uva.available(t.device):
         t.engine = "uva"
         assert t.resolved_engine("gather", host_indices=True) == "uva" == t.resolved_engine("scatter")
     with offload.use_engine("cpu"):
