@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from batch_layers._base import check_merged_rows, is_shared_input
+from batch_layers import check_merged_rows, is_shared_input
 
 __all__ = ["batch_generically", "is_generic"]
 
