@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCHVISION_SPEC ?= torchvision==0.28.0
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint docs bench clean
+.PHONY: demo test test-all lint docs bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ lint: $(BIN)/.installed
 # The docs build (warnings as errors) is part of the tests, so API pages cannot rot.
 test: lint docs
 	$(BIN)/python -m pytest
+
+# The slow cases too (larger zoo models whose families the default run already covers).
+test-all: lint docs
+	$(BIN)/python -m pytest -m "slow or not slow"
 
 docs: $(BIN)/.installed
 	$(BIN)/sphinx-build -W --keep-going -b html docs docs/_build/html

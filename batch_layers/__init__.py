@@ -7,25 +7,29 @@ Every parameter has shape ``(B, *torch_shape)``; inputs carry the model axis mer
 from ._activation import PReLU
 from ._attention import MultiheadAttention
 from ._backend import get_backend, set_backend, use_backend, use_cupy, use_torch
-from ._base import AbstractBatchModule, ForwardContext, SamplesOrderError, current_forward, forward_context
+from ._base import (
+    AbstractBatchModule,
+    ForwardContext,
+    SamplesOrderError,
+    check_merged_rows,
+    current_forward,
+    forward_context,
+    is_shared_input,
+)
 from ._batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d
 from ._bilinear import Bilinear
 from ._conv import Conv1d, Conv2d, Conv3d
 from ._conv_transpose import ConvTranspose1d, ConvTranspose2d, ConvTranspose3d
 from ._dropout import AlphaDropout, Dropout, Dropout1d, Dropout2d, Dropout3d, FeatureAlphaDropout
-from ._embedding import (
-    Embedding,
-    EmbeddingBag,
-    FastEmbedding,
-    MultiEmbedding,
-    batched_embedding,
-    check_indices,
-)
+from ._embedding import Embedding, FastEmbedding, batched_embedding, check_indices
+from ._embedding_bag import EmbeddingBag
+from ._embedding_multi import MultiEmbedding
 from ._embedding_offload import OffloadedBatchEmbedding, offload_embeddings
 from ._linear import Linear
 from ._norm import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm, RMSNorm
 from ._out_of_scope import OUT_OF_SCOPE, LazyLinear, SyncBatchNorm
-from ._recurrent import GRU, LSTM, RNN, GRUCell, LSTMCell, RNNCell
+from ._recurrent import GRU, LSTM, RNN
+from ._recurrent_cells import GRUCell, LSTMCell, RNNCell
 
 __all__ = [
     "GRU",
@@ -73,9 +77,11 @@ __all__ = [
     "SyncBatchNorm",
     "batched_embedding",
     "check_indices",
+    "check_merged_rows",
     "current_forward",
     "forward_context",
     "get_backend",
+    "is_shared_input",
     "offload_embeddings",
     "set_backend",
     "use_backend",

@@ -32,7 +32,7 @@ dim, alignment) holds the compiled kernel and what follows from those keys; the 
 few that guard a ``data_ptr()`` (kept as cheap comparisons, with the full error messages built only on
 failure); and a launch packs its 8-byte arguments into a per-thread buffer for one ``cuLaunchKernel``
 through CuPy's driver binding (:data:`LAUNCH_MODE`), instead of ``cupy.cuda.Function.__call__``, which
-converts every argument on each call. The launcher is ``offload._launch``'s (the offload package's UVA
+converts every argument on each call. The launcher is :mod:`offload.cuda_launch`'s (the offload package's UVA
 kernels use the same one; imports point from ``batch_layers`` to ``offload``).
 """
 
@@ -43,10 +43,10 @@ import threading
 import torch
 from torch import Tensor
 
-from offload._launch import LAUNCH_MODE, LAUNCHES, SLOW_LAUNCHES, sm_count
-from offload._launch import compile_kernel as _compile
-from offload._launch import current_device as _current_device
-from offload._launch import launch as _launch
+from offload.cuda_launch import LAUNCH_MODE, LAUNCHES, SLOW_LAUNCHES, sm_count
+from offload.cuda_launch import compile_kernel as _compile
+from offload.cuda_launch import current_device as _current_device
+from offload.cuda_launch import launch as _launch
 
 from ._backend import get_backend
 
@@ -69,7 +69,7 @@ __all__ = [
     "use_kernels",
 ]
 
-# (LAUNCHES, SLOW_LAUNCHES and LAUNCH_MODE are offload._launch's, shared with the offload kernels: kernel
+# (LAUNCHES, SLOW_LAUNCHES and LAUNCH_MODE are offload.cuda_launch's, shared with the offload kernels: kernel
 # launches per kernel name since import, the launches among them that took the slower cupy.cuda.Function
 # call, and how kernels are launched)
 

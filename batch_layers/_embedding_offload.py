@@ -384,6 +384,7 @@ class OffloadedBatchEmbedding(Embedding):
 
 
 OffloadedBatchEmbedding.__doc__ = OffloadedBatchEmbedding.__doc__.replace("{shared}", _SHARED_DOC)
+Embedding._offloaded_class = OffloadedBatchEmbedding  # what Embedding(..., offload=True) builds
 
 
 def offload_embeddings(module: nn.Module, *, names: Iterable[str] | None = None, **options) -> list[str]:

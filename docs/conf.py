@@ -1,3 +1,9 @@
+import os
+import sys
+
+# Document the packages of this source tree (a worktree's), not whichever copy is installed.
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
+
 project = "torchmb"
 author = "the torchmb developers"
 extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon", "sphinx.ext.viewcode"]

@@ -2,7 +2,7 @@
 
 A cached training step is bound by host time: every torch operation costs the host a few microseconds
 whatever its size, and the bookkeeping of a lookup, an admission and a store took some 40 of them per
-table. These kernels do the same work in fewer launches (through :mod:`offload._launch`'s cheap path):
+table. These kernels do the same work in fewer launches (through :mod:`offload.cuda_launch`'s cheap path):
 
 ``cache_mark`` / ``cache_fill``
     Deduplication of sorted indices (with ``torch.sort`` before and one ``cumsum`` between them): the
@@ -17,10 +17,10 @@ table. These kernels do the same work in fewer launches (through :mod:`offload._
     A stepped working set back into the cache: weight and state rows into their records, the slots marked
     dirty.
 
-The torch implementations in ``_embedding.py`` are the reference (and the path on the CPU or without
-CuPy); :func:`use_cache_kernels` switches these off (environment variable ``TORCHMB_OFFLOAD_KERNELS=0``). Every
-index a kernel writes through is one the cache made itself; the kernels still skip entries out of range
-rather than write outside an array.
+The torch implementations beside their callers (``_lookup.py``, ``_gpu_cache.py``, ``_optim_state.py``) are
+the reference (and the path on the CPU or without CuPy); :func:`use_cache_kernels` switches these off
+(environment variable ``TORCHMB_OFFLOAD_KERNELS=0``). Every index a kernel writes through is one the cache
+made itself; the kernels still skip entries out of range rather than write outside an array.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from . import _launch
+from . import cuda_launch as _launch
 
 try:
     import cupy
@@ -44,7 +44,8 @@ _enabled = os.environ.get("TORCHMB_OFFLOAD_KERNELS", "1") != "0"
 
 def get_cache_kernels() -> bool:
     """Whether the GPU cache's bookkeeping uses these kernels where they can run (CUDA tensors, CuPy
-    importable); else the torch operations of ``_embedding.py``. Starts as ``$TORCHMB_OFFLOAD_KERNELS``
+    importable); else the torch operations beside their callers (``offload._lookup``, ``_gpu_cache``,
+    ``_optim_state``). Starts as ``$TORCHMB_OFFLOAD_KERNELS``
     (``0`` turns them off; default on)."""
     return _enabled
 

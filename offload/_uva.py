@@ -12,7 +12,7 @@ smaller window of rows in flight translates better while still covering the PCIe
 One launch moves the rows of up to :data:`MAX_TABLES` host tables of one shape by the same indices
 (:func:`gather_tables` / :func:`scatter_tables`: a row's weight and its optimizer state together), to or
 from device rows in order or addressed by a position array (a GPU cache's slots), in arrays whose rows may
-lie side by side in one tensor (one row stride). Launches go through :mod:`offload._launch` (one
+lie side by side in one tensor (one row stride). Launches go through :mod:`offload.cuda_launch` (one
 ``cuLaunchKernel`` from packed arguments) with a plan per (op, device, vector width, group, tables, launch
 shape), and the checks that guard each ``data_ptr()`` are plain comparisons, the error messages built only
 on failure: a few microseconds of host time where ``cupy.cuda.Function`` inside device and stream contexts
@@ -32,7 +32,7 @@ import threading
 
 import torch
 
-from . import _launch
+from . import cuda_launch as _launch
 
 try:
     import cupy

@@ -34,8 +34,7 @@ from torch.func import vmap
 from torch.overrides import TorchFunctionMode, _pop_mode_temporarily
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from batch_layers import AbstractBatchModule
-from batch_layers._base import check_merged_rows, is_shared_input
+from batch_layers import AbstractBatchModule, check_merged_rows, is_shared_input
 
 __all__ = ["batch_generically", "escape_from_regions", "is_generic"]
 

@@ -11,7 +11,7 @@ import batch_layers
 from batch_layers import _backend
 from batch_layers import _embedding_cuda as ecuda
 from batch_layers._base import ForwardContext, forward_context
-from offload import _launch as offload_launch
+from offload import cuda_launch as offload_launch
 
 B, N = 3, 5
 

@@ -37,7 +37,7 @@ from torch.func import functional_call, stack_module_state, vmap
 
 import batch_layers
 from batch_layers import _embedding_cuda as ecuda
-from offload import _launch as offload_launch
+from offload import cuda_launch as offload_launch
 
 dev = torch.device("cuda")
 RESULTS: list[dict] = []

@@ -27,7 +27,7 @@ import torch
 from _timing import wall_seconds
 
 import offload
-from offload import _memory, _table, _uva
+from offload import _choice, _engine_hybrid, _memory, _row_copy, _staging, _uva
 
 T0 = time.perf_counter()
 RESULTS: list[dict] = []
@@ -137,8 +137,8 @@ def part_a(s):
     table.engine = None
     src = torch.randn(n, dim, device=dev)
     emit(part="A", note="auto engine choice", choice=choice, measure_s=measure_s,
-         cpu_way={k[1]: (_table._movers.get(k), _table._chunks.get(k, 0) >> 20, _table._threads.get(k))
-                  for k in _table._chunks}, measured=_table._measured)
+         cpu_way={k[1]: (_row_copy._movers.get(k), _staging._chunks.get(k, 0) >> 20, _row_copy._threads.get(k))
+                  for k in _staging._chunks}, measured=_choice._measured)
     for label, fn, anchor in [("gather(idx) [dedup + bounds check]", lambda: table.gather(idx), h2d),
                               ("gather(unique sorted idx, unique=True)",
                                lambda: table.gather(uniq_sorted, unique=True, out=dbuf), h2d),
@@ -334,21 +334,21 @@ def host_side(s):
 def pool_overhead(s):
     """The worker pool's fixed cost: a call whose pieces do nothing, on 1 (the caller alone) to 16 threads,
     with each thread waking FANOUT others (and the caller waking them all)."""
-    old = _table.FANOUT
+    old = _row_copy.FANOUT
     try:
         for threads in (2, 4, 8, 16):
             for fanout in ((4, 16) if threads > 4 else (4,)):
-                _table.FANOUT = fanout
+                _row_copy.FANOUT = fanout
                 rounds = [(0, threads)]
                 for _ in range(20):
-                    _table._run_rows(lambda a, b: None, rounds, 1 << 20, threads=threads)
+                    _row_copy._run_rows(lambda a, b: None, rounds, 1 << 20, threads=threads)
                 t0 = time.perf_counter()
                 for _ in range(200):
-                    _table._run_rows(lambda a, b: None, rounds, 1 << 20, threads=threads)
+                    _row_copy._run_rows(lambda a, b: None, rounds, 1 << 20, threads=threads)
                 emit(part="X", what="pool: empty call", threads=threads, fanout=fanout,
                      us=(time.perf_counter() - t0) / 200 * 1e6)
     finally:
-        _table.FANOUT = old
+        _row_copy.FANOUT = old
 
 
 def cpu_side(s):
@@ -358,8 +358,8 @@ def cpu_side(s):
     data, n, dim, nbytes = s["data"], s["n"], s["dim"], s["nbytes"]
     ic = s["uniq_sorted"].cpu()
     pin = torch.empty(n, dim, pin_memory=True)
-    src_rows, pin_rows, idx = _table._row_array(data), _table._row_array(pin), ic.numpy()
-    w_data, w_pin = _table._wide(data), _table._wide(pin)
+    src_rows, pin_rows, idx = _row_copy._row_array(data), _row_copy._row_array(pin), ic.numpy()
+    w_data, w_pin = _row_copy._wide(data), _row_copy._wide(pin)
     for mib in (64, 16, 4, 1):
         per = (mib << 20) // 512
 
@@ -377,10 +377,10 @@ def cpu_side(s):
     for threads, mib in ((4, 8), (8, 4), (8, 8), (8, 16), (12, 8), (16, 8), (16, 16), (16, 64)):
         per = (mib << 20) // 512
         rounds = [(r0, min(n, r0 + per)) for r0 in range(0, n, per)]
-        tg = wall_seconds(lambda rounds=rounds, threads=threads: _table._run_rows(
-            lambda a, b: _table._take(src_rows, idx[a:b], pin_rows[a:b]), rounds, 512, threads=threads), 5)
-        ts = wall_seconds(lambda rounds=rounds, threads=threads: _table._run_rows(
-            lambda a, b: _table._put(src_rows, idx[a:b], pin_rows[a:b]), rounds, 512, threads=threads), 5)
+        tg = wall_seconds(lambda rounds=rounds, threads=threads: _row_copy._run_rows(
+            lambda a, b: _row_copy._take(src_rows, idx[a:b], pin_rows[a:b]), rounds, 512, threads=threads), 5)
+        ts = wall_seconds(lambda rounds=rounds, threads=threads: _row_copy._run_rows(
+            lambda a, b: _row_copy._put(src_rows, idx[a:b], pin_rows[a:b]), rounds, 512, threads=threads), 5)
         emit(part="X", what="CPU alone: pool take / put", threads=threads, chunk_mib=mib, take_ms=tg * 1e3,
              take_GBps=nbytes / tg / 1e9, put_ms=ts * 1e3, put_GBps=nbytes / ts / 1e9)
 
@@ -390,17 +390,17 @@ def cpu_engine_ways(s):
     table, dbuf, h2d, d2h, uniq_sorted = (s[k] for k in ("table", "dbuf", "h2d", "d2h", "uniq_sorted"))
     src = torch.randn(s["n"], s["dim"], device=dev)
     table.engine = "cpu"
-    old = _table._Staging.CHUNK_BYTES, _table.CPU_COPY, _table.CPU_THREADS
+    old = _staging._Staging.CHUNK_BYTES, _row_copy.CPU_COPY, _row_copy.CPU_THREADS
     try:
         for way, mib, threads in (("torch", 4, 1), ("torch", 8, 1), ("torch", 16, 1), ("torch", 32, 1),
                                   ("pool", 8, 8), ("pool", 16, 8), ("pool", 8, 16), ("pool", 16, 16)):
-            _table._Staging.CHUNK_BYTES, _table.CPU_COPY, _table.CPU_THREADS = mib << 20, way, threads
+            _staging._Staging.CHUNK_BYTES, _row_copy.CPU_COPY, _row_copy.CPU_THREADS = mib << 20, way, threads
             tg = wall_seconds(lambda: table.gather(uniq_sorted, unique=True, out=dbuf), 10)
             ts = wall_seconds(lambda: table.scatter(uniq_sorted, src, unique=True), 10)
             emit(part="X", what="cpu engine", way=way, chunk_mib=mib, threads=threads, gather_ms=tg * 1e3,
                  gather_ratio=h2d / tg, scatter_ms=ts * 1e3, scatter_ratio=d2h / ts)
     finally:
-        _table._Staging.CHUNK_BYTES, _table.CPU_COPY, _table.CPU_THREADS = old
+        _staging._Staging.CHUNK_BYTES, _row_copy.CPU_COPY, _row_copy.CPU_THREADS = old
         table.engine = None
 
 
@@ -423,7 +423,7 @@ def hostalloc_table(s):
 
 
 def lone_rows(s):
-    """What the hybrid's split rests on (see offload._table.LONE_BLOCK_BYTES): the UVA kernel over index sets
+    """What the hybrid's split rests on (see offload._engine_hybrid.LONE_BLOCK_BYTES): the UVA kernel over index sets
     of the same size that differ in how close their rows lie; over the rows that are not lone in blocks of
     several sizes against as many rows drawn at random, alone and with the lone rows' bytes copied at the
     same time; and the hybrid engine with each block size."""
@@ -446,7 +446,7 @@ def lone_rows(s):
     staging = torch.empty(n, s["dim"]).pin_memory()
     side = torch.cuda.Stream()
     for block in (32 << 10, 64 << 10, 128 << 10, 256 << 10):
-        old = _set(_table, LONE_BLOCK_BYTES=block, HYBRID_MIN_LONE_BYTES=1)
+        old = _set(_engine_hybrid, LONE_BLOCK_BYTES=block, HYBRID_MIN_LONE_BYTES=1)
         try:
             lone, near = table._lone_split(s["uniq_sorted"])
             near_idx = s["uniq_sorted"][near]
@@ -472,7 +472,7 @@ def lone_rows(s):
                  hybrid_gather_ms=tg * 1e3, hybrid_gather_ratio=h2d / tg, hybrid_scatter_ms=ts * 1e3,
                  hybrid_scatter_ratio=d2h / ts)
         finally:
-            _set(_table, **old)
+            _set(_engine_hybrid, **old)
             table.engine = None
     out = table.gather(s["uniq_sorted"], unique=True)  # the default split's rows are right
     emit(part="L", what="hybrid correct", ok=bool(torch.equal(out.cpu(), s["data"][s["uniq_sorted_cpu"]])))
@@ -541,7 +541,7 @@ def main():
     emit(note="env", torch=torch.__version__, gpu=torch.cuda.get_device_name(), threads=torch.get_num_threads(),
          cupy=_uva.cupy.__version__ if _uva.cupy is not None else None, thp=thp, pcie=link,
          uva=dict(threads=_uva.THREADS, unroll=_uva.UNROLL, blocks_per_sm=_uva.BLOCKS_PER_SM, load=_uva.LOAD,
-                  store=_uva.STORE), chunk_mib=(_table._Staging.CHUNK_BYTES or _table._Staging.DEFAULT_CHUNK) >> 20,
+                  store=_uva.STORE), chunk_mib=(_staging._Staging.CHUNK_BYTES or _staging._Staging.DEFAULT_CHUNK) >> 20,
          cpus=len(os.sched_getaffinity(0)), kernel=os.uname().release)
     s = setup()
     anchors(s)

@@ -24,8 +24,7 @@ def test_uva_and_cpu_engines_agree(monkeypatch, dtype, dim):
     """The three engines against plain indexing; the hybrid's CPU part moves exactly the lone rows (here:
     those with no other row of the call among the 3 rows of their block)."""
     pytest.importorskip("cupy")
-    from offload import _table
-
+    from offload import _engine_cpu, _engine_hybrid
     g = torch.Generator().manual_seed(0)
     rows = 20_011
     src = (torch.randn(rows, dim, generator=g) * 50).to(dtype)
@@ -34,17 +33,17 @@ def test_uva_and_cpu_engines_agree(monkeypatch, dtype, dim):
     hyb = offload.HostTable.from_tensor(src, device="cuda", engine="hybrid")
     assert uva.pinned and cpu.pinned and hyb.pinned
     row_bytes = dim * src.element_size()
-    monkeypatch.setattr(_table, "LONE_BLOCK_BYTES", 3 * row_bytes)
-    monkeypatch.setattr(_table, "HYBRID_MIN_LONE_BYTES", 1)
+    monkeypatch.setattr(_engine_hybrid, "LONE_BLOCK_BYTES", 3 * row_bytes)
+    monkeypatch.setattr(_engine_hybrid, "HYBRID_MIN_LONE_BYTES", 1)
     by_cpu = []
-    for name in ("_gather_cpu", "_scatter_cpu"):
-        real = getattr(offload.HostTable, name)
+    for name in ("gather_cpu", "scatter_cpu"):
+        real = getattr(_engine_cpu, name)
 
-        def counted(self, idx, rows_, *args, real=real):
+        def counted(table, idx, rows_, *args, real=real):
             by_cpu.append(sorted(idx.tolist()))
-            return real(self, idx, rows_, *args)
+            return real(table, idx, rows_, *args)
 
-        monkeypatch.setattr(offload.HostTable, name, counted)
+        monkeypatch.setattr(_engine_cpu, name, counted)
     idx = torch.randint(0, rows, (3, 4099), generator=g).cuda()
     before = _launches("gather")
     a = uva.gather(idx)
@@ -82,10 +81,9 @@ def test_distinct_indices_out_of_order_on_every_engine(monkeypatch, engine, dtyp
     indexing of an independent copy, with a prefetch of some of the rows patched by the scatter."""
     if engine != "cpu":
         pytest.importorskip("cupy")
-    from offload import _table
-
-    monkeypatch.setattr(_table, "LONE_BLOCK_BYTES", 3 * dim * torch.empty((), dtype=dtype).element_size())
-    monkeypatch.setattr(_table, "HYBRID_MIN_LONE_BYTES", 1)
+    from offload import _engine_hybrid
+    monkeypatch.setattr(_engine_hybrid, "LONE_BLOCK_BYTES", 3 * dim * torch.empty((), dtype=dtype).element_size())
+    monkeypatch.setattr(_engine_hybrid, "HYBRID_MIN_LONE_BYTES", 1)
     g = torch.Generator().manual_seed(4)
     rows = 9001
     src = (torch.randn(rows, dim, generator=g) * 50).to(dtype)
@@ -359,7 +357,8 @@ def test_lru_victims_are_the_least_recently_used_slots():
 def test_uva_launch_modes_agree(monkeypatch):
     """The UVA kernels through one cuLaunchKernel call and through cupy.cuda.Function copy the same rows."""
     pytest.importorskip("cupy")
-    from offload import _launch, _uva
+    from offload import _uva
+    from offload import cuda_launch as _launch
 
     src = torch.randn(3000, 64)
     host = src.clone().pin_memory()
@@ -386,18 +385,17 @@ def test_cpu_engine_staging_rotation_wraps(monkeypatch, engine, way, threads, ch
     equals plain indexing of an independent copy of the table, down to n = 1 and n below the threads."""
     if engine == "hybrid":
         pytest.importorskip("cupy")
-    from offload import _table
-
+    from offload import _engine_hybrid, _row_copy, _staging
     dev = torch.device("cuda", torch.cuda.current_device())
-    monkeypatch.setattr(_table._Staging, "BYTES", 64 << 10)
-    monkeypatch.setattr(_table._Staging, "UNIT", 4 << 10)
-    monkeypatch.setattr(_table._Staging, "CHUNK_BYTES", chunk)
-    monkeypatch.setattr(_table, "CPU_COPY", way)
-    monkeypatch.setattr(_table, "CPU_THREADS", threads)
-    monkeypatch.setattr(_table, "MIN_PIECE_BYTES", 1024)
-    monkeypatch.setattr(_table, "LONE_BLOCK_BYTES", 3 * 128 * 4)
-    monkeypatch.setattr(_table, "HYBRID_MIN_LONE_BYTES", 1)
-    old = _table._staging.pop(dev.index, None)
+    monkeypatch.setattr(_staging._Staging, "BYTES", 64 << 10)
+    monkeypatch.setattr(_staging._Staging, "UNIT", 4 << 10)
+    monkeypatch.setattr(_staging._Staging, "CHUNK_BYTES", chunk)
+    monkeypatch.setattr(_row_copy, "CPU_COPY", way)
+    monkeypatch.setattr(_row_copy, "CPU_THREADS", threads)
+    monkeypatch.setattr(_row_copy, "MIN_PIECE_BYTES", 1024)
+    monkeypatch.setattr(_engine_hybrid, "LONE_BLOCK_BYTES", 3 * 128 * 4)
+    monkeypatch.setattr(_engine_hybrid, "HYBRID_MIN_LONE_BYTES", 1)
+    old = _staging._staging.pop(dev.index, None)
     try:
         g = torch.Generator().manual_seed(3)
         src = torch.randn(20_000, 128, generator=g)
@@ -412,11 +410,11 @@ def test_cpu_engine_staging_rotation_wraps(monkeypatch, engine, way, threads, ch
             t.scatter(idx.cuda(), vals.cuda(), unique=True)
             expected[idx] = vals
             assert torch.equal(t.data, expected)
-        assert _table._staging[dev.index].units == 16
+        assert _staging._staging[dev.index].units == 16
     finally:  # later users get staging of the default size again
-        _table._staging.pop(dev.index, None)
+        _staging._staging.pop(dev.index, None)
         if old is not None:
-            _table._staging[dev.index] = old
+            _staging._staging[dev.index] = old
 
 
 @pytest.mark.parametrize("op", ["gather", "scatter"])
@@ -426,15 +424,14 @@ def test_cpu_engine_worker_exception_reaches_the_caller(monkeypatch, op):
     import threading
     import time
 
-    from offload import _table
-
-    monkeypatch.setattr(_table, "CPU_COPY", "pool")
-    monkeypatch.setattr(_table, "CPU_THREADS", 4)
-    monkeypatch.setattr(_table, "MIN_PIECE_BYTES", 4096)
-    monkeypatch.setattr(_table._Staging, "CHUNK_BYTES", 64 << 10)
+    from offload import _row_copy, _staging
+    monkeypatch.setattr(_row_copy, "CPU_COPY", "pool")
+    monkeypatch.setattr(_row_copy, "CPU_THREADS", 4)
+    monkeypatch.setattr(_row_copy, "MIN_PIECE_BYTES", 4096)
+    monkeypatch.setattr(_staging._Staging, "CHUNK_BYTES", 64 << 10)
     main = threading.get_ident()
     name = "_take" if op == "gather" else "_put"
-    real = getattr(_table, name)
+    real = getattr(_row_copy, name)
 
     def broken(*args):
         if threading.get_ident() != main:
@@ -448,11 +445,11 @@ def test_cpu_engine_worker_exception_reaches_the_caller(monkeypatch, op):
     t = offload.HostTable.from_tensor(src, device="cuda", engine="cpu")
     idx = torch.randperm(30_000, generator=g)[:8000].cuda()
     vals = torch.randn(8000, 64, generator=g).cuda()
-    monkeypatch.setattr(_table, name, broken)
+    monkeypatch.setattr(_row_copy, name, broken)
     with pytest.raises(MemoryError, match=f"a worker failed to {op} rows"):
         for _ in range(5):  # until a worker (not the caller) takes a piece
             t.gather(idx, unique=True) if op == "gather" else t.scatter(idx, vals, unique=True)
-    monkeypatch.setattr(_table, name, real)
+    monkeypatch.setattr(_row_copy, name, real)
     assert torch.equal(t.gather(idx, unique=True).cpu(), t.data[idx.cpu()])
     t.scatter(idx, vals, unique=True)
     expected[idx.cpu()] = vals.cpu()

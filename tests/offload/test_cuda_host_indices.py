@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import offload
-from offload import _table
+from offload import _row_copy, _staging, _uva
 
 pytestmark = pytest.mark.cuda
 
@@ -27,13 +27,13 @@ def small_staging(monkeypatch):
     """Staging of 64 units of 4 KiB (calls of up to 128 KiB are staged whole and deferred), fresh for the
     test and dropped after it."""
     dev = torch.device("cuda", torch.cuda.current_device())
-    monkeypatch.setattr(_table._Staging, "BYTES", 256 << 10)
-    monkeypatch.setattr(_table._Staging, "UNIT", 4 << 10)
-    old = _table._staging.pop(dev.index, None)
+    monkeypatch.setattr(_staging._Staging, "BYTES", 256 << 10)
+    monkeypatch.setattr(_staging._Staging, "UNIT", 4 << 10)
+    old = _staging._staging.pop(dev.index, None)
     yield dev
-    _table._staging.pop(dev.index, None)
+    _staging._staging.pop(dev.index, None)
     if old is not None:
-        _table._staging[dev.index] = old
+        _staging._staging[dev.index] = old
 
 
 def _table_of(rows=2000, dim=32, seed=0, engine="cpu"):
@@ -46,8 +46,8 @@ def test_back_to_back_gathers_reuse_staging_safely(small_staging, monkeypatch, w
     """Many gathers of host indices queued behind a held stream: staging wraps around many times, calls of
     one staging piece (deferred copies) and of several (larger than half the staging) alternate, and every
     result equals plain indexing."""
-    monkeypatch.setattr(_table, "CPU_COPY", way)
-    monkeypatch.setattr(_table, "CPU_THREADS", 3)
+    monkeypatch.setattr(_row_copy, "CPU_COPY", way)
+    monkeypatch.setattr(_row_copy, "CPU_THREADS", 3)
     src, t = _table_of()
     g = torch.Generator().manual_seed(1)
     sizes = [1, 700, 64, 2000, 5, 1000, 333] * 6  # rows of 128 bytes: 700 rows take 22 units, 2000 take 63
@@ -72,7 +72,7 @@ def test_back_to_back_scatters_land_in_order(small_staging, monkeypatch, defer):
     """Scatters of host indices (deferred, and not deferred) queued behind a held stream, on overlapping
     rows, with gathers of host and device indices in between: every gather sees exactly the writes before
     it, and the table ends as plain indexing leaves it."""
-    monkeypatch.setattr(_table, "DEFER_SCATTER", defer)
+    monkeypatch.setattr(_staging, "DEFER_SCATTER", defer)
     src, t = _table_of()
     expected = src.clone()
     g = torch.Generator().manual_seed(2)
@@ -129,7 +129,7 @@ def test_out_of_range_host_indices_raise_before_any_copy(monkeypatch, idx_of):
     def no_staging(*args, **kwargs):
         raise RuntimeError("staging memory was taken")
 
-    monkeypatch.setattr(_table._Staging, "take", no_staging)
+    monkeypatch.setattr(_staging._Staging, "take", no_staging)
     for bad, named in (([0, 50], 50), ([-1, 2], -1), ([7, 2**40], 2**40)):
         calls = (lambda i: t.gather(i), lambda i: t.gather(i, unique=True), lambda i: t.prefetch(i, unique=True),
                  lambda i: t.scatter(i, torch.zeros(2, 8, device="cuda")),
@@ -155,7 +155,7 @@ def test_engine_choice_knows_where_the_indices_are():
         assert t.resolved_engine(op, host_indices=True) == choice[f"{op} host"]
     t.engine = "cpu"  # an explicit engine is honoured whatever the indices
     assert t.resolved_engine("gather", host_indices=True) == "cpu" == t.resolved_engine("gather")
-    if _table._uva.available(t.device):
+    if _uva.available(t.device):
         t.engine = "uva"
         assert t.resolved_engine("gather", host_indices=True) == "uva" == t.resolved_engine("scatter")
     with offload.use_engine("cpu"):
@@ -188,15 +188,15 @@ def test_uva_engine_and_host_indices_interleave(small_staging):
 def test_deferred_scatter_failure_names_the_rows(small_staging, monkeypatch):
     """A deferred write that fails raises at the table's next use, naming its rows; a scatter whose call
     finds the previous one failed writes nothing either; afterwards the table works again."""
-    monkeypatch.setattr(_table, "CPU_COPY", "pool")
-    monkeypatch.setattr(_table, "CPU_THREADS", 1)
+    monkeypatch.setattr(_row_copy, "CPU_COPY", "pool")
+    monkeypatch.setattr(_row_copy, "CPU_THREADS", 1)
     src, t = _table_of(rows=100, dim=8)
-    real = _table._put
+    real = _row_copy._put
 
     def broken(*args):
         raise MemoryError("no memory to write rows")
 
-    monkeypatch.setattr(_table, "_put", broken)
+    monkeypatch.setattr(_row_copy, "_put", broken)
     t.scatter(torch.tensor([7, 3, 9]), torch.ones(3, 8, device="cuda"), unique=True)  # returns: deferred
     with pytest.raises(RuntimeError, match=r"its 3 rows \(indices 7, 3, 9; from 3 to 9\) did not all land "
                                            r"\(some of them may be written, others not\).*no memory to write rows"):
@@ -206,7 +206,7 @@ def test_deferred_scatter_failure_names_the_rows(small_staging, monkeypatch):
     with pytest.raises(RuntimeError, match=r"its 1 rows \(indices 1; from 1 to 1\).*this scatter was not "
                                            r"written either"):
         t.scatter(torch.tensor([2]), torch.ones(1, 8, device="cuda"))
-    monkeypatch.setattr(_table, "_put", real)
+    monkeypatch.setattr(_row_copy, "_put", real)
     assert torch.equal(t.data, src)
     t.scatter(torch.tensor([2]), torch.full((1, 8), 5.0, device="cuda"))
     expected = src.clone()

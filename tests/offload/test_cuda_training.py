@@ -57,7 +57,7 @@ def test_skip_gram_with_evicting_caches_and_prefetch_equals_sparse_adam_on_the_g
     (waiting for the admission only), the step in between: the same tables and Adam state as SparseAdam,
     with the cache's bookkeeping and the lookups' backward in their CuPy kernels or in torch operations."""
     pytest.importorskip("cupy")
-    from offload import _launch
+    from offload import cuda_launch as _launch
 
     ran = {k: _launch.LAUNCHES[k] for k in ("cache_fill", "cache_install", "cache_store", "seg_tiles",
                                                    "lru_select")}

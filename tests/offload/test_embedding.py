@@ -367,14 +367,16 @@ def test_switch_in_reuses_the_prefetched_deduplication_unless_the_indices_change
     ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=0.01)
     emb = offload.OffloadedEmbedding(N, D, _weight=w0.clone(), cache_rows=cache_rows)
     opt = offload.attach(torch.optim.Adam(emb.parameters(), lr=0.01))
+    from offload import _lookup
+
     calls = []
-    real = offload.OffloadedEmbedding._distinct
+    real = _lookup.distinct
 
-    def counting(self, *args, **kwargs):
+    def counting(module, *args, **kwargs):
         calls.append(1)
-        return real(self, *args, **kwargs)
+        return real(module, *args, **kwargs)
 
-    monkeypatch.setattr(offload.OffloadedEmbedding, "_distinct", counting)
+    monkeypatch.setattr(_lookup, "distinct", counting)
     data = batches(STEPS, False, "cpu", seed=26, dist="heavy")
     idx = data[0][0].clone()
     for i, (_, target) in enumerate(data):
@@ -589,7 +591,7 @@ class _Fault(RuntimeError):
 def test_failed_write_back_leaves_host_rows_whole(monkeypatch, cache_rows):
     """A fault while committing a step's rows (after the weight's rows were staged, before the optimizer
     state's) leaves the weight and every state table exactly as before; a retry commits all of them."""
-    from offload import _embedding
+    from offload import _host_write
 
     w0 = init_weight()
     data = batches(3, False, "cpu", seed=13)
@@ -600,7 +602,7 @@ def test_failed_write_back_leaves_host_rows_whole(monkeypatch, cache_rows):
     before = {k: t.data.clone() for k, t in emb.state_tables.items()}
     before["weight"] = emb.table.data.clone()
 
-    real = _embedding._stage_rows
+    real = _host_write.stage_rows
     calls = []
 
     def faulty(rows):
@@ -612,14 +614,14 @@ def test_failed_write_back_leaves_host_rows_whole(monkeypatch, cache_rows):
     idx, target = data[2]
     opt.zero_grad()
     loss_fn(emb(idx), target).backward()
-    monkeypatch.setattr(_embedding, "_stage_rows", faulty)
+    monkeypatch.setattr(_host_write, "stage_rows", faulty)
     with pytest.raises(_Fault):
         opt.step()
         emb.flush()  # with a cache, rows reach the host at flush (or eviction)
     assert torch.equal(emb.table.data, before["weight"])
     for k, t in emb.state_tables.items():
         assert torch.equal(t.data, before[k]), k
-    monkeypatch.setattr(_embedding, "_stage_rows", real)
+    monkeypatch.setattr(_host_write, "stage_rows", real)
     if cache_rows:
         emb.flush()  # the dirty rows are still in the cache: the retry writes all tables
         changed = ~torch.isclose(emb.table.data, before["weight"]).all(dim=1)
@@ -688,17 +690,17 @@ def test_evicted_rows_are_written_back_in_ascending_row_order(monkeypatch):
     """Host rows written in address order are what makes write-backs fast: every eviction at least
     ``_SORTED_WRITE_BACK_ROWS`` large (here: every one) reaches the host tables sorted by row (and training
     still equals dense Adagrad, whose update of a row without gradient is the identity)."""
-    from offload import _embedding
+    from offload import _gpu_cache, _host_write
 
-    monkeypatch.setattr(_embedding, "_SORTED_WRITE_BACK_ROWS", 1)
+    monkeypatch.setattr(_gpu_cache, "_SORTED_WRITE_BACK_ROWS", 1)
     written = []
-    real = _embedding._commit
+    real = _host_write.commit
 
     def recording(ids, writes, engines=None):
         written.append(ids.cpu().clone())
         return real(ids, writes, engines)
 
-    monkeypatch.setattr(_embedding, "_commit", recording)
+    monkeypatch.setattr(_host_write, "commit", recording)
     w0 = init_weight()
     ref = nn.Embedding(N, D, _weight=w0.clone())
     ref_opt = torch.optim.Adagrad(ref.parameters(), lr=0.1)

@@ -207,7 +207,7 @@ def test_large_tables_are_usable_with_and_without_huge_pages(monkeypatch, huge):
 
 
 def test_wide_views_keep_the_bytes():
-    from offload._table import _wide
+    from offload._row_copy import _wide
 
     x = torch.randn(10, 12)  # 48-byte rows: complex128 (16 bytes)
     assert _wide(x).dtype == torch.complex128 and _wide(x).shape == (10, 3)
@@ -248,12 +248,11 @@ def test_distinct_indices_in_any_order_keep_their_order(device):
 
 
 def _pool_settings(monkeypatch, threads, chunk_bytes, piece_bytes=1, way="pool"):
-    from offload import _table
-
-    monkeypatch.setattr(_table, "CPU_COPY", way)
-    monkeypatch.setattr(_table, "CPU_THREADS", threads)
-    monkeypatch.setattr(_table, "MIN_PIECE_BYTES", piece_bytes)
-    monkeypatch.setattr(_table._Staging, "CHUNK_BYTES", chunk_bytes)
+    from offload import _row_copy, _staging
+    monkeypatch.setattr(_row_copy, "CPU_COPY", way)
+    monkeypatch.setattr(_row_copy, "CPU_THREADS", threads)
+    monkeypatch.setattr(_row_copy, "MIN_PIECE_BYTES", piece_bytes)
+    monkeypatch.setattr(_staging._Staging, "CHUNK_BYTES", chunk_bytes)
 
 
 @pytest.mark.parametrize("way,threads", [("torch", 1), ("pool", 1), ("pool", 3), ("pool", 8)])
@@ -286,18 +285,17 @@ def test_pooled_gather_and_scatter_match_indexing(monkeypatch, way, threads, chu
 
 def test_pool_threads_do_the_work(monkeypatch):
     """With 4 threads and enough rows, pieces run on pool threads as well as on the caller."""
-    from offload import _table
-
+    from offload import _row_copy
     _pool_settings(monkeypatch, 4, 64 * 20)
     seen = set()
-    real = _table._take
+    real = _row_copy._take
 
     def spy(src, idx, out):
         seen.add(threading.get_ident())
         time.sleep(0.002)  # long enough that the caller cannot take every piece before a worker wakes
         real(src, idx, out)
 
-    monkeypatch.setattr(_table, "_take", spy)
+    monkeypatch.setattr(_row_copy, "_take", spy)
     src, t = _table_of(rows=2000, dim=16)
     idx = torch.arange(0, 2000, 3)
     assert torch.equal(t.gather(idx, unique=True), src[idx])
@@ -325,9 +323,8 @@ class _Gate:
 
 
 def test_run_rows_covers_every_row_once_and_respects_gates(monkeypatch):
-    from offload import _table
-
-    monkeypatch.setattr(_table, "MIN_PIECE_BYTES", 1)
+    from offload import _row_copy
+    monkeypatch.setattr(_row_copy, "MIN_PIECE_BYTES", 1)
     rounds = [(0, 5), (5, 6), (6, 40), (40, 41), (41, 100)]
     gates = [_Gate(0.01 * (r + 1)) for r in range(len(rounds))]
     hits = np.zeros(100, dtype=np.int64)
@@ -347,14 +344,14 @@ def test_run_rows_covers_every_row_once_and_respects_gates(monkeypatch):
     def on_ready(r):
         ready.append(r)
 
-    _table._run_rows(fn, rounds, 8, threads=6, gates=gates)
+    _row_copy._run_rows(fn, rounds, 8, threads=6, gates=gates)
     assert hits.tolist() == [1] * 100 and not early
     hits[:] = 0
-    _table._run_rows(fn, rounds, 8, threads=6, on_ready=on_ready)  # without gates: every round at once
+    _row_copy._run_rows(fn, rounds, 8, threads=6, on_ready=on_ready)  # without gates: every round at once
     assert hits.tolist() == [1] * 100 and sorted(ready) == list(range(len(rounds)))
     hits[:], ready[:] = 0, []
     gates = [_Gate(0.005 * (r + 1)) for r in range(len(rounds))]
-    _table._run_rows(fn, rounds, 8, threads=1, gates=gates, on_ready=on_ready)  # the caller alone, in order
+    _row_copy._run_rows(fn, rounds, 8, threads=1, gates=gates, on_ready=on_ready)  # the caller alone, in order
     assert hits.tolist() == [1] * 100 and not early and ready == list(range(len(rounds)))
 
 
@@ -364,39 +361,37 @@ def test_hybrid_lone_split_matches_brute_force(monkeypatch, dim, dtype):
     reading of its definition, for row sizes that do not divide the block; too few lone bytes, or rows as
     long as a block, leave everything to the kernel; and rows that, spread uniformly, would leave fewer lone
     bytes than the threshold are not even counted."""
-    from offload import _table
-
+    from offload import _engine_hybrid
     g = torch.Generator().manual_seed(0)
     num_rows = 50_000
     t = offload.HostTable(num_rows, dim, dtype, device="cpu")
     row_bytes = dim * t.data.element_size()
-    monkeypatch.setattr(_table, "LONE_BLOCK_BYTES", 24 * row_bytes + 5)
+    monkeypatch.setattr(_engine_hybrid, "LONE_BLOCK_BYTES", 24 * row_bytes + 5)
     uniq = torch.randperm(num_rows, generator=g)[:3000].sort().values
-    expected = lone_positions(uniq.tolist(), row_bytes, _table.LONE_BLOCK_BYTES)
+    expected = lone_positions(uniq.tolist(), row_bytes, _engine_hybrid.LONE_BLOCK_BYTES)
     assert 0 < len(expected) < 3000  # both parts have rows
-    monkeypatch.setattr(_table, "HYBRID_MIN_LONE_BYTES", 1)
-    lone, near = t._lone_split(uniq)
+    monkeypatch.setattr(_engine_hybrid, "HYBRID_MIN_LONE_BYTES", 1)
+    lone, near = _engine_hybrid.lone_split(t, uniq)
     assert lone.tolist() == expected
     assert near.tolist() == sorted(set(range(3000)) - set(expected))
-    monkeypatch.setattr(_table, "HYBRID_MIN_LONE_BYTES", len(expected) * row_bytes + 1)
-    assert t._lone_split(uniq) is None  # too few
-    monkeypatch.setattr(_table, "HYBRID_MIN_LONE_BYTES", row_bytes)
+    monkeypatch.setattr(_engine_hybrid, "HYBRID_MIN_LONE_BYTES", len(expected) * row_bytes + 1)
+    assert _engine_hybrid.lone_split(t, uniq) is None  # too few
+    monkeypatch.setattr(_engine_hybrid, "HYBRID_MIN_LONE_BYTES", row_bytes)
     dense = torch.arange(0, num_rows, 2)  # 12 rows a block: uniformly spread, 0.15 lone rows expected
 
     def no_count(*args, **kwargs):
         raise AssertionError("counted lone rows where none were expected")
 
     monkeypatch.setattr(torch, "nonzero", no_count)
-    assert t._lone_split(dense) is None
-    monkeypatch.setattr(_table, "LONE_BLOCK_BYTES", row_bytes)  # a row per block: nothing gained
-    assert t._lone_split(uniq) is None
+    assert _engine_hybrid.lone_split(t, dense) is None
+    monkeypatch.setattr(_engine_hybrid, "LONE_BLOCK_BYTES", row_bytes)  # a row per block: nothing gained
+    assert _engine_hybrid.lone_split(t, uniq) is None
 
 
 def test_worker_exception_reaches_the_caller(monkeypatch):
     """An exception raised in a pool thread is raised by the call, once no thread copies rows any more; the
     pool works on afterwards, and an exception of on_ready (the caller's part) surfaces too."""
-    from offload import _table
-
+    from offload import _row_copy
     _pool_settings(monkeypatch, 4, 1 << 20)
     main = threading.get_ident()
     running = [0]
@@ -416,10 +411,10 @@ def test_worker_exception_reaches_the_caller(monkeypatch):
                 running[0] -= 1
 
     with pytest.raises(KeyError, match="failed in a worker"):
-        _table._run_rows(fn, [(0, 40), (40, 80)], 8, threads=4)
+        _row_copy._run_rows(fn, [(0, 40), (40, 80)], 8, threads=4)
     assert running[0] == 0 and failed
     hits = np.zeros(80, dtype=np.int64)
-    _table._run_rows(lambda s, e: hits.__setitem__(slice(s, e), hits[s:e] + 1), [(0, 40), (40, 80)], 8, threads=4)
+    _row_copy._run_rows(lambda s, e: hits.__setitem__(slice(s, e), hits[s:e] + 1), [(0, 40), (40, 80)], 8, threads=4)
     assert hits.tolist() == [1] * 80
 
     def bad_ready(r):
@@ -433,11 +428,11 @@ def test_worker_exception_reaches_the_caller(monkeypatch):
             running[0] -= 1
 
     with pytest.raises(RuntimeError, match="could not be shipped"):
-        _table._run_rows(slow, [(0, 40), (40, 80)], 8, threads=4, on_ready=bad_ready)
+        _row_copy._run_rows(slow, [(0, 40), (40, 80)], 8, threads=4, on_ready=bad_ready)
     assert running[0] == 0
 
     src, t = _table_of(rows=500, dim=4)
-    real = _table._take
+    real = _row_copy._take
 
     def broken(s, idx, out):
         if threading.get_ident() != main:
@@ -445,9 +440,9 @@ def test_worker_exception_reaches_the_caller(monkeypatch):
         time.sleep(0.005)  # the caller is slow: the workers get pieces
         real(s, idx, out)
 
-    monkeypatch.setattr(_table, "_take", broken)
+    monkeypatch.setattr(_row_copy, "_take", broken)
     with pytest.raises(OSError, match="worker could not read the table"):
         for _ in range(5):  # until a worker (not the caller) takes a piece
             t.gather(torch.arange(0, 500, 2), unique=True)
-    monkeypatch.setattr(_table, "_take", real)
+    monkeypatch.setattr(_row_copy, "_take", real)
     assert torch.equal(t.gather(torch.arange(0, 500, 2), unique=True), src[::2])

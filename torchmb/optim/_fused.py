@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from batch_layers._backend import get_backend
+from batch_layers import get_backend
 
 try:
     import cupy

@@ -1,4 +1,5 @@
-"""A cheap launch path for CuPy kernels on torch's current CUDA stream (used by ``offload`` and ``batch_layers``).
+"""Launching CuPy kernels cheaply on torch's current CUDA stream: the launcher of ``offload``'s and
+``batch_layers``' kernels.
 
 A small lookup or a cache's bookkeeping is bound by host time, and ``cupy.cuda.Function.__call__`` converts
 every argument on each call (tens of microseconds with the stream and device context managers around it).
@@ -36,7 +37,7 @@ LAUNCHES: Counter[str] = Counter()
 #: The launches among those that took the slower ``cupy.cuda.Function`` call instead of the direct
 #: ``cuLaunchKernel`` (see :data:`LAUNCH_MODE`).
 SLOW_LAUNCHES: Counter[str] = Counter()
-#: Compiled kernels by (kind, name, device, *defines).
+#: Compiled kernels by ``(kind, name, device, *defines)``.
 KERNELS: dict[tuple, Kernel] = {}
 
 _LOCK = threading.Lock()

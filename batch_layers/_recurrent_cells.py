@@ -1,0 +1,211 @@
+"""Batched recurrent cells: B models' RNNCell / LSTMCell / GRUCell, one batched product per projection and
+the gate nonlinearities (those of :mod:`batch_layers._recurrent`) on the merged rows."""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from ._base import AbstractBatchModule, stack_copies
+from ._recurrent import _GATES, _bmm_t, _gru_cell, _lstm_cell, _rnn_cell, _shared_rows
+
+__all__ = ["GRUCell", "LSTMCell", "RNNCell"]
+
+
+class _CellBase(AbstractBatchModule):
+    """``batch`` independent RNN / LSTM / GRU cells: one batched product per projection, gates on merged rows."""
+
+    merged_order = "models"
+    mode: ClassVar[str]
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        bias: bool = True,
+        *,
+        batch: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(batch)
+        factory_kwargs = {"device": device, "dtype": dtype}
+        self.input_size = input_size
+        self.hidden_size = hidden_size
+        self.bias = bias
+        gates = _GATES[self.mode] * hidden_size
+        self.weight_ih = nn.Parameter(torch.empty(batch, gates, input_size, **factory_kwargs))
+        self.weight_hh = nn.Parameter(torch.empty(batch, gates, hidden_size, **factory_kwargs))
+        if bias:
+            self.bias_ih = nn.Parameter(torch.empty(batch, gates, **factory_kwargs))
+            self.bias_hh = nn.Parameter(torch.empty(batch, gates, **factory_kwargs))
+        else:
+            self.register_parameter("bias_ih", None)
+            self.register_parameter("bias_hh", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Draw every model's slices as torch's cells do, model after model."""
+        stdv = 1.0 / math.sqrt(self.hidden_size) if self.hidden_size > 0 else 0
+        for i in range(self.batch):
+            for param in self.parameters():
+                nn.init.uniform_(param[i], -stdv, stdv)
+
+    @classmethod
+    def _constructor_kwargs(cls, module: nn.Module) -> dict:
+        return {}
+
+    @classmethod
+    def from_module(cls, module: nn.RNNCellBase, batch: int) -> _CellBase:
+        layer = cls(
+            module.input_size,
+            module.hidden_size,
+            module.bias,
+            batch=batch,
+            device=module.weight_ih.device,
+            dtype=module.weight_ih.dtype,
+            **cls._constructor_kwargs(module),
+        )
+        with torch.no_grad():
+            for name, param in layer.named_parameters():
+                param.copy_(stack_copies(module.get_parameter(name), batch))
+        return layer
+
+    def _rows(self, x: Tensor, size: int, what: str) -> tuple[Tensor, bool]:
+        """``(B, N, size)`` from a merged ``(B*N, size)`` tensor or an unbatched models' ``(B*size,)``."""
+        if x.dim() == 1:
+            if x.shape[0] == size and _shared_rows(self.batch, 1):
+                return x.expand(self.batch, 1, size), False
+            if x.shape[0] != self.batch * size:
+                raise ValueError(
+                    f"{type(self).__name__}: expected an unbatched {what} of shape ({self.batch} * {size},), got "
+                    f"{tuple(x.shape)}"
+                )
+            return x.view(self.batch, 1, size), False
+        if x.dim() != 2 or x.shape[1] != size:
+            raise ValueError(f"{type(self).__name__}: expected {what} of shape (B*N, {size}), got {tuple(x.shape)}")
+        if _shared_rows(self.batch, x.shape[0]):
+            return x.expand(self.batch, *x.shape), True
+        if x.shape[0] % self.batch:
+            raise ValueError(
+                f"{type(self).__name__}: expected {what}'s dim 0 to be a multiple of B = {self.batch} (the merged "
+                f"model axis), got shape {tuple(x.shape)}"
+            )
+        return x.view(self.batch, -1, size), True
+
+    def _gates(self, x: Tensor, hx: Tensor | None) -> tuple[Tensor, Tensor, Tensor, bool]:
+        if not x.is_floating_point():
+            raise TypeError(f"{type(self).__name__}: expected a floating-point input, got dtype {x.dtype}")
+        inputs, batched = self._rows(x, self.input_size, "input")
+        if hx is None:
+            h = inputs.new_zeros(self.batch, inputs.shape[1], self.hidden_size)
+        else:
+            h, _ = self._rows(hx, self.hidden_size, "hidden state")
+            if h.shape[1] != inputs.shape[1]:
+                raise ValueError(
+                    f"{type(self).__name__}: input {tuple(x.shape)} and hidden state {tuple(hx.shape)} disagree on "
+                    "the batch size"
+                )
+        bias_ih, bias_hh = self.bias_ih, self.bias_hh
+        gates_x = _bmm_t(inputs, self.weight_ih, bias_ih)
+        gates_h = _bmm_t(h.to(gates_x.dtype), self.weight_hh, bias_hh)
+        return gates_x, gates_h, h, batched
+
+    @staticmethod
+    def _out(y: Tensor, batched: bool) -> Tensor:
+        return y.reshape(-1, y.shape[-1]) if batched else y.reshape(-1)
+
+    def extra_repr(self) -> str:
+        text = f"{self.input_size}, {self.hidden_size}"
+        if not self.bias:
+            text += ", bias=False"
+        return f"{text}, batch={self.batch}"
+
+
+_CELL_DOC = """
+
+    Args:
+        input_size, hidden_size, bias{extra}: as :class:`torch.nn.{name}`.
+        batch: number of models B.
+
+    Shape:
+        - input: ``(B*N, input_size)`` or, for unbatched models, ``(B * input_size,)``.
+        - {state}: like the output; zeros when omitted.
+        - output: ``(B*N, hidden_size)`` (``(B * hidden_size,)`` unbatched).
+"""
+
+
+class RNNCell(_CellBase):
+    """``batch`` independent :class:`torch.nn.RNNCell` cells."""
+
+    base_class: ClassVar[type[nn.Module]] = nn.RNNCell
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        bias: bool = True,
+        nonlinearity: str = "tanh",
+        *,
+        batch: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if nonlinearity not in ("tanh", "relu"):
+            raise ValueError(f"Unknown nonlinearity: {nonlinearity}. Select from 'tanh' or 'relu'.")
+        self.mode = "RNN_TANH" if nonlinearity == "tanh" else "RNN_RELU"
+        self.nonlinearity = nonlinearity
+        super().__init__(input_size, hidden_size, bias, batch=batch, device=device, dtype=dtype)
+
+    @classmethod
+    def _constructor_kwargs(cls, module: nn.RNNCell) -> dict:
+        return {"nonlinearity": module.nonlinearity}
+
+    def forward(self, input: Tensor, hx: Tensor | None = None) -> Tensor:
+        gates_x, gates_h, _, batched = self._gates(input, hx)
+        return self._out(_rnn_cell(gates_x, gates_h, self.mode), batched)
+
+    def extra_repr(self) -> str:
+        text = super().extra_repr()
+        return text if self.nonlinearity == "tanh" else text.replace(", batch=", ", nonlinearity='relu', batch=")
+
+
+class LSTMCell(_CellBase):
+    """``batch`` independent :class:`torch.nn.LSTMCell` cells."""
+
+    base_class: ClassVar[type[nn.Module]] = nn.LSTMCell
+    mode = "LSTM"
+
+    def forward(self, input: Tensor, hx: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        if hx is not None and (not isinstance(hx, tuple) or len(hx) != 2):
+            raise TypeError(f"{type(self).__name__}: expected hx as a tuple (h_0, c_0)")
+        gates_x, gates_h, h, batched = self._gates(input, None if hx is None else hx[0])
+        c = h.new_zeros(h.shape) if hx is None else self._rows(hx[1], self.hidden_size, "cell state")[0]
+        batch, rows = gates_x.shape[0], gates_x.shape[0] * gates_x.shape[1]
+        h_new, c_new = _lstm_cell(
+            gates_x.reshape(rows, -1), gates_h.reshape(rows, -1), c.to(gates_x.dtype).reshape(rows, -1)
+        )
+        return self._out(h_new.view(batch, -1, self.hidden_size), batched), self._out(
+            c_new.view(batch, -1, self.hidden_size), batched
+        )
+
+
+class GRUCell(_CellBase):
+    """``batch`` independent :class:`torch.nn.GRUCell` cells."""
+
+    base_class: ClassVar[type[nn.Module]] = nn.GRUCell
+    mode = "GRU"
+
+    def forward(self, input: Tensor, hx: Tensor | None = None) -> Tensor:
+        gates_x, gates_h, h, batched = self._gates(input, hx)
+        rows = gates_x.shape[0] * gates_x.shape[1]
+        h_new = _gru_cell(gates_x.reshape(rows, -1), gates_h.reshape(rows, -1), h.to(gates_x.dtype).reshape(rows, -1))
+        return self._out(h_new.view(self.batch, -1, self.hidden_size), batched)
+
+
+RNNCell.__doc__ += _CELL_DOC.format(extra=", nonlinearity", name="RNNCell", state="hx")
+LSTMCell.__doc__ += _CELL_DOC.format(extra="", name="LSTMCell", state="hx = (h_0, c_0)")
+GRUCell.__doc__ += _CELL_DOC.format(extra="", name="GRUCell", state="hx")

@@ -1,0 +1,177 @@
+"""The layout rules of the three packages (issue 18), checked on the whole source tree.
+
+- no source file longer than :data:`MAX_FILE_LINES` lines, no class longer than :data:`MAX_CLASS_LINES`;
+- no import cycle between modules (imports anywhere in a module, in functions too, but not those under
+  ``if TYPE_CHECKING:``, which never run);
+- no private module of one package (``pkg._x``, or anything under it) imported from another package;
+- imports point one way: ``torchmb -> batch_layers -> offload`` (see ``docs/contributing.md``).
+
+The rules are checked with :mod:`ast` on every ``.py`` file of the packages, so files added later are
+covered as they appear.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("torchmb", "batch_layers", "offload")
+ORDER = {"torchmb": 0, "batch_layers": 1, "offload": 2}  # a package may import only those after it
+MAX_FILE_LINES = 700
+MAX_CLASS_LINES = 400
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _sources() -> dict[str, tuple[Path, ast.Module]]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            out[_module_name(path)] = (path, ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
+    return out
+
+
+SOURCES = _sources()
+
+
+def _is_package(name: str) -> bool:
+    return SOURCES.get(name, (Path(),))[0].name == "__init__.py"
+
+
+def _type_checking_nodes(tree: ast.Module) -> set[int]:
+    """ids of the nodes under ``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``)."""
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If):
+            test = node.test
+            name = test.id if isinstance(test, ast.Name) else test.attr if isinstance(test, ast.Attribute) else None
+            if name == "TYPE_CHECKING":
+                for child in node.body:
+                    skip.update(id(n) for n in ast.walk(child))
+    return skip
+
+
+def _imports(name: str) -> list[tuple[str, int]]:
+    """``(module, line)`` for each import in module ``name`` of a module of the packages: ``from a import b``
+    names ``a.b`` when that is a module, else ``a``."""
+    _, tree = SOURCES[name]
+    base = name if _is_package(name) else name.rpartition(".")[0]
+    skip = _type_checking_nodes(tree)
+    out = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = base.split(".")
+                parts = parts[: len(parts) - (node.level - 1)]
+                mod = ".".join(parts + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            for alias in node.names:
+                sub = f"{mod}.{alias.name}"
+                out.append((sub if sub in SOURCES else mod, node.lineno))
+    return [(m, line) for m, line in out if m.split(".")[0] in PACKAGES]
+
+
+def test_files_are_short():
+    long = {str(p.relative_to(ROOT)): n for p, _ in SOURCES.values()
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_FILE_LINES}
+    assert not long, f"files over {MAX_FILE_LINES} lines (split them by concern): {long}"
+
+
+def test_classes_are_short():
+    long = {}
+    for path, tree in SOURCES.values():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                long[f"{path.relative_to(ROOT)}::{node.name}"] = node.end_lineno - node.lineno + 1
+    assert not long, f"classes over {MAX_CLASS_LINES} lines (compose them of parts): {long}"
+
+
+def test_no_private_module_of_another_package_is_imported():
+    bad = []
+    for name in SOURCES:
+        for mod, line in _imports(name):
+            if mod.split(".")[0] != name.split(".")[0] and any(p.startswith("_") for p in mod.split(".")[1:]):
+                bad.append(f"{SOURCES[name][0].relative_to(ROOT)}:{line} imports {mod}")
+    assert not bad, "private modules imported across packages (make them public, documented modules):\n" + \
+        "\n".join(bad)
+
+
+def test_imports_point_one_way():
+    bad = []
+    for name in SOURCES:
+        for mod, line in _imports(name):
+            if ORDER[mod.split(".")[0]] < ORDER[name.split(".")[0]]:
+                bad.append(f"{SOURCES[name][0].relative_to(ROOT)}:{line} imports {mod}")
+    assert not bad, "imports against torchmb -> batch_layers -> offload:\n" + "\n".join(bad)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), and self-imports."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in graph.get(v, ()):
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_cycle_finder_finds_cycles():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of the packages it imports. An import of a package's ``__init__`` from inside
+    that package (``from . import x`` where ``x`` is no module) counts as an import of the ``__init__``."""
+    graph = {}
+    for name in SOURCES:
+        graph[name] = {m for m, _ in _imports(name) if m in SOURCES and m != name}
+    return graph
+
+
+def test_no_import_cycles():
+    cycles = _cycles(import_graph())
+    assert not cycles, f"import cycles between modules: {cycles}"
+
+
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_every_package_is_scanned(pkg):
+    assert any(name == pkg for name in SOURCES) and sum(n.startswith(pkg + ".") for n in SOURCES) > 1
