@@ -73,6 +73,19 @@ def is_random(model: nn.Module) -> bool:
     return any(getattr(module, attribute) > 0 for module, attribute in _random_draws(model))
 
 
+# Modules that own parameters (or are made of nothing else) go through torch.func for those parameters
+# alone; every layer below them stays registered. These are the generic modules the zoo expects.
+_OWN = "own parameters through torch.func, the layers below them registered"
+_CNBLOCK = f"each CNBlock owns layer_scale: {_OWN}"
+_SWIN = f"each shifted-window attention owns its relative position bias table: {_OWN}"
+_MAXVIT = f"each relative-position attention owns its bias table: {_OWN}"
+_TV_VIT = f"the root owns class_token, the encoder pos_embedding: {_OWN}"
+
+
+def _own(which: str) -> str:
+    return f"{which}: {_OWN}"
+
+
 # -- torchvision ------------------------------------------------------------------------------------
 def _tv():
     return import_torchvision().models
@@ -229,7 +242,7 @@ def _torchvision_models() -> list[ZooModel]:
     entries = [
         ZooModel("alexnet", _alexnet, size=63),
         *(
-            ZooModel(f"convnext_{s}", functools.partial(_convnext, p))
+            ZooModel(f"convnext_{s}", functools.partial(_convnext, p), generic=2, why_generic=_CNBLOCK)
             for s, p in (("tiny", 0.1), ("small", 0.4), ("base", 0.5), ("large", 0.5))
         ),
         *(
@@ -251,7 +264,7 @@ def _torchvision_models() -> list[ZooModel]:
             size=75,
             slow=True,
         ),
-        ZooModel("maxvit_t", _maxvit),
+        ZooModel("maxvit_t", _maxvit, generic=4, why_generic=_MAXVIT),
         *(
             ZooModel(f"mnasnet{a}", functools.partial(getattr(tv, f"mnasnet{a}"), num_classes=10))
             for a in ("0_5", "0_75", "1_0", "1_3")
@@ -276,15 +289,21 @@ def _torchvision_models() -> list[ZooModel]:
         *(ZooModel(f"shufflenet_v2_x{w}", _shufflenet) for w in ("0_5", "1_0", "1_5", "2_0")),
         ZooModel("squeezenet1_0", lambda: tv.squeezenet1_0(num_classes=10), size=48),
         ZooModel("squeezenet1_1", lambda: tv.squeezenet1_1(num_classes=10), size=48),
-        *(ZooModel(f"swin_{s}", functools.partial(_swin, False), size=16) for s in ("t", "s", "b")),
-        *(ZooModel(f"swin_v2_{s}", functools.partial(_swin, True), size=16) for s in ("t", "s", "b")),
+        *(
+            ZooModel(f"swin_{s}", functools.partial(_swin, False), size=16, generic=2, why_generic=_SWIN)
+            for s in ("t", "s", "b")
+        ),
+        *(
+            ZooModel(f"swin_v2_{s}", functools.partial(_swin, True), size=16, generic=2, why_generic=_SWIN)
+            for s in ("t", "s", "b")
+        ),
         *(ZooModel(name, functools.partial(_vgg, layers, False)) for name, layers in _VGG_LAYERS.items()),
         *(ZooModel(f"{name}_bn", functools.partial(_vgg, layers, True)) for name, layers in _VGG_LAYERS.items()),
-        ZooModel("vit_b_16", functools.partial(_vit, 8)),
-        ZooModel("vit_b_32", functools.partial(_vit, 16)),
-        ZooModel("vit_h_14", functools.partial(_vit, 14, 28), size=28),
-        ZooModel("vit_l_16", functools.partial(_vit, 8)),
-        ZooModel("vit_l_32", functools.partial(_vit, 16)),
+        ZooModel("vit_b_16", functools.partial(_vit, 8), generic=2, why_generic=_TV_VIT),
+        ZooModel("vit_b_32", functools.partial(_vit, 16), generic=2, why_generic=_TV_VIT),
+        ZooModel("vit_h_14", functools.partial(_vit, 14, 28), size=28, generic=2, why_generic=_TV_VIT),
+        ZooModel("vit_l_16", functools.partial(_vit, 8), generic=2, why_generic=_TV_VIT),
+        ZooModel("vit_l_32", functools.partial(_vit, 16), generic=2, why_generic=_TV_VIT),
     ]
     return entries
 
@@ -387,50 +406,134 @@ TIMM_MODELS: list[ZooModel] = [
     ZooModel("regnetx_002", _timm("regnetx_002")),
     ZooModel("regnety_002", _timm("regnety_002")),
     ZooModel("regnetz_005", _timm("regnetz_005")),
-    ZooModel("convnext_atto", _timm("convnext_atto")),
-    ZooModel("convnextv2_atto", _timm("convnextv2_atto")),
-    ZooModel("vit_tiny_patch16_224", _timm("vit_tiny_patch16_224", **_VIT_TINY)),
-    ZooModel("deit_tiny_patch16_224", _timm("deit_tiny_patch16_224", **_VIT_TINY)),
-    ZooModel("deit_tiny_distilled_patch16_224", _timm("deit_tiny_distilled_patch16_224", **_VIT_TINY)),
-    ZooModel("deit3_small_patch16_224", _timm("deit3_small_patch16_224", **_VIT_TINY)),
-    ZooModel("vit_relpos_small_patch16_224", _timm("vit_relpos_small_patch16_224", **_VIT_TINY)),
-    ZooModel("eva02_tiny_patch14_224", _timm("eva02_tiny_patch14_224", img_size=28, patch_size=14, depth=2), size=28),
-    ZooModel("beit_base_patch16_224", _timm("beit_base_patch16_224", embed_dim=32, num_heads=2, **_VIT_TINY)),
-    ZooModel("cait_xxs24_224", _timm("cait_xxs24_224", depth_token_only=1, **_VIT_TINY)),
-    ZooModel("xcit_nano_12_p16_224", _timm("xcit_nano_12_p16_224", img_size=32, depth=2)),
+    ZooModel("convnext_atto", _timm("convnext_atto"), generic=12, why_generic=_own("each ConvNeXtBlock owns gamma")),
+    ZooModel(
+        "convnextv2_atto",
+        _timm("convnextv2_atto"),
+        generic=12,
+        why_generic=_own("GlobalResponseNorm is made of its own parameters"),
+    ),
+    ZooModel(
+        "vit_tiny_patch16_224",
+        _timm("vit_tiny_patch16_224", **_VIT_TINY),
+        generic=1,
+        why_generic=_own("the root owns cls_token and pos_embed"),
+    ),
+    ZooModel(
+        "deit_tiny_patch16_224",
+        _timm("deit_tiny_patch16_224", **_VIT_TINY),
+        generic=1,
+        why_generic=_own("the root owns cls_token and pos_embed"),
+    ),
+    ZooModel(
+        "deit_tiny_distilled_patch16_224",
+        _timm("deit_tiny_distilled_patch16_224", **_VIT_TINY),
+        generic=1,
+        why_generic=_own("the root owns cls_token, dist_token and pos_embed"),
+    ),
+    ZooModel(
+        "deit3_small_patch16_224",
+        _timm("deit3_small_patch16_224", **_VIT_TINY),
+        generic=5,
+        why_generic=_own("the root owns cls_token and pos_embed; LayerScale is made of its own gamma"),
+    ),
+    ZooModel(
+        "vit_relpos_small_patch16_224",
+        _timm("vit_relpos_small_patch16_224", **_VIT_TINY),
+        generic=4,
+        why_generic=_own("LayerScale is made of its own gamma"),
+    ),
+    ZooModel(
+        "eva02_tiny_patch14_224",
+        _timm("eva02_tiny_patch14_224", img_size=28, patch_size=14, depth=2),
+        size=28,
+        generic=3,
+        why_generic=_own("the root owns cls_token and pos_embed, each attention q_bias and v_bias"),
+    ),
+    ZooModel(
+        "beit_base_patch16_224",
+        _timm("beit_base_patch16_224", embed_dim=32, num_heads=2, **_VIT_TINY),
+        generic=5,
+        why_generic=_own("the root owns cls_token, each block gamma_1/gamma_2, each attention its biases and table"),
+    ),
+    ZooModel(
+        "cait_xxs24_224",
+        _timm("cait_xxs24_224", depth_token_only=1, **_VIT_TINY),
+        generic=4,
+        why_generic=_own("the root owns cls_token and pos_embed, each block gamma_1 and gamma_2"),
+    ),
+    ZooModel(
+        "xcit_nano_12_p16_224",
+        _timm("xcit_nano_12_p16_224", img_size=32, depth=2),
+        generic=7,
+        why_generic=_own("the root owns cls_token, the blocks their gammas, cross-covariance attention temperature"),
+    ),
     ZooModel(
         "swin_tiny_patch4_window7_224",
         _timm(
             "swin_tiny_patch4_window7_224", img_size=32, window_size=2, embed_dim=16, depths=(1, 1), num_heads=(1, 2)
         ),
+        generic=2,
+        why_generic=_own("each window attention owns relative_position_bias_table"),
     ),
     ZooModel(
         "swinv2_tiny_window8_256",
         _timm("swinv2_tiny_window8_256", img_size=32, window_size=2, embed_dim=16, depths=(1, 1), num_heads=(1, 2)),
+        generic=2,
+        why_generic=_own("each window attention owns logit_scale, q_bias and v_bias"),
     ),
     ZooModel("mixer_s16_224", _timm_class(functools.partial(_mixer, False))),
-    ZooModel("resmlp_12_224", _timm_class(functools.partial(_mixer, True))),
-    ZooModel("poolformer_s12", _timm_class(_poolformer)),
+    ZooModel(
+        "resmlp_12_224",
+        _timm_class(functools.partial(_mixer, True)),
+        generic=7,
+        why_generic=_own("each ResBlock owns ls1 and ls2; Affine is made of its own parameters"),
+    ),
+    ZooModel(
+        "poolformer_s12", _timm_class(_poolformer), generic=8, why_generic=_own("Scale is made of its own parameter")
+    ),
     ZooModel("convmixer_768_32", _timm_class(_convmixer)),
     ZooModel("vgg11", _timm_class(_timm_vgg)),
     ZooModel("coatnet_nano_rw_224", _timm("coatnet_nano_rw_224", img_size=64), size=64, slow=True),
-    ZooModel("levit_128s", _timm("levit_128s", img_size=64), size=64),
-    ZooModel("pit_ti_224", _timm("pit_ti_224", img_size=64), size=64),
+    ZooModel(
+        "levit_128s",
+        _timm("levit_128s", img_size=64),
+        size=64,
+        generic=11,
+        why_generic=_own("each attention owns attention_biases"),
+    ),
+    ZooModel(
+        "pit_ti_224",
+        _timm("pit_ti_224", img_size=64),
+        size=64,
+        generic=1,
+        why_generic=_own("the root owns cls_token and pos_embed"),
+    ),
     ZooModel(
         "twins_svt_small",
         _timm("twins_svt_small", img_size=32, depths=(1, 1, 1, 1), embed_dims=(16, 32, 64, 64), num_heads=(1, 2, 4, 4)),
     ),
     ZooModel("pvt_v2_b0", _timm("pvt_v2_b0")),
     ZooModel("mobilevit_xxs", _timm("mobilevit_xxs", img_size=64), size=64),
-    ZooModel("edgenext_xx_small", _timm("edgenext_xx_small")),
-    ZooModel("fastvit_t8", _timm("fastvit_t8")),
+    ZooModel(
+        "edgenext_xx_small",
+        _timm("edgenext_xx_small"),
+        generic=15,
+        why_generic=_own("the blocks own gamma, gamma_xca; cross-covariance attention owns temperature"),
+    ),
+    ZooModel("fastvit_t8", _timm("fastvit_t8"), generic=20, why_generic=_own("LayerScale2d is made of its own gamma")),
     ZooModel("repvit_m1", _timm("repvit_m1", drop_path=False)),
     ZooModel("mobileone_s0", _timm("mobileone_s0")),
     ZooModel("densenet121", _timm("densenet121", drop_path=False, block_config=(2, 2))),
     ZooModel("dla46_c", _timm("dla46_c", drop_path=False)),
     ZooModel("cs3darknet_focus_s", _timm("cs3darknet_focus_s")),
     ZooModel("ese_vovnet19b_dw", _timm("ese_vovnet19b_dw")),
-    ZooModel("hgnetv2_b0", _timm("hgnetv2_b0")),
+    ZooModel(
+        "hgnetv2_b0",
+        _timm("hgnetv2_b0"),
+        generic=31,
+        why_generic=_own("LearnableAffineBlock is made of its own scale and bias"),
+    ),
     ZooModel("sequencer2d_s", _timm("sequencer2d_s", layers=(1, 1, 1, 1))),
     ZooModel(
         "davit_tiny",
@@ -438,7 +541,12 @@ TIMM_MODELS: list[ZooModel] = [
     ),
     ZooModel("starnet_s1", _timm("starnet_s1")),
     ZooModel("mambaout_femto", _timm("mambaout_femto")),
-    ZooModel("inception_next_atto", _timm("inception_next_atto")),
+    ZooModel(
+        "inception_next_atto",
+        _timm("inception_next_atto"),
+        generic=12,
+        why_generic=_own("each MetaNeXtBlock owns gamma"),
+    ),
 ]
 
 
