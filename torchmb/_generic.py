@@ -34,7 +34,14 @@ from torch.func import vmap
 from torch.overrides import TorchFunctionMode, _pop_mode_temporarily
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from batch_layers import AbstractBatchModule, check_merged_rows, is_shared_input
+from batch_layers import (
+    AbstractBatchModule,
+    ForwardContext,
+    check_merged_rows,
+    current_forward,
+    forward_context,
+    is_shared_input,
+)
 
 __all__ = ["batch_generically", "escape_from_regions", "is_generic"]
 
@@ -154,11 +161,11 @@ def _on_merged_axis(module: nn.Module, call: Callable[..., Any], args: tuple, kw
             f"{type(module).__name__} was called inside a torch.func transform within a generic module's "
             "forward; torchmb cannot take its inputs out onto the merged model axis there"
         )
-    merged_args, merged_kwargs = tree_map(functools.partial(_to_merged, region), (args, kwargs))
+    merged_args, merged_kwargs, context = _merged_call(region, args, kwargs)
     slices = _swap(module, region.real)  # the callee's own subtree computes with the stacked tensors
     token = _REGION.set(None)
     try:
-        with interpreter.lower(), _pop_mode_temporarily():
+        with interpreter.lower(), _pop_mode_temporarily(), forward_context(context):
             out = call(*merged_args, **merged_kwargs)
     finally:
         _REGION.reset(token)
@@ -178,6 +185,39 @@ def _swap(root: nn.Module, values: dict[tuple[int, str], Tensor]) -> dict[tuple[
                     previous[key] = table[name]
                     table[name] = values[key]
     return previous
+
+
+def _merged_call(region: _Region, args: tuple, kwargs: dict) -> tuple[tuple, dict, ForwardContext | None]:
+    """A region's call arguments on the merged axis, and the forward context the callee runs in.
+
+    Per-model tensors are merged models-major, ``m`` rows per model, and the callee's layers are told
+    ``n = m`` (a bias table handed to a small MLP has ``m = 1``). A call with only constants (a
+    coordinate table) computes one result per model: its tensors are copied for every model, unless one
+    is the shared input of a shared-input forward, which the layers recognise as it is.
+    """
+    outer = current_forward()
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+    per_model = [t for t in tensors if functorch.maybe_get_level(t) == region.level]
+    if per_model:
+        merge = functools.partial(_to_merged, region)
+        rows = per_model[0].shape[0] if per_model[0].dim() else 1
+    elif not tensors or (outer is not None and outer.shared and any(_rows(t) == outer.samples for t in tensors)):
+        return args, kwargs, outer
+    else:
+        merge = functools.partial(_copied_for_every_model, region.batch)
+        rows = _rows(tensors[0])
+    merged_args, merged_kwargs = tree_map(merge, (args, kwargs))
+    return merged_args, merged_kwargs, ForwardContext(region.batch, rows, False, "models")
+
+
+def _rows(tensor: Tensor) -> int:
+    return tensor.shape[0] if tensor.dim() else 1
+
+
+def _copied_for_every_model(batch: int, value: Any) -> Any:
+    if not isinstance(value, Tensor):
+        return value
+    return value.expand(batch, *value.shape).reshape(-1, *value.shape[1:]) if value.dim() else value.expand(batch)
 
 
 def _to_merged(region: _Region, value: Any) -> Any:

@@ -388,3 +388,24 @@ def test_buffers_of_a_module_without_parameters_above_registered_layers() -> Non
     batched.train()
     with pytest.raises(RuntimeError, match=r"Counting changed its buffers seen in forward.*move it into a child"):
         batched(torch.randn(B, N, 5))
+
+
+class TableBias(nn.Module):
+    """Swin V2's pattern: a bias computed by a small registered MLP from a coordinate table."""
+
+    def __init__(self, persistent: bool) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+        self.mlp = nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 3))
+        self.register_buffer("coords", torch.linspace(-1, 1, 6).view(1, 3, 2), persistent=persistent)
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        bias = self.mlp(self.coords)  # (1, 3, 3): per model, though no sample axis
+        return self.fc(x) * self.scale + bias[0, 0]
+
+
+@pytest.mark.parametrize("persistent", [True, False], ids=["per-model-table", "constant-table"])
+def test_a_region_calls_a_layer_on_a_table(persistent: bool) -> None:
+    torch.manual_seed(0)
+    assert_equivalent(lambda: TableBias(persistent).double(), B, torch.randn(B, N, 3, dtype=torch.float64), **DOUBLE)
