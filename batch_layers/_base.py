@@ -177,26 +177,28 @@ class AbstractBatchModule(nn.Module):
     def merged_dim(self, x: Tensor, feature_dims: int = 1) -> int:
         """The dim of ``x`` holding the merged model axis, for layers that take any leading dims.
 
-        Dim 0 normally. Inside a ``BatchModule`` forward (which knows ``n``), a tensor laid out
-        sequence-first, ``(seq, B*n, ...)`` as ``nn.TransformerEncoderLayer`` does by default, has it in
-        another leading dim: the first leading dim of exactly ``B*n`` wins, then dim 0 if it is a multiple
-        of ``B*n``, then any other multiple. ``feature_dims`` trailing dims are never candidates. Where
-        shapes cannot tell (``seq == B*n``), dim 0 wins; ``BatchModule`` moves the axis to the front
-        itself for the layers inside a ``batch_first=False`` Transformer layer.
+        Dim 0 whenever its size is a multiple of ``B*n``: that is where the model axis stays through every
+        reshape that merges other dims into dim 0 (patches, windows and partitions in vision transformers,
+        ``(B*n*P, N, d)``, even where ``N`` happens to equal ``B*n``). Otherwise, inside a ``BatchModule``
+        forward (which knows ``n``), the tensor is taken to be laid out sequence-first, ``(seq, B*n, ...)``:
+        the first leading dim of exactly ``B*n`` holds the models, else the first multiple of it.
+        ``feature_dims`` trailing dims are never candidates. Shapes cannot tell a sequence-first tensor whose
+        ``seq`` is a multiple of ``B*n`` from a batch-first one: torch's sequence-first layers
+        (``nn.Transformer*`` and ``nn.MultiheadAttention`` with ``batch_first=False``, the recurrent layers)
+        say so themselves, and ``BatchModule`` hands their inner layers batch-first tensors.
         """
         if x.dim() - feature_dims <= 1:  # one leading dim (the common case) or none: nothing to search
             self.check_merged(x)
             return 0
         context = current_forward()
-        leading = range(x.dim() - feature_dims)
         if context is not None and not self.is_shared(x):
             step = self.batch * context.samples
-            exact = [d for d in leading if x.shape[d] == step]
-            if exact:
-                return exact[0]
-            multiples = [d for d in leading if x.shape[d] % step == 0]
-            if multiples:
-                return multiples[0]
+            if x.shape[0] % step:
+                leading = range(1, x.dim() - feature_dims)
+                exact = [d for d in leading if x.shape[d] == step]
+                multiples = [d for d in leading if x.shape[d] % step == 0]
+                if exact or multiples:
+                    return (exact or multiples)[0]
         self.check_merged(x)
         return 0
 
