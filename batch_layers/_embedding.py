@@ -94,6 +94,9 @@ def _raise_bad_now(idx: Tensor, num: int | Tensor) -> None:
     """Synchronous check (CPU tensors, and paths that synchronise anyway)."""
     nums = num if isinstance(num, Tensor) else torch.tensor(num, device=idx.device)
     bad = (idx < 0) | (idx >= nums)
+    if torch.compiler.is_compiling():  # no host sync in a graph: the check runs in it
+        torch._assert_async(~bad.any(), "an embedding index is out of range for its table")
+        return
     if bool(bad.any()):
         pos = int(bad.reshape(-1).nonzero()[0, 0])
         value = int(idx.reshape(-1)[pos])
@@ -257,7 +260,7 @@ def batched_embedding(
             _renorm_(weight, idx, tables, num, per, max_norm, norm_type)
     w = weight if weight.is_contiguous() else weight.contiguous()
     meta = (tables, num, per, pad, bool(scale_grad_by_freq), kernels, shape, weight.dtype, out_shape)
-    if _functorch_active():
+    if _functorch_active() or torch.compiler.is_compiling():  # both trace Function.apply, not the C++ apply
         return _LookupFn.apply(w, idx, meta)
     return _lookup_apply(w, idx, meta)
 
