@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from . import _embedding_cuda as _cuda
+from . import _embedding_ops as _ops
 from ._backend import get_backend
 from ._base import AbstractBatchModule, stack_copies
 
@@ -123,7 +124,9 @@ class _LookupFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, idx, meta):
         tables, num, per, _, _, kernels, shape, _, out_shape = meta
-        if kernels:
+        if kernels and torch.compiler.is_compiling():
+            out = _ops.gather(weight, idx, tables, num, per, list(out_shape))
+        elif kernels:
             out = _cuda.gather(weight, idx, tables, num, per, out_shape)
         else:
             flat = weight.view(tables * num, shape[-1])
@@ -155,8 +158,9 @@ def _lookup_backward(ctx, grad):
     if kernels and not torch.are_deterministic_algorithms_enabled():
         if not grad.is_contiguous():
             grad = grad.contiguous()
-        counts = _cuda.counts(idx, tables, num, per) if freq else None
-        gw = _cuda.scatter(grad, idx, shape, tables, num, per, pad, counts)
+        kernels = _ops if torch.compiler.is_compiling() else _cuda  # dynamo traces the operators
+        counts = kernels.counts(idx, tables, num, per) if freq else None
+        gw = kernels.scatter(grad, idx, list(shape) if kernels is _ops else shape, tables, num, per, pad, counts)
     else:
         gw = _reference_scatter(grad.reshape(-1, shape[-1]), idx.reshape(-1), tables, num, per, pad, freq, shape, dtype)
     return (gw if gw.dtype == dtype else gw.to(dtype)), None, None
@@ -232,7 +236,8 @@ def batched_embedding(
     num, dim = shape[-2], shape[-1]
     pad = -1 if padding_idx is None else _normalize_padding(padding_idx, num)
     if weight.is_cuda:
-        _cuda.raise_pending(weight.get_device())
+        if not torch.compiler.is_compiling():  # a compiled lookup's bad index shows at check() or eagerly
+            _cuda.raise_pending(weight.get_device())
         kernels = _use_kernels(weight)
     else:
         kernels = False

@@ -142,3 +142,20 @@ def test_reduce_overhead_trains_like_eager_on_cuda(name: str) -> None:
             p.grad = None
         for got, want in zip(_output_and_grads(compiled, x), _output_and_grads(reference, x), strict=True):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.cuda
+def test_cupy_embedding_kernels_run_as_operators_in_a_compiled_graph() -> None:
+    pytest.importorskip("cupy")
+    make, make_input = FULLGRAPH_CASES["transformer"]
+    torch.manual_seed(0)
+    batched = BatchModule(make(), B, init="independent", seed=0).cuda()
+    reference = copy.deepcopy(batched)
+    x = make_input().cuda()
+    compiled = torch.compile(batched, fullgraph=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        got = _output_and_grads(compiled, x)
+    for got_tensor, want in zip(got, _output_and_grads(reference, x), strict=True):
+        torch.testing.assert_close(got_tensor, want, atol=1e-5, rtol=1e-4)
+    ran = {event.key for event in profile.key_averages()}
+    assert {"torchmb::embedding_gather", "torchmb::embedding_scatter"} <= ran
