@@ -189,7 +189,7 @@ class BatchModule(nn.Module):
         undo what the forward changed (buffers such as running statistics, the random state) and run
         models-major, for good."""
         try:
-            with self._state_restored(always=False):
+            with _state_restored(self, always=False):
                 out = self._forward(args, shared_input, kwargs)
         except SamplesOrderError as error:
             self._keep_models_major(error)
@@ -202,37 +202,12 @@ class BatchModule(nn.Module):
         gradients whose effects on buffers and the random state are undone either way."""
         if self._order_on_trial:
             try:
-                with self._state_restored(always=True), torch.no_grad():
+                with _state_restored(self, always=True), torch.no_grad():
                     self._forward(args, shared_input, kwargs)
             except SamplesOrderError as error:
                 self._keep_models_major(error)
             self._order_on_trial = False
         return self.merged_order
-
-    @contextlib.contextmanager
-    def _state_restored(self, *, always: bool) -> Iterator[None]:
-        """Restore the buffers and the random state after the block if it raises, or ``always``."""
-        buffers = [(buffer, buffer.detach().clone()) for buffer in self.buffers()]
-        devices = sorted({t.device.index or 0 for t in self.parameters() if t.is_cuda})
-        capturing = bool(devices) and torch.cuda.is_current_stream_capturing()
-        cpu_rng = torch.get_rng_state()
-        cuda_rng = [] if capturing else [torch.cuda.get_rng_state(d) for d in devices]
-
-        def restore() -> None:
-            with torch.no_grad():
-                for buffer, saved in buffers:
-                    buffer.copy_(saved)
-            torch.set_rng_state(cpu_rng)
-            for device, state in zip(devices, cuda_rng):
-                torch.cuda.set_rng_state(state, device)
-
-        try:
-            yield
-        except BaseException:
-            restore()
-            raise
-        if always:
-            restore()
 
     def _keep_models_major(self, error: SamplesOrderError) -> None:
         self._set_order("models")
@@ -482,3 +457,29 @@ def _settled_order(module: BatchModule, shared_input: bool, *args: Any, **kwargs
     """``module``'s merged order, its trial decided first; dynamo calls this while tracing, with the real
     inputs, and traces its result as a constant."""
     return module._settle_order(args, shared_input, kwargs)
+
+
+@contextlib.contextmanager
+def _state_restored(module: nn.Module, *, always: bool) -> Iterator[None]:
+    """Restore ``module``'s buffers and the random state after the block if it raises, or ``always``."""
+    buffers = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
+    devices = sorted({t.device.index or 0 for t in module.parameters() if t.is_cuda})
+    capturing = bool(devices) and torch.cuda.is_current_stream_capturing()
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = [] if capturing else [torch.cuda.get_rng_state(d) for d in devices]
+
+    def restore() -> None:
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+        torch.set_rng_state(cpu_rng)
+        for device, state in zip(devices, cuda_rng):
+            torch.cuda.set_rng_state(state, device)
+
+    try:
+        yield
+    except BaseException:
+        restore()
+        raise
+    if always:
+        restore()
