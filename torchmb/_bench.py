@@ -41,7 +41,7 @@ __all__ = ["DEFAULT_IMPLEMENTATIONS", "IMPLEMENTATIONS", "WORKLOADS", "largest_b
 
 DEFAULT_IMPLEMENTATIONS = ("torchmb", "torchmb+compile", "vmap", "vmap+compile", "limit", "limit+compile")
 DEFAULT_WORKLOADS = ("mlp", "lenet", "resnet18", "transformer")
-REPEAT_SECONDS = 0.2  # each timing lasts about this long (at least 2 steps, at most --iters)
+REPEAT_SECONDS = 0.1  # each timing lasts about this long (at least 2 steps, at most --iters)
 
 
 class Timer:
