@@ -17,6 +17,7 @@ from support.resnet import ResNet18
 from support.transformer import TransformerLM
 from torch import nn
 
+import batch_layers
 import torchmb
 from torchmb import BatchModule
 
@@ -101,6 +102,36 @@ def test_compiling_settles_a_refused_order_once_and_undoes_the_trial() -> None:
     assert batched.merged_order == reference.merged_order == "models"
     torch.testing.assert_close(batched.module.norm.running_mean, reference.module.norm.running_mean)
     torch.testing.assert_close(compiled(x), reference(x))  # the settled graph runs again, no retrace needed
+
+
+class _BreaksGraph(nn.Module):
+    """Breaks dynamo's graph between its layers (as data-dependent Python would), then may raise."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.fail = fail
+        self.first = nn.Linear(5, 8)
+        self.second = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        torch._dynamo.graph_break()
+        if self.fail:
+            raise RuntimeError("the model failed")
+        return self.second(h)
+
+
+def test_the_forward_context_survives_a_graph_break_and_an_error() -> None:
+    torch.manual_seed(0)
+    batched = BatchModule(_BreaksGraph(), B, init="independent", seed=0)
+    reference = copy.deepcopy(batched)
+    x = torch.randn(N, 5)  # shared input: the second layer must still know it is shared
+    compiled = torch.compile(batched, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, shared_input=True), reference(x, shared_input=True))
+    failing = torch.compile(BatchModule(_BreaksGraph(fail=True), B), backend="aot_eager")
+    with pytest.raises(RuntimeError, match="the model failed"):
+        failing(torch.randn(B, N, 5))
+    assert batch_layers.current_forward() is None
 
 
 @pytest.mark.parametrize("optimizer", [torchmb.optim.SGD, torchmb.optim.Adam])
