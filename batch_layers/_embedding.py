@@ -158,9 +158,12 @@ def _lookup_backward(ctx, grad):
     if kernels and not torch.are_deterministic_algorithms_enabled():
         if not grad.is_contiguous():
             grad = grad.contiguous()
-        kernels = _ops if torch.compiler.is_compiling() else _cuda  # dynamo traces the operators
-        counts = kernels.counts(idx, tables, num, per) if freq else None
-        gw = kernels.scatter(grad, idx, list(shape) if kernels is _ops else shape, tables, num, per, pad, counts)
+        if torch.compiler.is_compiling():  # dynamo traces the operators, not the launches
+            counts = _ops.counts(idx, tables, num, per) if freq else None
+            gw = _ops.scatter(grad, idx, list(shape), tables, num, per, pad, counts)
+        else:
+            counts = _cuda.counts(idx, tables, num, per) if freq else None
+            gw = _cuda.scatter(grad, idx, shape, tables, num, per, pad, counts)
     else:
         gw = _reference_scatter(grad.reshape(-1, shape[-1]), idx.reshape(-1), tables, num, per, pad, freq, shape, dtype)
     return (gw if gw.dtype == dtype else gw.to(dtype)), None, None
