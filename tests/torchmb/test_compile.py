@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+import torch._dynamo.testing
 import torch.nn.functional as F
 from support.models import MLP, BatchNormCNN, LeNet
 from support.resnet import ResNet18
@@ -22,8 +23,8 @@ import torchmb
 from torchmb import BatchModule
 
 B, N = 2, 3
-# torch warns about its own code here: dynamo instantiates the custom autograd Functions it traces, and
-# Inductor's start-up uses torch.jit.script_method, dynamo reads .grad of the non-leaf tensors it resumes with
+# torch warns about its own code here: dynamo instantiates the custom autograd Functions it traces and reads
+# .grad of the non-leaf tensors it resumes with, and Inductor's start-up uses torch.jit.script_method
 pytestmark = [
     pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning"),
     pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning"),
@@ -31,7 +32,7 @@ pytestmark = [
 ]
 
 FULLGRAPH_CASES = {
-    "mlp": (lambda: MLP(), lambda: torch.randn(B, N, 12)),
+    "mlp": (MLP, lambda: torch.randn(B, N, 12)),
     "lenet": (LeNet, lambda: torch.randn(B, N, 1, 28, 28)),
     "resnet": (lambda: ResNet18(width=2), lambda: torch.randn(B, N, 3, 8, 8)),
     "transformer": (lambda: TransformerLM(num_layers=1), lambda: torch.randint(0, 23, (B, N, 5))),
@@ -91,17 +92,21 @@ class _PerPixelLinear(nn.Module):
         return self.mix(y.permute(0, 2, 3, 1).reshape(-1, c)).view(n, h, w, 2)
 
 
-def test_compiling_settles_a_refused_order_once_and_undoes_the_trial() -> None:
+@pytest.mark.parametrize(("make", "order"), [(_PerPixelLinear, "models"), (BatchNormCNN, "samples")])
+def test_compiling_settles_the_order_once_and_undoes_the_trial(make, order: str) -> None:
     torch.manual_seed(0)
-    batched = BatchModule(_PerPixelLinear(), B)
+    batched = BatchModule(make(), B)
     reference = copy.deepcopy(batched)
     assert batched.merged_order == "samples"
     x = torch.randn(B, N, 3, 4, 4)
-    compiled = torch.compile(batched, backend="aot_eager", fullgraph=True)
-    torch.testing.assert_close(compiled(x), reference(x))
-    assert batched.merged_order == reference.merged_order == "models"
-    torch.testing.assert_close(batched.module.norm.running_mean, reference.module.norm.running_mean)
-    torch.testing.assert_close(compiled(x), reference(x))  # the settled graph runs again, no retrace needed
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(batched, backend=counter, fullgraph=True)
+    for _ in range(2):
+        torch.testing.assert_close(compiled(x), reference(x))
+    assert batched.merged_order == reference.merged_order == order
+    for got, want in zip(batched.buffers(), reference.buffers(), strict=True):  # updated twice, not three times
+        torch.testing.assert_close(got, want)
+    assert counter.frame_count == 1  # the settled order is traced once and never retraced
 
 
 class _BreaksGraph(nn.Module):
