@@ -34,7 +34,16 @@ from collections.abc import Callable
 import torch
 from torch.func import functional_call, vmap
 
-from ._bench_steps import COMPILED, IMPLEMENTATIONS, WORKLOADS, Steps, limit_for, summed_cross_entropy, vmap_attention
+from ._bench_steps import (
+    COMPILED,
+    IMPLEMENTATIONS,
+    WORKLOADS,
+    Steps,
+    Workload,
+    limit_for,
+    summed_cross_entropy,
+    vmap_attention,
+)
 from .memory import largest_fitting, max_batch
 
 __all__ = ["DEFAULT_IMPLEMENTATIONS", "IMPLEMENTATIONS", "WORKLOADS", "largest_batches", "main", "run", "table"]
@@ -42,6 +51,13 @@ __all__ = ["DEFAULT_IMPLEMENTATIONS", "IMPLEMENTATIONS", "WORKLOADS", "largest_b
 DEFAULT_IMPLEMENTATIONS = ("torchmb", "torchmb+compile", "vmap", "vmap+compile", "limit", "limit+compile")
 DEFAULT_WORKLOADS = ("mlp", "lenet", "resnet18", "transformer")
 REPEAT_SECONDS = 0.1  # each timing lasts about this long (at least 2 steps, at most --iters)
+
+
+def default_implementations(workload: Workload) -> tuple[str, ...]:
+    """Eager and compiled torchmb, vmap and the limit; the compiled limit only where it compiles quickly."""
+    if workload.compiled_limit:
+        return DEFAULT_IMPLEMENTATIONS
+    return tuple(impl for impl in DEFAULT_IMPLEMENTATIONS if impl != "limit+compile")
 
 
 class Timer:
@@ -105,7 +121,7 @@ def run(
     batches: list[int] | None,
     samples: int,
     device: torch.device,
-    implementations: tuple[str, ...] = DEFAULT_IMPLEMENTATIONS,
+    implementations: tuple[str, ...] | None = None,
     iters: int = 200,
     repeats: int = 5,
     warmup: int = 3,
@@ -114,7 +130,7 @@ def run(
     channels_last: bool = False,
     budget_s: float | None = None,
 ) -> list[dict]:
-    """Time every implementation (``batches=None``: each workload's default numbers of models).
+    """Time every implementation (``None``: each workload's default numbers of models and implementations).
 
     Peak memory is the steady state's, with only the inputs and that implementation alive. Where a B runs
     out of memory, larger ones of that workload and implementation are skipped with a note; past
@@ -130,7 +146,7 @@ def run(
             torch.manual_seed(0)
             steps = Steps(workload, batch, samples, device, precision, channels_last)
             builders = steps.builders()
-            for impl in implementations:
+            for impl in implementations or default_implementations(workload):
                 if impl not in builders:
                     continue
                 row = {
@@ -300,8 +316,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=128, help="samples per model n (default 128)")
     parser.add_argument(
         "--impls",
-        default=",".join(DEFAULT_IMPLEMENTATIONS),
-        help=f"comma-separated, from {', '.join(IMPLEMENTATIONS)} (default {','.join(DEFAULT_IMPLEMENTATIONS)})",
+        help=f"comma-separated, from {', '.join(IMPLEMENTATIONS)} (default {','.join(DEFAULT_IMPLEMENTATIONS)}; "
+        "limit+compile only for mlp and lenet)",
     )
     parser.add_argument("--iters", type=int, default=200, help="at most this many steps per timing")
     parser.add_argument("--repeats", type=int, default=5, help="timings per implementation (median and range)")
@@ -327,8 +343,8 @@ def main(args: argparse.Namespace) -> list[dict]:
     device = torch.device(args.device)
     workloads = [w for w in args.workloads.split(",") if w]
     unknown = sorted(set(workloads) - set(WORKLOADS))
-    impls = tuple(i for i in args.impls.split(",") if i)
-    unknown += sorted(set(impls) - set(IMPLEMENTATIONS))
+    impls = tuple(i for i in args.impls.split(",") if i) if args.impls else None
+    unknown += sorted(set(impls or ()) - set(IMPLEMENTATIONS))
     if unknown:
         raise SystemExit(f"unknown workload or implementation: {', '.join(unknown)}")
     batches = [int(b) for b in args.batches.split(",")] if args.batches else None
@@ -347,7 +363,7 @@ def main(args: argparse.Namespace) -> list[dict]:
     if args.quick:
         workloads = [w for w in workloads if w in ("mlp", "lenet")] or ["mlp"]
         batches, samples, iters, repeats = [1, 4], 16, 3, 2
-        impls = tuple(i for i in impls if i not in COMPILED)
+        impls = tuple(i for i in impls or DEFAULT_IMPLEMENTATIONS if i not in COMPILED)
     rows = run(
         workloads,
         batches,
