@@ -60,11 +60,17 @@ class SamplesOrderError(ValueError):
 
 
 _FORWARD: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("torchmb_forward", default=None)
+# torch.compile cannot trace ContextVar.get and .set (dynamo breaks the graph at each): code that dynamo
+# traces keeps the context on this list instead, whose appends and pops it records as side effects.
+_TRACED_FORWARD: list[ForwardContext] = []
 
 
 def current_forward() -> ForwardContext | None:
     """The context of the batched forward in progress, or ``None`` outside one."""
-    return _FORWARD.get()
+    if torch.compiler.is_compiling():
+        return _TRACED_FORWARD[-1] if _TRACED_FORWARD else None
+    # Eager code that a compiled forward runs (past a graph break) finds the context on the list.
+    return _FORWARD.get() or (_TRACED_FORWARD[-1] if _TRACED_FORWARD else None)
 
 
 class _ForwardScope:
@@ -76,11 +82,17 @@ class _ForwardScope:
         self.context = context
 
     def __enter__(self) -> ForwardContext:
-        self.token = _FORWARD.set(self.context)
+        if torch.compiler.is_compiling():
+            _TRACED_FORWARD.append(self.context)
+        else:
+            self.token = _FORWARD.set(self.context)
         return self.context
 
     def __exit__(self, *exc_info: object) -> None:
-        _FORWARD.reset(self.token)
+        if torch.compiler.is_compiling():
+            _TRACED_FORWARD.pop()
+        else:
+            _FORWARD.reset(self.token)
 
 
 def forward_context(context: ForwardContext) -> _ForwardScope:

@@ -236,7 +236,7 @@ class _ConvNd(AbstractBatchModule):
         n = x.shape[0] // batch
         padding = self.padding if isinstance(self.padding, tuple) else (0,) * self.dims
         reach = [max(p, d * (k - 1)) for p, d, k in zip(padding, self.dilation, self.kernel_size)]
-        spatial = math.prod(size + 2 * r for size, r in zip(x.shape[2:], reach))
+        spatial = math.prod([size + 2 * r for size, r in zip(x.shape[2:], reach)])  # a list: dynamo traces it
         per_model = n * max(self.in_channels, self.out_channels) * spatial
         return max(1, _INDEX_LIMIT // max(per_model, 1))
 

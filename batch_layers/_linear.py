@@ -14,7 +14,13 @@ __all__ = ["Linear"]
 
 def _product(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     weight_t = weight.transpose(1, 2)
-    return torch.bmm(rows, weight_t) if bias is None else torch.baddbmm(bias.unsqueeze(1), rows, weight_t)
+    if bias is None:
+        return torch.bmm(rows, weight_t)
+    if torch.compiler.is_compiling():
+        # Inductor runs baddbmm as cuBLAS's, after a copy of the broadcast bias; a separate addition it
+        # fuses into the next element-wise kernel (as it unfuses the plain Linear's addmm).
+        return torch.bmm(rows, weight_t) + bias.unsqueeze(1)
+    return torch.baddbmm(bias.unsqueeze(1), rows, weight_t)
 
 
 class _BatchedLinear(torch.autograd.Function):

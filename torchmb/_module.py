@@ -1,9 +1,10 @@
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -174,6 +175,11 @@ class BatchModule(nn.Module):
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, *args: Any, shared_input: bool = False, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            # No trial inside a graph: dynamo runs _settled_order eagerly while it traces and traces the
+            # forward in the order it returns (so a compiled model never changes order, nor recompiles).
+            _settled_order(self, shared_input, *args, **kwargs)
+            return self._forward(args, shared_input, kwargs)
         if self._order_on_trial:
             return self._forward_on_trial(args, shared_input, kwargs)
         return self._forward(args, shared_input, kwargs)
@@ -182,26 +188,31 @@ class BatchModule(nn.Module):
         """The first forward of an automatically chosen samples-major order: should a layer refuse it,
         undo what the forward changed (buffers such as running statistics, the random state) and run
         models-major, for good."""
-        buffers = [(buffer, buffer.detach().clone()) for buffer in self.buffers()]
-        devices = sorted({t.device.index or 0 for t in self.parameters() if t.is_cuda})
-        capturing = bool(devices) and torch.cuda.is_current_stream_capturing()
-        cpu_rng = torch.get_rng_state()
-        cuda_rng = [] if capturing else [torch.cuda.get_rng_state(d) for d in devices]
         try:
-            out = self._forward(args, shared_input, kwargs)
+            with _state_restored(self, always=False):
+                out = self._forward(args, shared_input, kwargs)
         except SamplesOrderError as error:
-            with torch.no_grad():
-                for buffer, saved in buffers:
-                    buffer.copy_(saved)
-            torch.set_rng_state(cpu_rng)
-            for device, state in zip(devices, cuda_rng):
-                torch.cuda.set_rng_state(state, device)
-            self._set_order("models")
-            self._order_on_trial = False
-            logger.info("torchmb: running models-major, since the model merges other dims into dim 0: %s", error)
+            self._keep_models_major(error)
             return self._forward(args, shared_input, kwargs)
         self._order_on_trial = False
         return out
+
+    def _settle_order(self, args: tuple, shared_input: bool, kwargs: dict) -> str:
+        """The trial as a dry run (torch.compile traces the forward afterwards): a forward without
+        gradients whose effects on buffers and the random state are undone either way."""
+        if self._order_on_trial:
+            try:
+                with _state_restored(self, always=True), torch.no_grad():
+                    self._forward(args, shared_input, kwargs)
+            except SamplesOrderError as error:
+                self._keep_models_major(error)
+            self._order_on_trial = False
+        return self.merged_order
+
+    def _keep_models_major(self, error: SamplesOrderError) -> None:
+        self._set_order("models")
+        self._order_on_trial = False
+        logger.info("torchmb: running models-major, since the model merges other dims into dim 0: %s", error)
 
     def _forward(self, args: tuple, shared_input: bool, kwargs: dict) -> Any:
         if len(args) == 1 and not kwargs and type(args[0]) is Tensor:  # the common call: no pytree walk
@@ -439,3 +450,36 @@ def _reorder_around(module: AbstractBatchModule) -> None:
     module.register_forward_pre_hook(lambda _, args, kwargs: tree_map(to_samples, (args, kwargs)), with_kwargs=True)
     module.register_forward_hook(lambda _, args, out: tree_map(to_models, out))
     module._reordered = True
+
+
+@torch._dynamo.assume_constant_result
+def _settled_order(module: BatchModule, shared_input: bool, *args: Any, **kwargs: Any) -> str:
+    """``module``'s merged order, its trial decided first; dynamo calls this while tracing, with the real
+    inputs, and traces its result as a constant."""
+    return module._settle_order(args, shared_input, kwargs)
+
+
+@contextlib.contextmanager
+def _state_restored(module: nn.Module, *, always: bool) -> Iterator[None]:
+    """Restore ``module``'s buffers and the random state after the block if it raises, or ``always``."""
+    buffers = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
+    devices = sorted({t.device.index or 0 for t in module.parameters() if t.is_cuda})
+    capturing = bool(devices) and torch.cuda.is_current_stream_capturing()
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = [] if capturing else [torch.cuda.get_rng_state(d) for d in devices]
+
+    def restore() -> None:
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+        torch.set_rng_state(cpu_rng)
+        for device, state in zip(devices, cuda_rng):
+            torch.cuda.set_rng_state(state, device)
+
+    try:
+        yield
+    except BaseException:
+        restore()
+        raise
+    if always:
+        restore()
