@@ -349,24 +349,33 @@ class BatchModule(nn.Module):
         """Keep only the models ``keep`` (indices or a boolean mask of length B), in that order; in place.
 
         Parameters keep their identity (their data shrinks), so an optimizer's ``select(keep)`` with the
-        same ``keep`` continues the survivors exactly.
+        same ``keep`` continues the survivors exactly. Graphs built before (a validation loss computed
+        without ``torch.no_grad()``) stay alive and valid for the B models they were built from, but a
+        backward through one raises, since it would accumulate into parameters that no longer have
+        those models. Atomic: every survivor's tensor is gathered before the first is swapped in, so an
+        error leaves the module as it was.
         """
         index = self._keep_index(keep)
         self._refuse_offloaded("select() cannot shrink", "build a new BatchModule from the survivors' state_dicts")
+        parameters, buffers = [], []
+        seen: set[int] = set()
         with torch.no_grad():
             for key, value in self.module.state_dict(keep_vars=True).items():
-                if not self._is_per_model(key, value):
+                if id(value) in seen or not self._is_per_model(key, value):
                     continue
-                kept = value.data[index.to(value.device)]
+                seen.add(id(value))
+                kept = value.detach()[index.to(value.device)]
                 if isinstance(value, nn.Parameter):
-                    # Swap in place rather than assign .data: autograd caches a parameter's gradient
-                    # accumulator, with its old shape, for as long as any earlier graph is alive.
                     replacement = nn.Parameter(kept, requires_grad=value.requires_grad)
                     if value.grad is not None:
                         replacement.grad = value.grad[index.to(value.device)]
-                    torch.utils.swap_tensors(value, replacement)
+                    parameters.append((value, replacement))
                 else:
-                    value.data = kept
+                    buffers.append((value, kept))
+        for parameter, replacement in parameters:
+            _swap_parameter(parameter, replacement)
+        for buffer, kept in buffers:
+            buffer.data = kept
         self.batch = len(index)
         for module in self.module.modules():
             if isinstance(module, AbstractBatchModule):
@@ -405,6 +414,28 @@ class BatchModule(nn.Module):
     def extra_repr(self) -> str:
         generic = f", torch.func path: {', '.join(self.generic_modules)}" if self.generic_modules else ""
         return f"batch={self.batch}, merged_order={self.merged_order!r}{generic}"
+
+
+def _swap_parameter(parameter: nn.Parameter, replacement: nn.Parameter) -> None:
+    """Give ``parameter`` (its identity, Python attributes and optimizer entries) ``replacement``'s data,
+    gradient and a fresh gradient accumulator, even while graphs built from it are alive.
+
+    Assigning ``.data`` would keep autograd's cached accumulator, whose recorded shape then fails the
+    next backward; ``torch.utils.swap_tensors`` refuses a tensor that a live graph has saved. The swap
+    of the underlying tensors is what ``swap_tensors`` does after its checks: live graphs keep the old
+    tensor, now ``replacement``'s, and its accumulator is made to raise should they run backward.
+    """
+    if parameter.requires_grad:
+        old_accumulator = torch.autograd.graph.get_gradient_edge(parameter).node
+        old_accumulator.register_prehook(_refuse_backward_across_select)
+    torch._C._swap_tensor_impl(parameter, replacement)
+
+
+def _refuse_backward_across_select(grad_outputs: Any) -> None:
+    raise RuntimeError(
+        "backward through a graph built before BatchModule.select() shrank the models; compute the loss again "
+        "after select() (or call backward before it)"
+    )
 
 
 def _sequence_first_around(module: AbstractBatchModule) -> None:
