@@ -2,8 +2,9 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -19,6 +20,7 @@ from batch_layers import (
 )
 
 from ._generic import batch_generically, is_generic
+from ._init import build_with_seed, reset_uncovered, reset_with_seed
 from ._registry import lookup_batch_module
 
 __all__ = ["BatchModule"]
@@ -39,9 +41,15 @@ class BatchModule(nn.Module):
     Args:
         model: the plain model. It is copied, never modified.
         batch: number of models B.
-        init: ``"copy"`` starts every model from ``model``'s weights; ``"independent"`` re-initialises
-            model ``i`` by seeding torch with ``seed + i`` and calling ``reset_parameters()`` on each of
-            its submodules in ``model.modules()`` order, exactly as a plain model would be initialised.
+        init: ``"copy"`` starts every model from ``model``'s weights. ``"independent"`` re-initialises
+            model ``i`` by seeding torch with ``seed + i`` and calling ``reset_parameters()`` (else
+            ``_reset_parameters()``) on each of its submodules in ``model.modules()`` order: torch.nn's
+            default initialisation of each layer, not the model's own. Initialisation done in the
+            model's ``__init__`` (``normal_(std=0.02)``, zero biases, ``self.apply(_init_weights)``) is
+            replaced by those defaults, and a parameter of a module with neither method (a bare
+            ``nn.Parameter``) stays identical in all models, with a warning naming it.
+            :meth:`from_factory` initialises each model exactly as its own plain construction would;
+            prefer it.
         seed: base seed for ``init="independent"``; drawn from torch's generator when ``None``.
         merged_order: the order of the merged model axis between layers. ``"models"`` (row ``b*n + i``)
             keeps every reshape that merges dims into dim 0 correct; ``"samples"`` (row ``i*B + b``)
@@ -66,6 +74,8 @@ class BatchModule(nn.Module):
         torch.Size([16, 32, 2])
         >>> models(torch.randn(32, 4), shared_input=True).shape
         torch.Size([16, 32, 2])
+        >>> BatchModule.from_factory(lambda: nn.Linear(4, 2), batch=16, seed=0)(torch.randn(16, 32, 4)).shape
+        torch.Size([16, 32, 2])
     """
 
     def __init__(
@@ -79,7 +89,8 @@ class BatchModule(nn.Module):
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
-            raise TypeError(f"BatchModule expects an nn.Module, got {type(model).__name__}")
+            hint = "; to build each model from its own call, use BatchModule.from_factory" if callable(model) else ""
+            raise TypeError(f"BatchModule expects an nn.Module, got {type(model).__name__}{hint}")
         if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
             raise ValueError(f"batch must be a positive int (the number of models), got {batch!r}")
         if init not in ("copy", "independent"):
@@ -155,22 +166,61 @@ class BatchModule(nn.Module):
                 _reorder_around(layer)
         self.merged_order = order
 
+    @classmethod
+    def from_factory(
+        cls,
+        make_model: Callable[[], nn.Module],
+        batch: int,
+        *,
+        seed: int | None = None,
+        merged_order: Literal["auto", "models", "samples"] = "auto",
+    ) -> BatchModule:
+        """``batch`` models, model ``i`` built by ``make_model()`` after ``torch.manual_seed(seed + i)``.
+
+        Each model is exactly what ``torch.manual_seed(seed + i); make_model()`` gives, whatever its
+        ``__init__`` does (custom initialisation, ``self.apply(_init_weights)``, bare ``nn.Parameter`` attributes).
+        The models are built and copied in one at a time, so this needs about one plain model of memory
+        besides the batched one. torch's random state is restored afterwards.
+
+        Args:
+            make_model: builds one plain model (a class or any function of no arguments).
+            batch: number of models B.
+            seed: model ``i``'s seed is ``seed + i``; drawn from torch's generator when ``None``.
+            merged_order: as in :class:`BatchModule`.
+
+        Examples::
+
+            >>> models = BatchModule.from_factory(lambda: nn.Linear(4, 2), batch=3, seed=0)
+            >>> _ = torch.manual_seed(2)
+            >>> torch.equal(models.state_dict_of(2)["weight"], nn.Linear(4, 2).weight)
+            True
+        """
+        if isinstance(make_model, nn.Module) or not callable(make_model):
+            raise TypeError(
+                f"from_factory expects a callable that builds one model (a class, a lambda), got a "
+                f"{type(make_model).__name__} instance"
+            )
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()))
+        batched = cls(build_with_seed(make_model, seed), batch, merged_order=merged_order)
+        for i in range(1, batch):
+            batched.load_state_dicts(build_with_seed(make_model, seed + i).state_dict(), slots=[i])
+        return batched
+
     def _initialise_independently(self, seed: int | None) -> None:
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()))
-        template = self._template
-        devices = sorted({t.device.index or 0 for t in template.state_dict().values() if t.is_cuda})
-        states = []
+        uncovered = reset_uncovered(self._template)
+        if uncovered:
+            warnings.warn(
+                "init='independent' re-initialises only what reset_parameters() covers; these parameters stay "
+                f"identical in all {self.batch} models: {', '.join(uncovered)}. BatchModule.from_factory"
+                "(make_model, batch, seed=...) initialises each model as its own construction would",
+                stacklevel=3,
+            )
         for i in range(self.batch):
-            model = copy.deepcopy(template)
-            with torch.random.fork_rng(devices=devices):
-                torch.manual_seed(seed + i)
-                for submodule in model.modules():
-                    reset = getattr(submodule, "reset_parameters", None)
-                    if callable(reset):
-                        reset()
-            states.append(model.state_dict())
-        self.load_state_dicts(states)
+            model = reset_with_seed(copy.deepcopy(self._template), seed + i)
+            self.load_state_dicts(model.state_dict(), slots=[i])
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, *args: Any, shared_input: bool = False, **kwargs: Any) -> Any:
