@@ -18,10 +18,12 @@ from batch_layers import (
     SamplesOrderError,
     forward_context,
 )
+from batch_layers._base import recognise_shared_by
 
 from ._generic import batch_generically, is_generic
 from ._init import build_with_seed, reset_uncovered, reset_with_seed
 from ._registry import lookup_batch_module
+from ._tracking import Kind, ModelDataTracker, checking_decisions
 
 __all__ = ["BatchModule"]
 
@@ -98,6 +100,7 @@ class BatchModule(nn.Module):
         if merged_order not in ("auto", "models", "samples"):
             raise ValueError(f"merged_order must be 'auto', 'models' or 'samples', got {merged_order!r}")
         self.batch = batch
+        self._first_forward = True  # checked for Python decisions on several models' data
         # A pristine copy to build plain models from (unbatch); kept out of the module tree on purpose.
         object.__setattr__(self, "_template", copy.deepcopy(model))
         self.generic_modules: list[str] = []
@@ -295,7 +298,21 @@ class BatchModule(nn.Module):
 
     def _run(self, samples: int, shared_input: bool, *args: Any, **kwargs: Any) -> Any:
         with forward_context(ForwardContext(self.batch, samples, shared_input, self.merged_order)):
+            check_decisions = self._first_forward or checking_decisions()
+            if (shared_input or check_decisions) and not torch.compiler.is_compiling():
+                return self._run_tracked(shared_input, check_decisions, args, kwargs)
             return self.module(*args, **kwargs)
+
+    def _run_tracked(self, shared_input: bool, check_decisions: bool, args: tuple, kwargs: dict) -> Any:
+        """Run the model labelling its tensors (see ``torchmb._tracking``): the shared input and what is
+        computed from it are recognised by identity, and a Python decision on several models' data is
+        refused in the first forward and under ``torchmb.testing``."""
+        tracker = ModelDataTracker(check_decisions=check_decisions)
+        tracker.mark(tree_flatten((args, kwargs))[0], Kind.SHARED if shared_input else Kind.PER_MODEL)
+        with tracker, recognise_shared_by(tracker.is_shared):
+            out = self.module(*args, **kwargs)
+        self._first_forward = False
+        return out
 
     def _split_output(self, value: Any, samples: int) -> Any:
         if not isinstance(value, Tensor):
