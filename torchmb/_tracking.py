@@ -4,7 +4,9 @@ A :class:`ModelDataTracker` is a ``TorchFunctionMode`` that ``BatchModule`` ente
 the forward's input tensors (*shared* with ``shared_input=True``, else *per-model*) and labels each op's
 output from its tensor inputs: per-model if any input is (a parameter, a ``torch.func`` batched tensor,
 or a per-model tensor), else shared if any input is shared, else nothing (a constant: a buffer stored
-once, a tensor created in ``forward``). Outputs of batched layers are per-model whatever ops they ran.
+once, a tensor created in ``forward``). As a batched layer returns, its new outputs are labelled
+per-model, unless the layer has no parameters and kept its shared inputs' layout (a layer norm without
+affine; a layer that expands the shared input to B copies returns B times its rows).
 
 It serves two purposes:
 
@@ -14,12 +16,12 @@ It serves two purposes:
   when ``seq`` is a multiple of B.
 - **Python decisions on several models' data.** ``bool()``, ``.item()``, ``.tolist()`` (an ``if`` or a
   ``while`` on a tensor) of a per-model tensor in the model's code would decide once for all B models on
-  their pooled data. With ``check_decisions`` the tracker refuses it with :class:`PooledDecisionError`;
-  code of torch, of the batched layers and of ``offload`` is trusted (their checks see the whole batch on purpose), and
-  :func:`allow_pooled_decisions` lets a model author take one decision for all models on purpose.
+  their pooled data. With ``check_decisions`` the tracker refuses it with :class:`PooledDecisionError`.
+  The code of torch, of the batched layers and of ``offload`` is trusted (their checks look at the whole
+  batch on purpose), and :func:`allow_pooled_decisions` lets a model author decide for all models.
 
-Every op of a tracked forward runs through Python, so ``BatchModule`` tracks only shared-input
-forwards and its first forward, and ``torchmb.testing`` tracks every forward it runs.
+Every op of a tracked forward runs through Python (about 3 us), so ``BatchModule`` tracks only
+shared-input forwards and its first forward, and ``torchmb.testing`` every forward it runs.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import contextvars
 import enum
 import os
 import sys
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -37,7 +40,6 @@ from torch import Tensor, nn
 from torch.nn.modules.module import register_module_forward_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.weak import WeakIdKeyDictionary
 
 import batch_layers
 import offload
@@ -60,6 +62,8 @@ class PooledDecisionError(RuntimeError):
 
 
 class Kind(enum.Enum):
+    """A tracked tensor's label (a tensor without one is a constant, the same for every model)."""
+
     SHARED = "shared"
     PER_MODEL = "per-model"
 
@@ -126,18 +130,29 @@ class ModelDataTracker(TorchFunctionMode):
     def __init__(self, *, check_decisions: bool) -> None:
         super().__init__()
         self.check_decisions = check_decisions
-        self._kinds: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # id -> (weak reference, kind): a dead tensor's entry fails the identity check, so an id reused
+        # by a new tensor inherits nothing (cheaper per op than torch.utils.weak's dictionaries).
+        self._kinds: dict[int, tuple[weakref.ref, Kind]] = {}
         self._hook: Any = None
 
     def mark(self, tensors: Iterable[Any], kind: Kind) -> None:
         """Label every tensor among ``tensors`` (other values are skipped)."""
         for tensor in tensors:
             if isinstance(tensor, Tensor):
-                self._kinds[tensor] = kind
+                self._kinds[id(tensor)] = (weakref.ref(tensor), kind)
+
+    def kind(self, tensor: Tensor) -> Kind | None:
+        """``tensor``'s label: per-model, shared, or ``None`` for a constant."""
+        if type(tensor) is not Tensor and (
+            isinstance(tensor, nn.Parameter) or torch._C._functorch.is_batchedtensor(tensor)
+        ):
+            return Kind.PER_MODEL
+        entry = self._kinds.get(id(tensor))
+        return entry[1] if entry is not None and entry[0]() is tensor else None
 
     def is_shared(self, tensor: Tensor) -> bool:
         """Whether ``tensor`` is the shared input or was computed from it (and constants) alone."""
-        return self._kinds.get(tensor) is Kind.SHARED
+        return self.kind(tensor) is Kind.SHARED
 
     def __enter__(self) -> ModelDataTracker:
         self._hook = register_module_forward_hook(self._after_module)
@@ -148,52 +163,58 @@ class ModelDataTracker(TorchFunctionMode):
         self._hook.remove()
 
     def _after_module(self, module: nn.Module, args: Any, output: Any) -> None:
-        """Label a batched layer's outputs per-model, unless computed from the shared input alone in its
-        layout: a layer without parameters (layer norm without affine) or an input passed through
-        (dropout in eval mode) keeps it shared. A layer that expanded the shared input to B copies (with
-        ``expand_shared``) gives ``B`` times its rows, and a kernel the mode did not see an unlabelled
-        tensor: both are per-model."""
-        if isinstance(module, AbstractBatchModule):
-            batch = module.batch
-        elif is_generic(module):
-            batch = 0  # every output of the torch.func path comes from the models' own parameters
-        else:
+        """Label a batched layer's new outputs per-model (whatever ops made them, seen by this mode or
+        not), unless the layer has no parameters and computed them from shared inputs alone in their
+        layout (a layer norm without affine), rather than expanded to B copies (``B`` times the rows)."""
+        generic = is_generic(module)
+        if not (generic or isinstance(module, AbstractBatchModule)):
             return
-        inputs = [value for value in tree_flatten(args)[0] if isinstance(value, Tensor)]
-        expanded_rows = {batch * value.shape[0] for value in inputs if value.dim() and self.is_shared(value)}
-        for tensor in tree_flatten(output)[0]:
-            if not isinstance(tensor, Tensor) or any(tensor is value for value in inputs):
-                continue
-            stays_shared = batch and self.is_shared(tensor) and tensor.dim() and tensor.shape[0] not in expanded_rows
-            if not stays_shared:
-                self._kinds[tensor] = Kind.PER_MODEL
+        inputs = _tensors(args)
+        kinds = [self.kind(value) for value in inputs]
+        shared_only = not generic and bool(kinds) and all(kind is Kind.SHARED for kind in kinds)
+        if shared_only and next(module.parameters(), None) is not None:
+            shared_only = False
+        expanded_rows = {module.batch * value.shape[0] for value in inputs if value.dim()} if shared_only else set()
+        for tensor in _tensors(output):
+            if any(tensor is value for value in inputs):
+                continue  # passed through (dropout in eval mode): keeps its label
+            shared = shared_only and tensor.dim() and tensor.shape[0] not in expanded_rows
+            self._kinds[id(tensor)] = (weakref.ref(tensor), Kind.SHARED if shared else Kind.PER_MODEL)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        kind = self._kind_of(args, kwargs)
-        if kind is Kind.PER_MODEL and self.check_decisions and func in _DECISIONS:
+        if kwargs is None:
+            kwargs = {}
+        if self.check_decisions and func in _DECISIONS and self._kind_of(args, kwargs) is Kind.PER_MODEL:
             _refuse_pooled_decision(func)
         out = func(*args, **kwargs)
-        if kind is not None:
-            if isinstance(out, Tensor):
-                self._kinds[out] = kind
-            elif isinstance(out, (tuple, list)):
+        if isinstance(out, Tensor):
+            kind = self._kind_of(args, kwargs)
+            if kind is not None:
+                self._kinds[id(out)] = (weakref.ref(out), kind)
+        elif isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
+            kind = self._kind_of(args, kwargs)
+            if kind is not None:
                 self.mark(out, kind)
         return out
 
     def _kind_of(self, args: tuple, kwargs: dict) -> Kind | None:
+        """An op's output label from its inputs': per-model over shared over constant."""
         kind = None
         for value in (*args, *kwargs.values()):
             for tensor in value if isinstance(value, (tuple, list)) else (value,):
-                if not isinstance(tensor, Tensor):
-                    continue
-                if isinstance(tensor, nn.Parameter) or torch._C._functorch.is_batchedtensor(tensor):
-                    return Kind.PER_MODEL
-                found = self._kinds.get(tensor)
-                if found is Kind.PER_MODEL:
-                    return found
-                kind = kind or found
+                if isinstance(tensor, Tensor):
+                    found = self.kind(tensor)
+                    if found is Kind.PER_MODEL:
+                        return found
+                    kind = kind or found
         return kind
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    """The tensors in a module's arguments or output (a tensor, the common case, without a pytree walk)."""
+    if isinstance(value, Tensor):
+        return [value]
+    return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, Tensor)]
 
 
 def _refuse_pooled_decision(func: Any) -> None:
