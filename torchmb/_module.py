@@ -23,6 +23,7 @@ from batch_layers._base import recognise_shared_by
 from ._generic import batch_generically, is_generic
 from ._init import build_with_seed, reset_uncovered, reset_with_seed
 from ._registry import lookup_batch_module
+from ._select import commit_survivors, gather_survivors
 from ._tracking import Kind, ModelDataTracker, checking_decisions
 
 __all__ = ["BatchModule"]
@@ -424,25 +425,8 @@ class BatchModule(nn.Module):
         """
         index = self._keep_index(keep)
         self._refuse_offloaded("select() cannot shrink", "build a new BatchModule from the survivors' state_dicts")
-        parameters, buffers = [], []
-        seen: set[int] = set()
-        with torch.no_grad():
-            for key, value in self.module.state_dict(keep_vars=True).items():
-                if id(value) in seen or not self._is_per_model(key, value):
-                    continue
-                seen.add(id(value))
-                kept = value.detach()[index.to(value.device)]
-                if isinstance(value, nn.Parameter):
-                    replacement = nn.Parameter(kept, requires_grad=value.requires_grad)
-                    if value.grad is not None:
-                        replacement.grad = value.grad[index.to(value.device)]
-                    parameters.append((value, replacement))
-                else:
-                    buffers.append((value, kept))
-        for parameter, replacement in parameters:
-            _swap_parameter(parameter, replacement)
-        for buffer, kept in buffers:
-            buffer.data = kept
+        survivors = gather_survivors(self.module.state_dict(keep_vars=True), index, self._is_per_model)
+        commit_survivors(survivors)
         self.batch = len(index)
         for module in self.module.modules():
             if isinstance(module, AbstractBatchModule):
@@ -481,28 +465,6 @@ class BatchModule(nn.Module):
     def extra_repr(self) -> str:
         generic = f", torch.func path: {', '.join(self.generic_modules)}" if self.generic_modules else ""
         return f"batch={self.batch}, merged_order={self.merged_order!r}{generic}"
-
-
-def _swap_parameter(parameter: nn.Parameter, replacement: nn.Parameter) -> None:
-    """Give ``parameter`` (its identity, Python attributes and optimizer entries) ``replacement``'s data,
-    gradient and a fresh gradient accumulator, even while graphs built from it are alive.
-
-    Assigning ``.data`` would keep autograd's cached accumulator, whose recorded shape then fails the
-    next backward; ``torch.utils.swap_tensors`` refuses a tensor that a live graph has saved. The swap
-    of the underlying tensors is what ``swap_tensors`` does after its checks: live graphs keep the old
-    tensor, now ``replacement``'s, and its accumulator is made to raise should they run backward.
-    """
-    if parameter.requires_grad:
-        old_accumulator = torch.autograd.graph.get_gradient_edge(parameter).node
-        old_accumulator.register_prehook(_refuse_backward_across_select)
-    torch._C._swap_tensor_impl(parameter, replacement)
-
-
-def _refuse_backward_across_select(grad_outputs: Any) -> None:
-    raise RuntimeError(
-        "backward through a graph built before BatchModule.select() shrank the models; compute the loss again "
-        "after select() (or call backward before it)"
-    )
 
 
 def _sequence_first_around(module: AbstractBatchModule) -> None:
