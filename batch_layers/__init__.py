@@ -15,6 +15,7 @@ from ._base import (
     current_forward,
     forward_context,
     is_shared_input,
+    recognise_shared_by,
 )
 from ._batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d
 from ._bilinear import Bilinear
@@ -83,6 +84,7 @@ __all__ = [
     "get_backend",
     "is_shared_input",
     "offload_embeddings",
+    "recognise_shared_by",
     "set_backend",
     "use_backend",
     "use_cupy",

@@ -17,7 +17,9 @@ tensor that every model sees) without materialising B copies of it.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -32,6 +34,7 @@ __all__ = [
     "current_forward",
     "forward_context",
     "is_shared_input",
+    "recognise_shared_by",
 ]
 
 MergedOrder = Literal["models", "samples"]
@@ -100,13 +103,37 @@ def forward_context(context: ForwardContext) -> _ForwardScope:
     return _ForwardScope(context)
 
 
+_SHARED_TENSORS: contextvars.ContextVar[Callable[[Tensor], bool] | None] = contextvars.ContextVar(
+    "torchmb_shared_tensors", default=None
+)
+
+
 def is_shared_input(x: Tensor, batch: int) -> bool:
-    """Whether ``x`` is the shared ``(n, ...)`` input of the shared-input forward in progress."""
+    """Whether ``x`` is the shared ``(n, ...)`` input of the shared-input forward in progress (or a tensor
+    the model computed from it without any model's parameters).
+
+    ``torchmb.BatchModule`` tracks the shared tensors and says so through :func:`recognise_shared_by`.
+    Without it (a layer called in a hand-made :func:`forward_context`, or traced by ``torch.compile``)
+    the sizes decide: a dim 0 that is a multiple of ``n`` but not of ``B * n``.
+    """
     context = current_forward()
     if context is None or not context.shared or batch == 1:
         return False
+    recognise = _SHARED_TENSORS.get()
+    if recognise is not None:
+        return recognise(x)
     rows = x.shape[0] if x.dim() else 0
     return rows % (batch * context.samples) != 0 and rows % context.samples == 0
+
+
+@contextlib.contextmanager
+def recognise_shared_by(recognise: Callable[[Tensor], bool]) -> Iterator[None]:
+    """Let :func:`is_shared_input` ask ``recognise`` in this block instead of judging by sizes."""
+    token = _SHARED_TENSORS.set(recognise)
+    try:
+        yield
+    finally:
+        _SHARED_TENSORS.reset(token)
 
 
 def check_merged_rows(x: Tensor, batch: int, owner: str, what: str = "input") -> None:

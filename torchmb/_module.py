@@ -3,8 +3,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import warnings
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -17,10 +18,14 @@ from batch_layers import (
     OffloadedBatchEmbedding,
     SamplesOrderError,
     forward_context,
+    recognise_shared_by,
 )
 
 from ._generic import batch_generically, is_generic
+from ._init import build_with_seed, reset_uncovered, reset_with_seed
 from ._registry import lookup_batch_module
+from ._select import commit_survivors, gather_survivors
+from ._tracking import Kind, ModelDataTracker, checking_decisions
 
 __all__ = ["BatchModule"]
 
@@ -40,9 +45,15 @@ class BatchModule(nn.Module):
     Args:
         model: the plain model. It is copied, never modified.
         batch: number of models B.
-        init: ``"copy"`` starts every model from ``model``'s weights; ``"independent"`` re-initialises
-            model ``i`` by seeding torch with ``seed + i`` and calling ``reset_parameters()`` on each of
-            its submodules in ``model.modules()`` order, exactly as a plain model would be initialised.
+        init: ``"copy"`` starts every model from ``model``'s weights. ``"independent"`` re-initialises
+            model ``i`` by seeding torch with ``seed + i`` and calling ``reset_parameters()`` (else
+            ``_reset_parameters()``) on each of its submodules in ``model.modules()`` order: torch.nn's
+            default initialisation of each layer, not the model's own. Initialisation done in the
+            model's ``__init__`` (``normal_(std=0.02)``, zero biases, ``self.apply(_init_weights)``) is
+            replaced by those defaults, and a parameter of a module with neither method (a bare
+            ``nn.Parameter``) stays identical in all models, with a warning naming it.
+            :meth:`from_factory` initialises each model exactly as its own plain construction would;
+            prefer it.
         seed: base seed for ``init="independent"``; drawn from torch's generator when ``None``.
         merged_order: the order of the merged model axis between layers. ``"models"`` (row ``b*n + i``)
             keeps every reshape that merges dims into dim 0 correct; ``"samples"`` (row ``i*B + b``)
@@ -67,6 +78,8 @@ class BatchModule(nn.Module):
         torch.Size([16, 32, 2])
         >>> models(torch.randn(32, 4), shared_input=True).shape
         torch.Size([16, 32, 2])
+        >>> BatchModule.from_factory(lambda: nn.Linear(4, 2), batch=16, seed=0)(torch.randn(16, 32, 4)).shape
+        torch.Size([16, 32, 2])
     """
 
     def __init__(
@@ -80,7 +93,8 @@ class BatchModule(nn.Module):
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
-            raise TypeError(f"BatchModule expects an nn.Module, got {type(model).__name__}")
+            hint = "; to build each model from its own call, use BatchModule.from_factory" if callable(model) else ""
+            raise TypeError(f"BatchModule expects an nn.Module, got {type(model).__name__}{hint}")
         if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
             raise ValueError(f"batch must be a positive int (the number of models), got {batch!r}")
         if init not in ("copy", "independent"):
@@ -88,6 +102,7 @@ class BatchModule(nn.Module):
         if merged_order not in ("auto", "models", "samples"):
             raise ValueError(f"merged_order must be 'auto', 'models' or 'samples', got {merged_order!r}")
         self.batch = batch
+        self._first_forward = True  # checked for Python decisions on several models' data
         # A pristine copy to build plain models from (unbatch); kept out of the module tree on purpose.
         object.__setattr__(self, "_template", copy.deepcopy(model))
         self.generic_modules: list[str] = []
@@ -156,22 +171,61 @@ class BatchModule(nn.Module):
                 _reorder_around(layer)
         self.merged_order = order
 
+    @classmethod
+    def from_factory(
+        cls,
+        make_model: Callable[[], nn.Module],
+        batch: int,
+        *,
+        seed: int | None = None,
+        merged_order: Literal["auto", "models", "samples"] = "auto",
+    ) -> BatchModule:
+        """``batch`` models, model ``i`` built by ``make_model()`` after ``torch.manual_seed(seed + i)``.
+
+        Each model is exactly what ``torch.manual_seed(seed + i); make_model()`` gives, whatever its
+        ``__init__`` does (custom initialisation, ``self.apply(_init_weights)``, bare ``nn.Parameter`` attributes).
+        The models are built and copied in one at a time, so this needs about one plain model of memory
+        besides the batched one. torch's random state is restored afterwards.
+
+        Args:
+            make_model: builds one plain model (a class or any function of no arguments).
+            batch: number of models B.
+            seed: model ``i``'s seed is ``seed + i``; drawn from torch's generator when ``None``.
+            merged_order: as in :class:`BatchModule`.
+
+        Examples::
+
+            >>> models = BatchModule.from_factory(lambda: nn.Linear(4, 2), batch=3, seed=0)
+            >>> _ = torch.manual_seed(2)
+            >>> torch.equal(models.state_dict_of(2)["weight"], nn.Linear(4, 2).weight)
+            True
+        """
+        if isinstance(make_model, nn.Module) or not callable(make_model):
+            raise TypeError(
+                f"from_factory expects a callable that builds one model (a class, a lambda), got a "
+                f"{type(make_model).__name__} instance"
+            )
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()))
+        batched = cls(build_with_seed(make_model, seed), batch, merged_order=merged_order)
+        for i in range(1, batch):
+            batched.load_state_dicts(build_with_seed(make_model, seed + i).state_dict(), slots=[i])
+        return batched
+
     def _initialise_independently(self, seed: int | None) -> None:
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()))
-        template = self._template
-        devices = sorted({t.device.index or 0 for t in template.state_dict().values() if t.is_cuda})
-        states = []
+        uncovered = reset_uncovered(self._template)
+        if uncovered:
+            warnings.warn(
+                "init='independent' re-initialises only what reset_parameters() covers; these parameters stay "
+                f"identical in all {self.batch} models: {', '.join(uncovered)}. BatchModule.from_factory"
+                "(make_model, batch, seed=...) initialises each model as its own construction would",
+                stacklevel=3,
+            )
         for i in range(self.batch):
-            model = copy.deepcopy(template)
-            with torch.random.fork_rng(devices=devices):
-                torch.manual_seed(seed + i)
-                for submodule in model.modules():
-                    reset = getattr(submodule, "reset_parameters", None)
-                    if callable(reset):
-                        reset()
-            states.append(model.state_dict())
-        self.load_state_dicts(states)
+            model = reset_with_seed(copy.deepcopy(self._template), seed + i)
+            self.load_state_dicts(model.state_dict(), slots=[i])
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, *args: Any, shared_input: bool = False, **kwargs: Any) -> Any:
@@ -256,7 +310,21 @@ class BatchModule(nn.Module):
 
     def _run(self, samples: int, shared_input: bool, *args: Any, **kwargs: Any) -> Any:
         with forward_context(ForwardContext(self.batch, samples, shared_input, self.merged_order)):
+            check_decisions = self._first_forward or checking_decisions()
+            if (shared_input or check_decisions) and not torch.compiler.is_compiling():
+                return self._run_tracked(shared_input, check_decisions, args, kwargs)
             return self.module(*args, **kwargs)
+
+    def _run_tracked(self, shared_input: bool, check_decisions: bool, args: tuple, kwargs: dict) -> Any:
+        """Run the model labelling its tensors (see ``torchmb._tracking``): the shared input and what is
+        computed from it are recognised by identity, and a Python decision on several models' data is
+        refused in the first forward and under ``torchmb.testing``."""
+        tracker = ModelDataTracker(check_decisions=check_decisions)
+        tracker.mark(tree_flatten((args, kwargs))[0], Kind.SHARED if shared_input else Kind.PER_MODEL)
+        with tracker, recognise_shared_by(tracker.is_shared):
+            out = self.module(*args, **kwargs)
+        self._first_forward = False
+        return out
 
     def _split_output(self, value: Any, samples: int) -> Any:
         if not isinstance(value, Tensor):
@@ -360,24 +428,16 @@ class BatchModule(nn.Module):
         """Keep only the models ``keep`` (indices or a boolean mask of length B), in that order; in place.
 
         Parameters keep their identity (their data shrinks), so an optimizer's ``select(keep)`` with the
-        same ``keep`` continues the survivors exactly.
+        same ``keep`` continues the survivors exactly. Graphs built before (a validation loss computed
+        without ``torch.no_grad()``) stay alive and valid for the B models they were built from, but a
+        backward through one raises, since it would accumulate into parameters that no longer have
+        those models. Atomic: every survivor's tensor is gathered before the first is swapped in, so an
+        error leaves the module as it was.
         """
         index = self._keep_index(keep)
         self._refuse_offloaded("select() cannot shrink", "build a new BatchModule from the survivors' state_dicts")
-        with torch.no_grad():
-            for key, value in self.module.state_dict(keep_vars=True).items():
-                if not self._is_per_model(key, value):
-                    continue
-                kept = value.data[index.to(value.device)]
-                if isinstance(value, nn.Parameter):
-                    # Swap in place rather than assign .data: autograd caches a parameter's gradient
-                    # accumulator, with its old shape, for as long as any earlier graph is alive.
-                    replacement = nn.Parameter(kept, requires_grad=value.requires_grad)
-                    if value.grad is not None:
-                        replacement.grad = value.grad[index.to(value.device)]
-                    torch.utils.swap_tensors(value, replacement)
-                else:
-                    value.data = kept
+        survivors = gather_survivors(self.module.state_dict(keep_vars=True), index, self._is_per_model)
+        commit_survivors(survivors)
         self.batch = len(index)
         for module in self.module.modules():
             if isinstance(module, AbstractBatchModule):

@@ -37,7 +37,7 @@ def test_equivalent_to_independent_models(name: str, train: bool) -> None:
 def test_isolated(name: str) -> None:
     make, shape = MODEL_CASES[name]
     torch.manual_seed(0)
-    batched = BatchModule(make(), B, init="independent", seed=3)
+    batched = BatchModule.from_factory(make, B, seed=3)
     assert_isolated(batched, torch.randn(B, N, *shape), model=1)
 
 
@@ -45,7 +45,7 @@ def test_isolated(name: str) -> None:
 def test_shared_input_equals_the_same_input_for_every_model(name: str) -> None:
     make, shape = MODEL_CASES[name]
     torch.manual_seed(0)
-    batched = BatchModule(make(), B, init="independent", seed=1)
+    batched = BatchModule.from_factory(make, B, seed=1)
     x = torch.randn(N, *shape)
     reference = copy.deepcopy(batched)  # stateful modules (FiLM counts calls) must start equal
     seen = []
@@ -375,4 +375,4 @@ def test_equivalent_and_isolated_cuda(name: str) -> None:
         return make().cuda()
 
     assert_equivalent(make_cuda, B, torch.randn(B, N, *shape, device="cuda"), steps=5)
-    assert_isolated(BatchModule(make_cuda(), B, init="independent", seed=0), torch.randn(B, N, *shape, device="cuda"))
+    assert_isolated(BatchModule.from_factory(make_cuda, B, seed=0), torch.randn(B, N, *shape, device="cuda"))
