@@ -169,10 +169,15 @@ class AbstractBatchModule(nn.Module):
 
     def expand_shared(self, x: Tensor) -> Tensor:
         """A shared ``(n, ...)`` input as the merged ``(B*n, ...)`` tensor of B models (a copy), in this
-        module's order."""
+        module's order; a channels-last input gives a channels-last result."""
+        channels_last = is_channels_last(x)
+        if channels_last:
+            x = x.permute(0, 2, 3, 1)
         if self.merged_order == "models":
-            return x.expand(self.batch, *x.shape).reshape(-1, *x.shape[1:])
-        return x.unsqueeze(1).expand(x.shape[0], self.batch, *x.shape[1:]).reshape(-1, *x.shape[1:])
+            merged = x.expand(self.batch, *x.shape).reshape(-1, *x.shape[1:])
+        else:
+            merged = x.unsqueeze(1).expand(x.shape[0], self.batch, *x.shape[1:]).reshape(-1, *x.shape[1:])
+        return merged.permute(0, 3, 1, 2) if channels_last else merged
 
     def merged_dim(self, x: Tensor, feature_dims: int = 1) -> int:
         """The dim of ``x`` holding the merged model axis, for layers that take any leading dims.
@@ -267,6 +272,16 @@ def to_grouped(x: Tensor, batch: int, order: MergedOrder = "models") -> Tensor:
     if order == "samples":
         return x.reshape(n, batch * x.shape[1], *x.shape[2:])
     return x.reshape(batch, n, *x.shape[1:]).transpose(0, 1).reshape(n, batch * x.shape[1], *x.shape[2:])
+
+
+def shared_to_grouped(x: Tensor, batch: int) -> Tensor:
+    """A shared ``(n, C, *S)`` input as the grouped ``(n, B*C, *S)`` input of B models (one copy), keeping a
+    channels-last layout."""
+    if is_channels_last(x):
+        n, channels, height, width = x.shape
+        rows = x.permute(0, 2, 3, 1).unsqueeze(3).expand(n, height, width, batch, channels)
+        return rows.reshape(n, height, width, batch * channels).permute(0, 3, 1, 2)
+    return x.unsqueeze(1).expand(x.shape[0], batch, *x.shape[1:]).reshape(x.shape[0], -1, *x.shape[2:])
 
 
 def from_grouped(y: Tensor, batch: int, order: MergedOrder = "models") -> Tensor:

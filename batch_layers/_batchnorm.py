@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._base import AbstractBatchModule, copy_into_every_model, from_grouped, to_grouped
+from ._base import AbstractBatchModule, copy_into_every_model, from_grouped, shared_to_grouped, to_grouped
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d"]  # and _NormBase, shared with instance norm
 
@@ -106,8 +106,7 @@ class _BatchNorm(_NormBase):
         self._check_input_dim(x)
         batch = self.batch
         if self.is_shared(x):
-            models = self.split(x)  # an expanded view: B models of the same samples
-            channels = models.transpose(0, 1).reshape(x.shape[0], batch * self.num_features, *x.shape[2:])
+            channels = shared_to_grouped(x, batch)
         else:  # a channels-last input stays channels-last: cuDNN's NHWC batch norm
             self.check_merged(x)
             channels = to_grouped(x, batch, self.merged_order)

@@ -37,6 +37,10 @@ class _GroupedConv(torch.autograd.Function):
     activation per convolution. This function saves the merged input and redoes the layout change in
     backward. The backward is ``aten.convolution_backward``, itself differentiable. In the samples-major
     order (``order="samples"``) every layout change of a contiguous tensor here is a view.
+
+    It returns the grouped ``(n, B*C, *S)`` result; :func:`grouped_conv` takes the merged view of it
+    outside, so that autograd knows that view and in-place ops on a layer's output (``ReLU(inplace=True)``)
+    stay legal: a custom Function may not return a view of a tensor it created.
     """
 
     @staticmethod
@@ -52,7 +56,7 @@ class _GroupedConv(torch.autograd.Function):
                 y = _grouped(to_grouped(x, batch, order), weight, bias, *config)
         ctx.save_for_backward(x, weight)
         ctx.config = (batch, *config, bias is not None, order)
-        return from_grouped(y, batch, order)
+        return y
 
     @staticmethod
     def backward(ctx, grad):
@@ -61,7 +65,7 @@ class _GroupedConv(torch.autograd.Function):
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2]]
         out_channels = weight.shape[1] * groups if transposed else weight.shape[0]
         grad_x, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
-            to_grouped(grad.to(x.dtype), batch, order),
+            grad.to(x.dtype),
             to_grouped(x, batch, order),
             weight,
             [out_channels] if has_bias else None,
@@ -76,6 +80,25 @@ class _GroupedConv(torch.autograd.Function):
         grad_x = from_grouped(grad_x, batch, order) if mask[0] else None
         grads = (grad_x, grad_weight if mask[1] else None, grad_bias if mask[2] else None)
         return (*grads, None, None, None, None, None, None, None, None)
+
+
+def grouped_conv(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    batch: int,
+    stride: tuple[int, ...],
+    padding: tuple[int, ...],
+    dilation: tuple[int, ...],
+    groups: int,
+    transposed: bool,
+    output_padding: tuple[int, ...],
+    order: str,
+) -> Tensor:
+    """The models-as-groups (transposed) convolution of a merged ``(B*n, C, *S)`` input: ``weight`` is the
+    stacked ``(B*O, C/g, *k)`` (``(B*C, O/g, *k)`` transposed) and ``groups`` counts ``B * g``."""
+    config = (stride, padding, dilation, groups, transposed, output_padding, order)
+    return from_grouped(_GroupedConv.apply(x, weight, bias, batch, *config), batch, order)
 
 
 def _grouped(grouped, weight, bias, stride, padding, dilation, groups, transposed, output_padding) -> Tensor:
@@ -246,7 +269,7 @@ class _ConvNd(AbstractBatchModule):
             return from_grouped(self._conv(grouped, weight, bias, batch * self.groups), batch, order)
         if self.padding_mode != "zeros":
             x = F.pad(x, self._explicit_padding, mode=self.padding_mode)
-        return _GroupedConv.apply(
+        return grouped_conv(
             x,
             weight,
             bias,
