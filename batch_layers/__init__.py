@@ -22,10 +22,12 @@ from ._embedding import (
     check_indices,
 )
 from ._embedding_offload import OffloadedBatchEmbedding, offload_embeddings
+from ._frozen_batchnorm import FrozenBatchNorm2d
 from ._linear import Linear
 from ._norm import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm, RMSNorm
 from ._out_of_scope import OUT_OF_SCOPE, LazyLinear, SyncBatchNorm
 from ._recurrent import GRU, LSTM, RNN, GRUCell, LSTMCell, RNNCell
+from ._subclass import batched_subclass
 
 __all__ = [
     "GRU",
@@ -54,6 +56,7 @@ __all__ = [
     "FastEmbedding",
     "FeatureAlphaDropout",
     "ForwardContext",
+    "FrozenBatchNorm2d",
     "GRUCell",
     "GroupNorm",
     "InstanceNorm1d",
@@ -72,6 +75,7 @@ __all__ = [
     "SamplesOrderError",
     "SyncBatchNorm",
     "batched_embedding",
+    "batched_subclass",
     "check_indices",
     "current_forward",
     "forward_context",

@@ -18,6 +18,7 @@ tensor that every model sees) without materialising B copies of it.
 from __future__ import annotations
 
 import contextvars
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -142,9 +143,13 @@ class AbstractBatchModule(nn.Module):
     merged_orders: ClassVar[tuple[MergedOrder, ...]] = ()  # () means (merged_order,)
     grouped_layout: ClassVar[bool] = False
     shared_buffers: ClassVar[tuple[str, ...]] = ()
+    # The torch functionals (``F.linear``, ``F.layer_norm``, ...) this class computes for per-model weights,
+    # each with the name of its method of the functional's signature: a plain subclass's own ``forward``
+    # runs with them swapped in (batch_layers._subclass).
+    functional_forms: ClassVar[dict[Callable, str]] = {}
 
     def __init__(self, batch: int) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not super(): a class batching a plain subclass inherits that subclass next
         if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
             raise ValueError(f"batch must be a positive int (the number of models), got {batch!r}")
         self.batch = batch

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -116,6 +117,7 @@ class _ConvNd(AbstractBatchModule):
     merged_order = "models"
     merged_orders = ("models", "samples")
     grouped_layout = True
+    functional_forms: ClassVar[dict[Callable, str]] = {conv: "conv_form" for conv in _CONV.values()}
     dims: ClassVar[int]
 
     def __init__(
@@ -253,6 +255,31 @@ class _ConvNd(AbstractBatchModule):
             )
         y = torch.cat(chunks)
         return y.view(batch, n, *y.shape[1:]).transpose(0, 1).reshape(y.shape) if samples_major else y
+
+    def conv_form(
+        self,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None = None,
+        stride: int | tuple[int, ...] = 1,
+        padding: str | int | tuple[int, ...] = 0,
+        dilation: int | tuple[int, ...] = 1,
+        groups: int = 1,
+    ) -> Tensor:
+        """``F.conv{1,2,3}d`` of a merged input with per-model ``(B, out, in/groups, *k)`` weights: one grouped
+        convolution through torch's autograd (the layer's own forward also keeps its input, not a copy)."""
+        batch = self.batch
+        grouped = to_grouped(self.expand_shared(x) if self.is_shared(x) else x, batch, self.merged_order)
+        y = _CONV[self.dims](
+            grouped,
+            weight.reshape(-1, *weight.shape[2:]),
+            None if bias is None else bias.reshape(-1),
+            stride,
+            padding,
+            dilation,
+            batch * groups,
+        )
+        return from_grouped(y, batch, self.merged_order)
 
     def _models_per_call(self, x: Tensor, batch: int) -> int:
         """How many models one grouped convolution may take: cuDNN's kernels index with 32 bits."""
