@@ -12,7 +12,8 @@ activations, dropout, its children) runs on the merged model axis as usual.
 
 What the ``forward`` may do with a per-model tensor, and what the batched class does with it:
 
-- pass it to a functional of ``functional_forms``: the batched form runs;
+- pass it to a functional of ``functional_forms``, with the input first and only per-model tensors (or
+  ``None``) after it: the batched form runs;
 - read its metadata (``shape``, ``size()``, ``dim()``, ``dtype``, ``device``, ...): one model's is returned,
   so ``self.weight.shape[-2:]`` (timm's ``Conv2dSame``) reads the kernel size as in the plain layer;
 - cast it (``.float()``, ``.to(dtype)``, ``.detach()``): the result is per-model too;
@@ -65,10 +66,10 @@ class _SwapFunctionals(TorchFunctionMode):
         touched = [leaf for leaf in tree_flatten((args, kwargs))[0] if id(leaf) in self.per_model]
         if not touched:
             return func(*args, **kwargs)
-        form = self.layer.functional_forms.get(func)
-        if form is not None:
-            return getattr(self.layer, form)(*args, **kwargs)
         others = [leaf for leaf in tree_flatten((args[1:], kwargs))[0] if isinstance(leaf, Tensor)]
+        form = self.layer.functional_forms.get(func)
+        if form is not None and all(id(tensor) in self.per_model for tensor in others):
+            return getattr(self.layer, form)(*args, **kwargs)
         if func in _METADATA:
             return func(args[0][0], *args[1:], **kwargs)
         if func in _PROPERTIES:
@@ -84,7 +85,8 @@ class _SwapFunctionals(TorchFunctionMode):
         raise TypeError(
             f"{plain.__module__}.{plain.__qualname__}.forward applies {getattr(func, '__name__', func)} to a "
             f"per-model tensor of the layer; its batched class runs that forward with only these functionals "
-            f"batched: {forms} (and metadata reads, casts and in-place updates by a number). Register a batched "
+            f"batched: {forms}, given the input and per-model tensors only (and metadata reads, casts and "
+            f"in-place updates by a number). Register a batched "
             f"class for {plain.__qualname__} (torchmb.register_batch_module) instead."
         )
 

@@ -113,6 +113,16 @@ def test_a_use_of_the_weights_outside_the_functionals_is_refused_not_mixed() -> 
         layer(torch.randn(BATCH * 2, 4))
 
 
+def test_a_functional_given_a_tensor_shared_by_the_models_is_refused() -> None:
+    class ZeroBiasNorm(nn.LayerNorm):
+        def forward(self, x: Tensor) -> Tensor:
+            return F.layer_norm(x, self.normalized_shape, self.weight, torch.zeros(self.normalized_shape), self.eps)
+
+    layer = batched_subclass(ZeroBiasNorm, batch_layers.LayerNorm).from_module(ZeroBiasNorm(BATCH), BATCH)
+    with pytest.raises(TypeError, match=r"ZeroBiasNorm\.forward applies layer_norm to a per-model tensor"):
+        layer(torch.randn(BATCH * 2, BATCH))
+
+
 def test_state_the_parent_class_does_not_hold_is_refused() -> None:
     class ScaledLinear(nn.Linear):
         def __init__(self) -> None:
