@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.layer_cases import BATCH, LAYER_CASES, LayerCase, _call, run_case
+from support.layer_cases import BATCH, LAYER_CASES, LayerCase, _call, _reference_backend, run_case
 from torch import Tensor, nn
 
 from torchmb import BatchModule, lookup_batch_module
@@ -18,26 +18,32 @@ def inplace_ops(y: Tensor) -> None:
     y.add_(0.5).mul_(0.5).relu_()
 
 
-def outputs_plain_torch_lets_change(case: LayerCase, mode: str) -> list[bool]:
+def outputs_plain_torch_lets_change(case: LayerCase, mode: str, device: str = "cpu") -> list[bool]:
     """Which outputs of a plain layer may be changed in place before backward: plain torch refuses some
     (an RNN cell's ReLU output and attention weights are saved for backward), and so the test leaves those."""
-    layer = case.make().train(mode == "train")
-    inputs = [x[0].clone().requires_grad_().clone() if x.is_floating_point() else x[0] for x in case.inputs("cpu")]
-    outputs = len(_call(layer, case, inputs))
-    allowed = []
-    for k in range(outputs):
+    layer = case.make().to(device).train(mode == "train")
+    inputs = [x[0].detach() for x in case.inputs(device)]
+
+    def outputs() -> list[Tensor]:
         torch.manual_seed(0)
-        ys = _call(layer, case, [x.detach().requires_grad_().clone() if x.is_floating_point() else x for x in inputs])
+        with _reference_backend(layer):
+            return _call(
+                layer, case, [x.clone().requires_grad_().clone() if x.is_floating_point() else x for x in inputs]
+            )
+
+    def accepts(k: int) -> bool:
+        ys = outputs()
         try:
             inplace_ops(ys[k])
             differentiable = [y for y in ys if y.requires_grad]
-            torch.autograd.backward(differentiable, [torch.ones_like(y) for y in differentiable])
+            with _reference_backend(layer):
+                torch.autograd.backward(differentiable, [torch.ones_like(y) for y in differentiable])
         except RuntimeError as error:
             assert "inplace" in str(error), error
-            allowed.append(False)
-        else:
-            allowed.append(True)
-    return allowed
+            return False
+        return True
+
+    return [accepts(k) for k in range(len(outputs()))]
 
 
 def inplace_on(allowed: list[bool]):
@@ -61,6 +67,19 @@ def test_inplace_ops_on_a_batched_layers_output(case: LayerCase, mode: str, orde
     if not any(allowed):
         pytest.skip(f"plain torch refuses in-place ops on every output of {case.name} (it saves them for backward)")
     run_case(case, mode, "cpu", order=order, then=inplace_on(allowed))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("order", ["models", "samples"])
+@pytest.mark.parametrize(("case", "mode"), CASES_AND_MODES)
+def test_inplace_ops_on_a_batched_layers_output_on_cuda(case: LayerCase, mode: str, order: str) -> None:
+    """The CUDA paths: cuDNN's grouped convolutions, the embedding's kernels."""
+    if not lookup_batch_module(type(case.make())).runs_in(order):
+        pytest.skip(f"{case.name} runs models-major only")
+    allowed = outputs_plain_torch_lets_change(case, mode, "cuda")
+    if not any(allowed):
+        pytest.skip(f"plain torch refuses in-place ops on every output of {case.name} (it saves them for backward)")
+    run_case(case, mode, "cuda", order=order, then=inplace_on(allowed))
 
 
 class InPlaceAfter(nn.Module):
