@@ -181,9 +181,13 @@ class AbstractBatchModule(nn.Module):
     merged_orders: ClassVar[tuple[MergedOrder, ...]] = ()  # () means (merged_order,)
     grouped_layout: ClassVar[bool] = False
     shared_buffers: ClassVar[tuple[str, ...]] = ()
+    # The torch functionals (``F.linear``, ``F.layer_norm``, ...) this class computes for per-model weights,
+    # each with the name of its method of the functional's signature: a plain subclass's own ``forward``
+    # runs with them swapped in (batch_layers._subclass).
+    functional_forms: ClassVar[dict[Callable, str]] = {}
 
     def __init__(self, batch: int) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not super(): a class batching a plain subclass inherits that subclass next
         if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
             raise ValueError(f"batch must be a positive int (the number of models), got {batch!r}")
         self.batch = batch
@@ -208,10 +212,15 @@ class AbstractBatchModule(nn.Module):
 
     def expand_shared(self, x: Tensor) -> Tensor:
         """A shared ``(n, ...)`` input as the merged ``(B*n, ...)`` tensor of B models (a copy), in this
-        module's order."""
+        module's order; a channels-last input gives a channels-last result."""
+        channels_last = is_channels_last(x)
+        if channels_last:
+            x = x.permute(0, 2, 3, 1)
         if self.merged_order == "models":
-            return x.expand(self.batch, *x.shape).reshape(-1, *x.shape[1:])
-        return x.unsqueeze(1).expand(x.shape[0], self.batch, *x.shape[1:]).reshape(-1, *x.shape[1:])
+            merged = x.expand(self.batch, *x.shape).reshape(-1, *x.shape[1:])
+        else:
+            merged = x.unsqueeze(1).expand(x.shape[0], self.batch, *x.shape[1:]).reshape(-1, *x.shape[1:])
+        return merged.permute(0, 3, 1, 2) if channels_last else merged
 
     def merged_dim(self, x: Tensor, feature_dims: int = 1) -> int:
         """The dim of ``x`` holding the merged model axis, for layers that take any leading dims.
@@ -308,6 +317,16 @@ def to_grouped(x: Tensor, batch: int, order: MergedOrder = "models") -> Tensor:
     if order == "samples":
         return x.reshape(n, batch * x.shape[1], *x.shape[2:])
     return x.reshape(batch, n, *x.shape[1:]).transpose(0, 1).reshape(n, batch * x.shape[1], *x.shape[2:])
+
+
+def shared_to_grouped(x: Tensor, batch: int) -> Tensor:
+    """A shared ``(n, C, *S)`` input as the grouped ``(n, B*C, *S)`` input of B models (one copy), keeping a
+    channels-last layout."""
+    if is_channels_last(x):
+        n, channels, height, width = x.shape
+        rows = x.permute(0, 2, 3, 1).unsqueeze(3).expand(n, height, width, batch, channels)
+        return rows.reshape(n, height, width, batch * channels).permute(0, 3, 1, 2)
+    return x.unsqueeze(1).expand(x.shape[0], batch, *x.shape[1:]).reshape(x.shape[0], -1, *x.shape[2:])
 
 
 def from_grouped(y: Tensor, batch: int, order: MergedOrder = "models") -> Tensor:

@@ -121,16 +121,19 @@ class _LookupFn(torch.autograd.Function):
         elif kernels:
             out = _cuda.gather(weight, idx, tables, num, per, out_shape)
         else:
+            # Written into a tensor of the final shape: a view returned from a custom Function would make
+            # in-place ops on the lookup's output illegal.
             flat = weight.view(tables * num, shape[-1])
+            out = weight.new_empty(out_shape)
+            rows = out.view(-1, shape[-1])
             local, key = _positions(idx, tables, num, per)
             if weight.is_cuda:
                 valid = (local >= 0) & (local < num)
                 if idx.numel():
                     _cuda.record_bad_indices(idx, num)
-                out = flat.index_select(0, torch.where(valid, key, 0)).masked_fill_(~valid.unsqueeze(1), 0)
+                torch.index_select(flat, 0, torch.where(valid, key, 0), out=rows).masked_fill_(~valid.unsqueeze(1), 0)
             else:
-                out = flat.index_select(0, key)  # indices were validated by the caller
-            out = out.view(out_shape)
+                torch.index_select(flat, 0, key, out=rows)  # indices were validated by the caller
         ctx.save_for_backward(idx)
         ctx.meta = meta
         return out
