@@ -232,7 +232,7 @@ class BatchModule(nn.Module):
         if torch.compiler.is_compiling():
             # No trial inside a graph: dynamo runs _settled_order eagerly while it traces and traces the
             # forward in the order it returns (so a compiled model never changes order, nor recompiles).
-            _settled_order(self, shared_input, *args, **kwargs)
+            self._settled_order(shared_input, *args, **kwargs)
             return self._forward(args, shared_input, kwargs)
         if self._order_on_trial:
             return self._forward_on_trial(args, shared_input, kwargs)
@@ -250,6 +250,13 @@ class BatchModule(nn.Module):
             return self._forward(args, shared_input, kwargs)
         self._order_on_trial = False
         return out
+
+    @torch._dynamo.assume_constant_result
+    def _settled_order(self, shared_input: bool, *args: Any, **kwargs: Any) -> str:
+        """The merged order, its trial decided first. Dynamo calls this while tracing, with the module and
+        the real inputs (a method, and the tensors as arguments of their own: what every torch >= 2.5
+        accepts there), and traces its result as a constant."""
+        return self._settle_order(args, shared_input, kwargs)
 
     def _settle_order(self, args: tuple, shared_input: bool, kwargs: dict) -> str:
         """The trial as a dry run (torch.compile traces the forward afterwards): a forward without
@@ -310,9 +317,10 @@ class BatchModule(nn.Module):
 
     def _run(self, samples: int, shared_input: bool, *args: Any, **kwargs: Any) -> Any:
         with forward_context(ForwardContext(self.batch, samples, shared_input, self.merged_order)):
-            check_decisions = self._first_forward or checking_decisions()
-            if (shared_input or check_decisions) and not torch.compiler.is_compiling():
-                return self._run_tracked(shared_input, check_decisions, args, kwargs)
+            if not torch.compiler.is_compiling():  # compiled code is not tracked (a contextvar, Python modes)
+                check_decisions = self._first_forward or checking_decisions()
+                if shared_input or check_decisions:
+                    return self._run_tracked(shared_input, check_decisions, args, kwargs)
             return self.module(*args, **kwargs)
 
     def _run_tracked(self, shared_input: bool, check_decisions: bool, args: tuple, kwargs: dict) -> Any:
@@ -510,13 +518,6 @@ def _reorder_around(module: AbstractBatchModule) -> None:
     module.register_forward_pre_hook(lambda _, args, kwargs: tree_map(to_samples, (args, kwargs)), with_kwargs=True)
     module.register_forward_hook(lambda _, args, out: tree_map(to_models, out))
     module._reordered = True
-
-
-@torch._dynamo.assume_constant_result
-def _settled_order(module: BatchModule, shared_input: bool, *args: Any, **kwargs: Any) -> str:
-    """``module``'s merged order, its trial decided first; dynamo calls this while tracing, with the real
-    inputs, and traces its result as a constant."""
-    return module._settle_order(args, shared_input, kwargs)
 
 
 @contextlib.contextmanager
