@@ -150,6 +150,7 @@ def test_transformer_vmap_ensemble_runs_on_cuda_with_math_attention() -> None:
 
 
 @pytest.mark.cuda
+@pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores for float32 matrix multiplication:UserWarning")
 @pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")  # torch's own, as dynamo
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # traces
 def test_compiled_and_graphed_rows_run_on_cuda_against_their_own_limits() -> None:
