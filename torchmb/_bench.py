@@ -44,12 +44,14 @@ from ._bench_steps import (
     summed_cross_entropy,
     vmap_attention,
 )
+from ._bench_zoo import ZOO_MODELS
 from .memory import largest_fitting, max_batch
 
 __all__ = ["DEFAULT_IMPLEMENTATIONS", "IMPLEMENTATIONS", "WORKLOADS", "largest_batches", "main", "run", "table"]
 
 DEFAULT_IMPLEMENTATIONS = ("torchmb", "torchmb+compile", "vmap", "vmap+compile", "limit", "limit+compile")
 DEFAULT_WORKLOADS = ("mlp", "lenet", "resnet18", "transformer")
+ZOO_IMPLEMENTATIONS = ("torchmb", "vmap", "loop", "limit")
 REPEAT_SECONDS = 0.1  # each timing lasts about this long (at least 2 steps, at most --iters)
 
 
@@ -92,6 +94,8 @@ def _measure(row: dict, build: Callable, timer: Timer, batch: int, repeats: int,
     """Build one implementation, time it into ``row`` and let it go."""
     device = timer.device
     step = build()
+    if hasattr(step, "note"):
+        row["note"] = step.note
     start = time.perf_counter()
     step()
     timer.sync()
@@ -293,7 +297,8 @@ def table(rows: list[dict]) -> str:
             f"{r['first_step_peak_mib']:,.0f}" if "first_step_peak_mib" in r else "",
             f"{r['compile_s']:.1f}" if "compile_s" in r else "",
         ]
-        lines.append(f"| {r['workload']} | {r['B']} | {r['impl']} | " + " | ".join(cells) + " |")
+        impl = f"{r['impl']} ({r['note']})" if "note" in r else r["impl"]
+        lines.append(f"| {r['workload']} | {r['B']} | {impl} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -301,6 +306,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
         "--quick", action="store_true", help="MLP and LeNet, B in {1, 4}, n=16, nothing compiled: a smoke run"
+    )
+    parser.add_argument(
+        "--zoo",
+        action="store_true",
+        help=f"the model-zoo workloads ({', '.join(ZOO_MODELS)}; torchvision and timm) at B=16 and 64 against "
+        f"eager vmap, a loop and the limit (other --impls if given)",
     )
     parser.add_argument(
         "--workloads",
@@ -341,9 +352,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> list[dict]:
     device = torch.device(args.device)
-    workloads = [w for w in args.workloads.split(",") if w]
+    workloads = list(ZOO_MODELS) if args.zoo else [w for w in args.workloads.split(",") if w]
     unknown = sorted(set(workloads) - set(WORKLOADS))
     impls = tuple(i for i in args.impls.split(",") if i) if args.impls else None
+    if args.zoo and impls is None:
+        impls = ZOO_IMPLEMENTATIONS
     unknown += sorted(set(impls or ()) - set(IMPLEMENTATIONS))
     if unknown:
         raise SystemExit(f"unknown workload or implementation: {', '.join(unknown)}")

@@ -9,6 +9,7 @@ freed before the next one is built. Every implementation starts from the same B 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from torch.func import functional_call, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import _bench_models as models
+from ._bench_zoo import ZOO_MODELS
 from ._module import BatchModule
 from .graphs import CapturedStep
 
@@ -51,6 +53,10 @@ WORKLOADS = {
     "transformer": Workload("transformer", models.TransformerClassifier, _tokens, (16,), attention=True),
     "mobilenetv2": Workload("mobilenetv2", models.MobileNetV2, _images(3, 32), (16,)),
     "wide-mlp": Workload("wide-mlp", lambda: models.MLP((784, 1024, 1024, 1024, 1024, 10)), _images(1, 28), (16, 64)),
+    **{
+        name: Workload(name, make, _images(3, 32), (16, 64), attention=attention)
+        for name, (make, attention) in ZOO_MODELS.items()
+    },
 }
 
 IMPLEMENTATIONS = (
@@ -190,14 +196,24 @@ class Steps:
         def one_model(p, b, x):
             return functional_call(base, (p, b), (x,))
 
-        def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        def loss_of(x: torch.Tensor, y: torch.Tensor, randomness: str = "different") -> torch.Tensor:
             with self._amp(), vmap_attention(workload, device):
-                out = vmap(one_model, in_dims=(0, 0, None if shared_input else 0), randomness="different")(
-                    parameters, buffers, x
-                )
-                return summed_cross_entropy(out, y, samples)
+                ensemble = vmap(one_model, in_dims=(0, 0, None if shared_input else 0), randomness=randomness)
+                return summed_cross_entropy(ensemble(parameters, buffers, x), y, samples)
 
         x = self.x_shared if shared_input else self.x
+        try:
+            with torch.no_grad():
+                loss_of(x, self.y)
+        except RuntimeError as error:
+            if "randomness" not in str(error):
+                raise
+            # torchvision's stochastic depth draws in place into a tensor it creates, which vmap's different
+            # randomness refuses: time the same arithmetic with one draw for all models, and say so
+            loss_of = functools.partial(loss_of, randomness="same")
+            step = _step(torch.compile(loss_of) if compiled else loss_of, optimizer, x, self.y)
+            step.note = "randomness='same' (vmap refuses 'different' for this model)"
+            return step
         return _step(torch.compile(loss_of) if compiled else loss_of, optimizer, x, self.y)
 
     def _loop(self) -> Step:

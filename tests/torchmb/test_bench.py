@@ -4,9 +4,11 @@ import json
 
 import pytest
 import torch
+from support.torchvision_ops import import_torchvision
 
 from torchmb import BatchModule, _bench, _bench_steps
 from torchmb.__main__ import main
+from torchmb._bench_zoo import ZOO_MODELS
 
 
 def test_quick_cpu_bench_measures_every_implementation(tmp_path, capsys) -> None:
@@ -75,16 +77,45 @@ def test_a_batch_that_runs_out_of_memory_skips_larger_ones_and_the_budget_ends_t
 
 
 @pytest.mark.parametrize("name", sorted(_bench.WORKLOADS))
-def test_every_workload_converts_and_trains_like_plain_models(name: str) -> None:
+def test_every_workload_converts_and_computes_like_plain_models(name: str) -> None:
+    if name in ZOO_MODELS:
+        import_torchvision()  # the zoo's builders import torchvision (timm too)
     workload = _bench.WORKLOADS[name]
     torch.manual_seed(0)
-    plain = [workload.make() for _ in range(2)]
-    batched = BatchModule(workload.make(), 2)
+    plain = [workload.make().eval() for _ in range(2)]  # eval: the zoo's models drop out in training
+    batched = BatchModule(workload.make(), 2).eval()
     batched.load_state_dicts([m.state_dict() for m in plain])
     x = workload.make_input((2, 2), torch.device("cpu"))
     out = batched(x)
     for i, model in enumerate(plain):
         torch.testing.assert_close(out[i], model(x[i]), atol=2e-5, rtol=1e-4)
+
+
+def test_zoo_rows_train_torchvision_and_timm_models_and_say_where_vmap_needs_one_draw() -> None:
+    import_torchvision()
+    names = ["tv-efficientnet_b0", "timm-vit_tiny"]
+    impls = ("torchmb", "vmap", "limit")
+    rows = _bench.run(names, [2], 2, torch.device("cpu"), impls, iters=1, repeats=1, warmup=1, log=lambda _: None)
+    assert [(r["workload"], r["impl"]) for r in rows] == [(n, i) for n in names for i in impls]
+    for row in rows:
+        assert "error" not in row, row
+        assert row["model_steps_per_s"] > 0
+    notes = {(r["workload"], r["impl"]): r.get("note") for r in rows}
+    # torchvision's stochastic depth: vmap's different randomness refuses it, torchmb draws per model
+    assert "randomness='same'" in notes[("tv-efficientnet_b0", "vmap")]
+    assert notes[("tv-efficientnet_b0", "torchmb")] is None and notes[("timm-vit_tiny", "vmap")] is None
+
+
+def test_zoo_flag_selects_the_zoo_workloads_and_their_implementations(monkeypatch) -> None:
+    seen = {}
+
+    def run(workloads, batches, samples, device, impls, **kwargs):
+        seen.update(workloads=workloads, impls=impls)
+        return []
+
+    monkeypatch.setattr(_bench, "run", run)
+    main(["bench", "--device", "cpu", "--zoo"])
+    assert seen == {"workloads": list(ZOO_MODELS), "impls": ("torchmb", "vmap", "loop", "limit")}
 
 
 def test_unknown_names_are_refused() -> None:
