@@ -15,6 +15,7 @@ from ._base import (
     current_forward,
     forward_context,
     is_shared_input,
+    recognise_shared_by,
 )
 from ._batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d
 from ._bilinear import Bilinear
@@ -25,11 +26,13 @@ from ._embedding import Embedding, FastEmbedding, batched_embedding, check_indic
 from ._embedding_bag import EmbeddingBag
 from ._embedding_multi import MultiEmbedding
 from ._embedding_offload import OffloadedBatchEmbedding, offload_embeddings
+from ._frozen_batchnorm import FrozenBatchNorm2d
 from ._linear import Linear
 from ._norm import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm, RMSNorm
 from ._out_of_scope import OUT_OF_SCOPE, LazyLinear, SyncBatchNorm
 from ._recurrent import GRU, LSTM, RNN
 from ._recurrent_cells import GRUCell, LSTMCell, RNNCell
+from ._subclass import batched_subclass
 
 __all__ = [
     "GRU",
@@ -58,6 +61,7 @@ __all__ = [
     "FastEmbedding",
     "FeatureAlphaDropout",
     "ForwardContext",
+    "FrozenBatchNorm2d",
     "GRUCell",
     "GroupNorm",
     "InstanceNorm1d",
@@ -76,6 +80,7 @@ __all__ = [
     "SamplesOrderError",
     "SyncBatchNorm",
     "batched_embedding",
+    "batched_subclass",
     "check_indices",
     "check_merged_rows",
     "current_forward",
@@ -83,6 +88,7 @@ __all__ = [
     "get_backend",
     "is_shared_input",
     "offload_embeddings",
+    "recognise_shared_by",
     "set_backend",
     "use_backend",
     "use_cupy",

@@ -435,10 +435,14 @@ class MultiheadAttention(AbstractBatchModule):
         )
 
     def _to_layout(self, out: Tensor, batched: bool) -> Tensor:
-        """``(B*N, L, E)`` to the layout of the query: seq-first, batch-first or unbatched ``(B*L, E)``."""
+        """``(B*N, L, E)`` to the layout of the query: seq-first, batch-first or unbatched ``(B*L, E)``.
+
+        Sequence-first, torch's layer returns a contiguous ``(L, N, E)``; so does this one (a copy: the
+        per-model output projection writes the rows model by model), so that code viewing the output as
+        torch's keeps working."""
         if not batched:
             return out.reshape(-1, self.embed_dim)
-        return out if self.batch_first else out.transpose(0, 1)
+        return out if self.batch_first else out.transpose(0, 1).contiguous()
 
     def extra_repr(self) -> str:
         parts = [f"embed_dim={self.embed_dim}", f"num_heads={self.num_heads}"]

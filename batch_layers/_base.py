@@ -17,7 +17,9 @@ tensor that every model sees) without materialising B copies of it.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -32,6 +34,7 @@ __all__ = [
     "current_forward",
     "forward_context",
     "is_shared_input",
+    "recognise_shared_by",
 ]
 
 MergedOrder = Literal["models", "samples"]
@@ -60,11 +63,17 @@ class SamplesOrderError(ValueError):
 
 
 _FORWARD: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("torchmb_forward", default=None)
+# torch.compile cannot trace ContextVar.get and .set (dynamo breaks the graph at each): code that dynamo
+# traces keeps the context on this list instead, whose appends and pops it records as side effects.
+_TRACED_FORWARD: list[ForwardContext] = []
 
 
 def current_forward() -> ForwardContext | None:
     """The context of the batched forward in progress, or ``None`` outside one."""
-    return _FORWARD.get()
+    if torch.compiler.is_compiling():
+        return _TRACED_FORWARD[-1] if _TRACED_FORWARD else None
+    # Eager code that a compiled forward runs (past a graph break) finds the context on the list.
+    return _FORWARD.get() or (_TRACED_FORWARD[-1] if _TRACED_FORWARD else None)
 
 
 class _ForwardScope:
@@ -76,11 +85,17 @@ class _ForwardScope:
         self.context = context
 
     def __enter__(self) -> ForwardContext:
-        self.token = _FORWARD.set(self.context)
+        if torch.compiler.is_compiling():
+            _TRACED_FORWARD.append(self.context)
+        else:
+            self.token = _FORWARD.set(self.context)
         return self.context
 
     def __exit__(self, *exc_info: object) -> None:
-        _FORWARD.reset(self.token)
+        if torch.compiler.is_compiling():
+            _TRACED_FORWARD.pop()
+        else:
+            _FORWARD.reset(self.token)
 
 
 def forward_context(context: ForwardContext) -> _ForwardScope:
@@ -88,13 +103,37 @@ def forward_context(context: ForwardContext) -> _ForwardScope:
     return _ForwardScope(context)
 
 
+_SHARED_TENSORS: contextvars.ContextVar[Callable[[Tensor], bool] | None] = contextvars.ContextVar(
+    "torchmb_shared_tensors", default=None
+)
+
+
 def is_shared_input(x: Tensor, batch: int) -> bool:
-    """Whether ``x`` is the shared ``(n, ...)`` input of the shared-input forward in progress."""
+    """Whether ``x`` is the shared ``(n, ...)`` input of the shared-input forward in progress (or a tensor
+    the model computed from it without any model's parameters).
+
+    ``torchmb.BatchModule`` tracks the shared tensors and says so through :func:`recognise_shared_by`.
+    Without it (a layer called in a hand-made :func:`forward_context`, or traced by ``torch.compile``)
+    the sizes decide: a dim 0 that is a multiple of ``n`` but not of ``B * n``.
+    """
     context = current_forward()
     if context is None or not context.shared or batch == 1:
         return False
+    recognise = _SHARED_TENSORS.get()
+    if recognise is not None:
+        return recognise(x)
     rows = x.shape[0] if x.dim() else 0
     return rows % (batch * context.samples) != 0 and rows % context.samples == 0
+
+
+@contextlib.contextmanager
+def recognise_shared_by(recognise: Callable[[Tensor], bool]) -> Iterator[None]:
+    """Let :func:`is_shared_input` ask ``recognise`` in this block instead of judging by sizes."""
+    token = _SHARED_TENSORS.set(recognise)
+    try:
+        yield
+    finally:
+        _SHARED_TENSORS.reset(token)
 
 
 def check_merged_rows(x: Tensor, batch: int, owner: str, what: str = "input") -> None:
@@ -142,9 +181,13 @@ class AbstractBatchModule(nn.Module):
     merged_orders: ClassVar[tuple[MergedOrder, ...]] = ()  # () means (merged_order,)
     grouped_layout: ClassVar[bool] = False
     shared_buffers: ClassVar[tuple[str, ...]] = ()
+    # The torch functionals (``F.linear``, ``F.layer_norm``, ...) this class computes for per-model weights,
+    # each with the name of its method of the functional's signature: a plain subclass's own ``forward``
+    # runs with them swapped in (batch_layers._subclass).
+    functional_forms: ClassVar[dict[Callable, str]] = {}
 
     def __init__(self, batch: int) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not super(): a class batching a plain subclass inherits that subclass next
         if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
             raise ValueError(f"batch must be a positive int (the number of models), got {batch!r}")
         self.batch = batch
@@ -169,34 +212,41 @@ class AbstractBatchModule(nn.Module):
 
     def expand_shared(self, x: Tensor) -> Tensor:
         """A shared ``(n, ...)`` input as the merged ``(B*n, ...)`` tensor of B models (a copy), in this
-        module's order."""
+        module's order; a channels-last input gives a channels-last result."""
+        channels_last = is_channels_last(x)
+        if channels_last:
+            x = x.permute(0, 2, 3, 1)
         if self.merged_order == "models":
-            return x.expand(self.batch, *x.shape).reshape(-1, *x.shape[1:])
-        return x.unsqueeze(1).expand(x.shape[0], self.batch, *x.shape[1:]).reshape(-1, *x.shape[1:])
+            merged = x.expand(self.batch, *x.shape).reshape(-1, *x.shape[1:])
+        else:
+            merged = x.unsqueeze(1).expand(x.shape[0], self.batch, *x.shape[1:]).reshape(-1, *x.shape[1:])
+        return merged.permute(0, 3, 1, 2) if channels_last else merged
 
     def merged_dim(self, x: Tensor, feature_dims: int = 1) -> int:
         """The dim of ``x`` holding the merged model axis, for layers that take any leading dims.
 
-        Dim 0 normally. Inside a ``BatchModule`` forward (which knows ``n``), a tensor laid out
-        sequence-first, ``(seq, B*n, ...)`` as ``nn.TransformerEncoderLayer`` does by default, has it in
-        another leading dim: the first leading dim of exactly ``B*n`` wins, then dim 0 if it is a multiple
-        of ``B*n``, then any other multiple. ``feature_dims`` trailing dims are never candidates. Where
-        shapes cannot tell (``seq == B*n``), dim 0 wins; ``BatchModule`` moves the axis to the front
-        itself for the layers inside a ``batch_first=False`` Transformer layer.
+        Dim 0 whenever its size is a multiple of ``B*n``: that is where the model axis stays through every
+        reshape that merges other dims into dim 0 (patches, windows and partitions in vision transformers,
+        ``(B*n*P, N, d)``, even where ``N`` happens to equal ``B*n``). Otherwise, inside a ``BatchModule``
+        forward (which knows ``n``), the tensor is taken to be laid out sequence-first, ``(seq, B*n, ...)``:
+        the first leading dim of exactly ``B*n`` holds the models, else the first multiple of it.
+        ``feature_dims`` trailing dims are never candidates. Shapes cannot tell a sequence-first tensor whose
+        ``seq`` is a multiple of ``B*n`` from a batch-first one: torch's sequence-first layers
+        (``nn.Transformer*`` and ``nn.MultiheadAttention`` with ``batch_first=False``, the recurrent layers)
+        say so themselves, and ``BatchModule`` hands their inner layers batch-first tensors.
         """
         if x.dim() - feature_dims <= 1:  # one leading dim (the common case) or none: nothing to search
             self.check_merged(x)
             return 0
         context = current_forward()
-        leading = range(x.dim() - feature_dims)
         if context is not None and not self.is_shared(x):
             step = self.batch * context.samples
-            exact = [d for d in leading if x.shape[d] == step]
-            if exact:
-                return exact[0]
-            multiples = [d for d in leading if x.shape[d] % step == 0]
-            if multiples:
-                return multiples[0]
+            if x.shape[0] % step:
+                leading = range(1, x.dim() - feature_dims)
+                exact = [d for d in leading if x.shape[d] == step]
+                multiples = [d for d in leading if x.shape[d] % step == 0]
+                if exact or multiples:
+                    return (exact or multiples)[0]
         self.check_merged(x)
         return 0
 
@@ -267,6 +317,16 @@ def to_grouped(x: Tensor, batch: int, order: MergedOrder = "models") -> Tensor:
     if order == "samples":
         return x.reshape(n, batch * x.shape[1], *x.shape[2:])
     return x.reshape(batch, n, *x.shape[1:]).transpose(0, 1).reshape(n, batch * x.shape[1], *x.shape[2:])
+
+
+def shared_to_grouped(x: Tensor, batch: int) -> Tensor:
+    """A shared ``(n, C, *S)`` input as the grouped ``(n, B*C, *S)`` input of B models (one copy), keeping a
+    channels-last layout."""
+    if is_channels_last(x):
+        n, channels, height, width = x.shape
+        rows = x.permute(0, 2, 3, 1).unsqueeze(3).expand(n, height, width, batch, channels)
+        return rows.reshape(n, height, width, batch * channels).permute(0, 3, 1, 2)
+    return x.unsqueeze(1).expand(x.shape[0], batch, *x.shape[1:]).reshape(x.shape[0], -1, *x.shape[2:])
 
 
 def from_grouped(y: Tensor, batch: int, order: MergedOrder = "models") -> Tensor:

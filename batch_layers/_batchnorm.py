@@ -1,12 +1,13 @@
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._base import AbstractBatchModule, copy_into_every_model, from_grouped, to_grouped
+from ._base import AbstractBatchModule, copy_into_every_model, from_grouped, shared_to_grouped, to_grouped
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d"]  # and _NormBase, shared with instance norm
 
@@ -94,6 +95,7 @@ class _BatchNorm(_NormBase):
     expected_dims: ClassVar[tuple[int, ...]]
     merged_orders = ("models", "samples")
     grouped_layout = True
+    functional_forms: ClassVar[dict[Callable, str]] = {F.batch_norm: "batch_norm_form"}
 
     def _check_input_dim(self, x: Tensor) -> None:
         if x.dim() not in self.expected_dims:
@@ -106,8 +108,7 @@ class _BatchNorm(_NormBase):
         self._check_input_dim(x)
         batch = self.batch
         if self.is_shared(x):
-            models = self.split(x)  # an expanded view: B models of the same samples
-            channels = models.transpose(0, 1).reshape(x.shape[0], batch * self.num_features, *x.shape[2:])
+            channels = shared_to_grouped(x, batch)
         else:  # a channels-last input stays channels-last: cuDNN's NHWC batch norm
             self.check_merged(x)
             channels = to_grouped(x, batch, self.merged_order)
@@ -130,6 +131,27 @@ class _BatchNorm(_NormBase):
                 self.eps,
             )
         return from_grouped(y, batch, self.merged_order)
+
+    def batch_norm_form(
+        self,
+        x: Tensor,
+        running_mean: Tensor | None,
+        running_var: Tensor | None,
+        weight: Tensor | None = None,
+        bias: Tensor | None = None,
+        training: bool = False,
+        momentum: float = 0.1,
+        eps: float = 1e-5,
+    ) -> Tensor:
+        """``F.batch_norm`` of a merged input with per-model ``(B, C)`` statistics and weights, each model's
+        channels a group of one batch norm (running statistics updated in place, per model)."""
+        if self.is_shared(x):
+            channels = shared_to_grouped(x, self.batch)
+        else:
+            channels = to_grouped(x, self.batch, self.merged_order)
+        flat = [None if t is None else t.view(-1) for t in (running_mean, running_var, weight, bias)]
+        y = F.batch_norm(channels, *flat, training, momentum, eps)
+        return from_grouped(y, self.batch, self.merged_order)
 
     def _cumulative_average_forward(self, channels: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
         """``momentum=None``: each model averages its running stats over its own batch count."""

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -37,6 +38,10 @@ class _GroupedConv(torch.autograd.Function):
     activation per convolution. This function saves the merged input and redoes the layout change in
     backward. The backward is ``aten.convolution_backward``, itself differentiable. In the samples-major
     order (``order="samples"``) every layout change of a contiguous tensor here is a view.
+
+    It returns the grouped ``(n, B*C, *S)`` result; :func:`grouped_conv` takes the merged view of it
+    outside, so that autograd knows that view and in-place ops on a layer's output (``ReLU(inplace=True)``)
+    stay legal: a custom Function may not return a view of a tensor it created.
     """
 
     @staticmethod
@@ -52,7 +57,7 @@ class _GroupedConv(torch.autograd.Function):
                 y = _grouped(to_grouped(x, batch, order), weight, bias, *config)
         ctx.save_for_backward(x, weight)
         ctx.config = (batch, *config, bias is not None, order)
-        return from_grouped(y, batch, order)
+        return y
 
     @staticmethod
     def backward(ctx, grad):
@@ -61,7 +66,7 @@ class _GroupedConv(torch.autograd.Function):
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2]]
         out_channels = weight.shape[1] * groups if transposed else weight.shape[0]
         grad_x, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
-            to_grouped(grad.to(x.dtype), batch, order),
+            grad.to(x.dtype),
             to_grouped(x, batch, order),
             weight,
             [out_channels] if has_bias else None,
@@ -76,6 +81,25 @@ class _GroupedConv(torch.autograd.Function):
         grad_x = from_grouped(grad_x, batch, order) if mask[0] else None
         grads = (grad_x, grad_weight if mask[1] else None, grad_bias if mask[2] else None)
         return (*grads, None, None, None, None, None, None, None, None)
+
+
+def grouped_conv(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    batch: int,
+    stride: tuple[int, ...],
+    padding: tuple[int, ...],
+    dilation: tuple[int, ...],
+    groups: int,
+    transposed: bool,
+    output_padding: tuple[int, ...],
+    order: str,
+) -> Tensor:
+    """The models-as-groups (transposed) convolution of a merged ``(B*n, C, *S)`` input: ``weight`` is the
+    stacked ``(B*O, C/g, *k)`` (``(B*C, O/g, *k)`` transposed) and ``groups`` counts ``B * g``."""
+    config = (stride, padding, dilation, groups, transposed, output_padding, order)
+    return from_grouped(_GroupedConv.apply(x, weight, bias, batch, *config), batch, order)
 
 
 def _grouped(grouped, weight, bias, stride, padding, dilation, groups, transposed, output_padding) -> Tensor:
@@ -93,6 +117,7 @@ class _ConvNd(AbstractBatchModule):
     merged_order = "models"
     merged_orders = ("models", "samples")
     grouped_layout = True
+    functional_forms: ClassVar[dict[Callable, str]] = {conv: "conv_form" for conv in _CONV.values()}
     dims: ClassVar[int]
 
     def __init__(
@@ -231,12 +256,37 @@ class _ConvNd(AbstractBatchModule):
         y = torch.cat(chunks)
         return y.view(batch, n, *y.shape[1:]).transpose(0, 1).reshape(y.shape) if samples_major else y
 
+    def conv_form(
+        self,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None = None,
+        stride: int | tuple[int, ...] = 1,
+        padding: str | int | tuple[int, ...] = 0,
+        dilation: int | tuple[int, ...] = 1,
+        groups: int = 1,
+    ) -> Tensor:
+        """``F.conv{1,2,3}d`` of a merged input with per-model ``(B, out, in/groups, *k)`` weights: one grouped
+        convolution through torch's autograd (the layer's own forward also keeps its input, not a copy)."""
+        batch = self.batch
+        grouped = to_grouped(self.expand_shared(x) if self.is_shared(x) else x, batch, self.merged_order)
+        y = _CONV[self.dims](
+            grouped,
+            weight.reshape(-1, *weight.shape[2:]),
+            None if bias is None else bias.reshape(-1),
+            stride,
+            padding,
+            dilation,
+            batch * groups,
+        )
+        return from_grouped(y, batch, self.merged_order)
+
     def _models_per_call(self, x: Tensor, batch: int) -> int:
         """How many models one grouped convolution may take: cuDNN's kernels index with 32 bits."""
         n = x.shape[0] // batch
         padding = self.padding if isinstance(self.padding, tuple) else (0,) * self.dims
         reach = [max(p, d * (k - 1)) for p, d, k in zip(padding, self.dilation, self.kernel_size)]
-        spatial = math.prod(size + 2 * r for size, r in zip(x.shape[2:], reach))
+        spatial = math.prod([size + 2 * r for size, r in zip(x.shape[2:], reach)])  # a list: dynamo traces it
         per_model = n * max(self.in_channels, self.out_channels) * spatial
         return max(1, _INDEX_LIMIT // max(per_model, 1))
 
@@ -246,7 +296,7 @@ class _ConvNd(AbstractBatchModule):
             return from_grouped(self._conv(grouped, weight, bias, batch * self.groups), batch, order)
         if self.padding_mode != "zeros":
             x = F.pad(x, self._explicit_padding, mode=self.padding_mode)
-        return _GroupedConv.apply(
+        return grouped_conv(
             x,
             weight,
             bias,

@@ -8,7 +8,7 @@ from torch import Tensor, nn
 from torch.nn.modules.utils import _ntuple
 
 from ._base import AbstractBatchModule, copy_into_every_model, from_grouped
-from ._conv import _GroupedConv, reset_conv_slices
+from ._conv import grouped_conv, reset_conv_slices
 
 __all__ = ["ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d"]
 
@@ -140,7 +140,7 @@ class _ConvTransposeNd(AbstractBatchModule):
             x = self.expand_shared(x)
         self.check_merged(x)
         weight = self.weight.reshape(batch * self.in_channels, *self.weight.shape[2:])
-        return _GroupedConv.apply(
+        return grouped_conv(
             x,
             weight,
             bias,

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from . import _embedding_cuda as _cuda
+from . import _embedding_ops as _ops
 from ._backend import get_backend
 from ._base import AbstractBatchModule, stack_copies
 
@@ -86,6 +87,9 @@ def _raise_bad_now(idx: Tensor, num: int | Tensor) -> None:
     """Synchronous check (CPU tensors, and paths that synchronise anyway)."""
     nums = num if isinstance(num, Tensor) else torch.tensor(num, device=idx.device)
     bad = (idx < 0) | (idx >= nums)
+    if torch.compiler.is_compiling():  # no host sync in a graph: the check runs in it
+        torch._assert_async(~bad.any(), "an embedding index is out of range for its table")
+        return
     if bool(bad.any()):
         pos = int(bad.reshape(-1).nonzero()[0, 0])
         value = int(idx.reshape(-1)[pos])
@@ -112,19 +116,24 @@ class _LookupFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, idx, meta):
         tables, num, per, _, _, kernels, shape, _, out_shape = meta
-        if kernels:
+        if kernels and torch.compiler.is_compiling():
+            out = _ops.gather(weight, idx, tables, num, per, list(out_shape))
+        elif kernels:
             out = _cuda.gather(weight, idx, tables, num, per, out_shape)
         else:
+            # Written into a tensor of the final shape: a view returned from a custom Function would make
+            # in-place ops on the lookup's output illegal.
             flat = weight.view(tables * num, shape[-1])
+            out = weight.new_empty(out_shape)
+            rows = out.view(-1, shape[-1])
             local, key = _positions(idx, tables, num, per)
             if weight.is_cuda:
                 valid = (local >= 0) & (local < num)
                 if idx.numel():
                     _cuda.record_bad_indices(idx, num)
-                out = flat.index_select(0, torch.where(valid, key, 0)).masked_fill_(~valid.unsqueeze(1), 0)
+                torch.index_select(flat, 0, torch.where(valid, key, 0), out=rows).masked_fill_(~valid.unsqueeze(1), 0)
             else:
-                out = flat.index_select(0, key)  # indices were validated by the caller
-            out = out.view(out_shape)
+                torch.index_select(flat, 0, key, out=rows)  # indices were validated by the caller
         ctx.save_for_backward(idx)
         ctx.meta = meta
         return out
@@ -144,8 +153,12 @@ def _lookup_backward(ctx, grad):
     if kernels and not torch.are_deterministic_algorithms_enabled():
         if not grad.is_contiguous():
             grad = grad.contiguous()
-        counts = _cuda.counts(idx, tables, num, per) if freq else None
-        gw = _cuda.scatter(grad, idx, shape, tables, num, per, pad, counts)
+        if torch.compiler.is_compiling():  # dynamo traces the operators, not the launches
+            counts = _ops.counts(idx, tables, num, per) if freq else None
+            gw = _ops.scatter(grad, idx, list(shape), tables, num, per, pad, counts)
+        else:
+            counts = _cuda.counts(idx, tables, num, per) if freq else None
+            gw = _cuda.scatter(grad, idx, shape, tables, num, per, pad, counts)
     else:
         gw = _reference_scatter(grad.reshape(-1, shape[-1]), idx.reshape(-1), tables, num, per, pad, freq, shape, dtype)
     return (gw if gw.dtype == dtype else gw.to(dtype)), None, None
@@ -221,7 +234,8 @@ def batched_embedding(
     num, dim = shape[-2], shape[-1]
     pad = -1 if padding_idx is None else _normalize_padding(padding_idx, num)
     if weight.is_cuda:
-        _cuda.raise_pending(weight.get_device())
+        if not torch.compiler.is_compiling():  # a compiled lookup's bad index shows at check() or eagerly
+            _cuda.raise_pending(weight.get_device())
         kernels = _use_kernels(weight)
     else:
         kernels = False
@@ -249,7 +263,7 @@ def batched_embedding(
             _renorm_(weight, idx, tables, num, per, max_norm, norm_type)
     w = weight if weight.is_contiguous() else weight.contiguous()
     meta = (tables, num, per, pad, bool(scale_grad_by_freq), kernels, shape, weight.dtype, out_shape)
-    if _functorch_active():
+    if _functorch_active() or torch.compiler.is_compiling():  # both trace Function.apply, not the C++ apply
         return _LookupFn.apply(w, idx, meta)
     return _lookup_apply(w, idx, meta)
 

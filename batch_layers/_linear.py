@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -14,7 +15,13 @@ __all__ = ["Linear"]
 
 def _product(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     weight_t = weight.transpose(1, 2)
-    return torch.bmm(rows, weight_t) if bias is None else torch.baddbmm(bias.unsqueeze(1), rows, weight_t)
+    if bias is None:
+        return torch.bmm(rows, weight_t)
+    if torch.compiler.is_compiling():
+        # Inductor runs baddbmm as cuBLAS's, after a copy of the broadcast bias; a separate addition it
+        # fuses into the next element-wise kernel (as it unfuses the plain Linear's addmm).
+        return torch.bmm(rows, weight_t) + bias.unsqueeze(1)
+    return torch.baddbmm(bias.unsqueeze(1), rows, weight_t)
 
 
 class _BatchedLinear(torch.autograd.Function):
@@ -79,6 +86,7 @@ class Linear(AbstractBatchModule):
     """
 
     base_class: ClassVar[type[nn.Module]] = nn.Linear
+    functional_forms: ClassVar[dict[Callable, str]] = {F.linear: "linear_form"}
     merged_order = "models"
     merged_orders = ("models", "samples")
 
@@ -125,14 +133,18 @@ class Linear(AbstractBatchModule):
         return layer
 
     def forward(self, x: Tensor) -> Tensor:
+        return self.linear_form(x, self.weight, self.bias)
+
+    def linear_form(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        """``F.linear`` of a merged input with per-model ``(B, out, in)`` weights and ``(B, out)`` bias."""
         if self.is_shared(x):
-            return self._shared_forward(x)
+            return self._shared_forward(x, weight, bias)
         dim = self.merged_dim(x)
         if dim:  # sequence-first layout: bring the model axis to the front for the batched product
-            return self.forward(x.movedim(dim, 0)).movedim(0, dim)
+            return self.linear_form(x.movedim(dim, 0), weight, bias).movedim(0, dim)
         if self.merged_order == "models":
             rows = x.reshape(self.batch, -1, self.in_features)
-            y = _BatchedLinear.apply(rows, self.weight, self.bias)
+            y = _BatchedLinear.apply(rows, weight, bias)
             return y.view(*x.shape[:-1], self.out_features)
         # Samples-major: a (n*B, in) input is a strided (B, n, in) view, which the batched product reads
         # as it is; the output is laid back samples-major (a copy).
@@ -140,15 +152,14 @@ class Linear(AbstractBatchModule):
         samples = x.shape[0] // self.batch
         rows = x.reshape(samples, self.batch, -1, self.in_features).transpose(0, 1)
         rows = rows.reshape(self.batch, -1, self.in_features)
-        y = _BatchedLinear.apply(rows, self.weight, self.bias)
+        y = _BatchedLinear.apply(rows, weight, bias)
         y = y.view(self.batch, samples, *x.shape[1:-1], self.out_features).transpose(0, 1)
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def _shared_forward(self, x: Tensor) -> Tensor:
+    def _shared_forward(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         # One GEMM against all models' weights side by side: (m, in) @ (in, B*out), no B-fold input copy.
         rows = x.reshape(-1, self.in_features)
-        bias = None if self.bias is None else self.bias.reshape(-1)
-        y = F.linear(rows, self.weight.reshape(-1, self.in_features), bias)
+        y = F.linear(rows, weight.reshape(-1, self.in_features), None if bias is None else bias.reshape(-1))
         if self.merged_order == "samples":  # (n, *, B, out) -> (n, B, *, out): a view without middle dims
             y = y.view(x.shape[0], -1, self.batch, self.out_features).transpose(1, 2)
             return y.reshape(self.batch * x.shape[0], *x.shape[1:-1], self.out_features)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numbers
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 import torch
@@ -86,6 +86,7 @@ class LayerNorm(_AffineNorm):
     """
 
     base_class: ClassVar[type[nn.Module]] = nn.LayerNorm
+    functional_forms: ClassVar[dict[Callable, str]] = {F.layer_norm: "layer_norm_form"}
 
     def __init__(
         self,
@@ -149,6 +150,18 @@ class LayerNorm(_AffineNorm):
                 return self.forward(x.movedim(dim, 0)).movedim(0, dim)
         return self._affine(self._normalize(x), self.weight, self.bias)
 
+    def layer_norm_form(
+        self,
+        x: Tensor,
+        normalized_shape: Sequence[int],
+        weight: Tensor | None = None,
+        bias: Tensor | None = None,
+        eps: float = 1e-5,
+    ) -> Tensor:
+        """``F.layer_norm`` of a merged input (model axis in dim 0) with per-model weights."""
+        y = F.layer_norm(x, normalized_shape, None, None, eps)
+        return self._affine(y, weight, bias)
+
     def _normalize(self, x: Tensor) -> Tensor:
         return F.layer_norm(x, self.normalized_shape, None, None, self.eps)
 
@@ -171,6 +184,7 @@ class RMSNorm(LayerNorm):
     """
 
     base_class: ClassVar[type[nn.Module]] = nn.RMSNorm
+    functional_forms: ClassVar[dict[Callable, str]] = {F.rms_norm: "rms_norm_form"}
 
     def __init__(
         self,
@@ -197,6 +211,12 @@ class RMSNorm(LayerNorm):
         copy_into_every_model(layer, module)
         return layer
 
+    def rms_norm_form(
+        self, x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None = None, eps: float | None = None
+    ) -> Tensor:
+        """``F.rms_norm`` of a merged input (model axis in dim 0) with per-model weights."""
+        return self._affine(F.rms_norm(x, normalized_shape, None, eps), weight, None)
+
     def _normalize(self, x: Tensor) -> Tensor:
         return F.rms_norm(x, self.normalized_shape, None, self.eps)
 
@@ -216,6 +236,7 @@ class GroupNorm(_AffineNorm):
     """
 
     base_class: ClassVar[type[nn.Module]] = nn.GroupNorm
+    functional_forms: ClassVar[dict[Callable, str]] = {F.group_norm: "group_norm_form"}
 
     def __init__(
         self,
@@ -268,10 +289,14 @@ class GroupNorm(_AffineNorm):
             raise ValueError(
                 f"GroupNorm: expected an input of shape (B*n, {self.num_channels}, *), got {tuple(x.shape)}"
             )
-        if self.weight is None:
-            return F.group_norm(x, self.num_groups, None, None, self.eps)
-        y = F.group_norm(x, self.num_groups, None, None, self.eps)
-        return self._affine(y, self.weight, self.bias, trailing=x.dim() - 2)
+        return self.group_norm_form(x, self.num_groups, self.weight, self.bias, self.eps)
+
+    def group_norm_form(
+        self, x: Tensor, num_groups: int, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5
+    ) -> Tensor:
+        """``F.group_norm`` of a merged ``(B*n, C, *)`` input with per-model ``(B, C)`` weights."""
+        y = F.group_norm(x, num_groups, None, None, eps)
+        return self._affine(y, weight, bias, trailing=x.dim() - 2)
 
     def extra_repr(self) -> str:
         return f"{nn.GroupNorm.extra_repr(self)}, batch={self.batch}"

@@ -10,6 +10,7 @@ from . import amp, clip, distributed, graphs, lr_scheduler, memory, optim, sweep
 from ._convert import ConversionEntry
 from ._module import BatchModule
 from ._registry import lookup_batch_module, register_batch_module, registered_batch_modules
+from ._tracking import PooledDecisionError, allow_pooled_decisions
 from .functional import batch_accuracy, batch_loss, batch_topk, merge_batch, split_batch
 
 __version__ = "0.3.0"
@@ -18,6 +19,8 @@ __all__ = [
     "AbstractBatchModule",
     "BatchModule",
     "ConversionEntry",
+    "PooledDecisionError",
+    "allow_pooled_decisions",
     "amp",
     "batch_accuracy",
     "batch_loss",

@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+import warnings
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -16,10 +18,14 @@ from batch_layers import (
     OffloadedBatchEmbedding,
     SamplesOrderError,
     forward_context,
+    recognise_shared_by,
 )
 
 from ._convert import ConversionEntry, convert, warn_if_mostly_generic
 from ._generic import is_generic
+from ._init import build_with_seed, reset_uncovered, reset_with_seed
+from ._select import commit_survivors, gather_survivors
+from ._tracking import Kind, ModelDataTracker, checking_decisions
 
 __all__ = ["BatchModule"]
 
@@ -43,9 +49,15 @@ class BatchModule(nn.Module):
     Args:
         model: the plain model. It is copied, never modified.
         batch: number of models B.
-        init: ``"copy"`` starts every model from ``model``'s weights; ``"independent"`` re-initialises
-            model ``i`` by seeding torch with ``seed + i`` and calling ``reset_parameters()`` on each of
-            its submodules in ``model.modules()`` order, exactly as a plain model would be initialised.
+        init: ``"copy"`` starts every model from ``model``'s weights. ``"independent"`` re-initialises
+            model ``i`` by seeding torch with ``seed + i`` and calling ``reset_parameters()`` (else
+            ``_reset_parameters()``) on each of its submodules in ``model.modules()`` order: torch.nn's
+            default initialisation of each layer, not the model's own. Initialisation done in the
+            model's ``__init__`` (``normal_(std=0.02)``, zero biases, ``self.apply(_init_weights)``) is
+            replaced by those defaults, and a parameter of a module with neither method (a bare
+            ``nn.Parameter``) stays identical in all models, with a warning naming it.
+            :meth:`from_factory` initialises each model exactly as its own plain construction would;
+            prefer it.
         seed: base seed for ``init="independent"``; drawn from torch's generator when ``None``.
         merged_order: the order of the merged model axis between layers. ``"models"`` (row ``b*n + i``)
             keeps every reshape that merges dims into dim 0 correct; ``"samples"`` (row ``i*B + b``)
@@ -70,6 +82,8 @@ class BatchModule(nn.Module):
         torch.Size([16, 32, 2])
         >>> models(torch.randn(32, 4), shared_input=True).shape
         torch.Size([16, 32, 2])
+        >>> BatchModule.from_factory(lambda: nn.Linear(4, 2), batch=16, seed=0)(torch.randn(16, 32, 4)).shape
+        torch.Size([16, 32, 2])
     """
 
     def __init__(
@@ -83,7 +97,8 @@ class BatchModule(nn.Module):
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
-            raise TypeError(f"BatchModule expects an nn.Module, got {type(model).__name__}")
+            hint = "; to build each model from its own call, use BatchModule.from_factory" if callable(model) else ""
+            raise TypeError(f"BatchModule expects an nn.Module, got {type(model).__name__}{hint}")
         if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
             raise ValueError(f"batch must be a positive int (the number of models), got {batch!r}")
         if init not in ("copy", "independent"):
@@ -91,6 +106,7 @@ class BatchModule(nn.Module):
         if merged_order not in ("auto", "models", "samples"):
             raise ValueError(f"merged_order must be 'auto', 'models' or 'samples', got {merged_order!r}")
         self.batch = batch
+        self._first_forward = True  # checked for Python decisions on several models' data
         # A pristine copy to build plain models from (unbatch); kept out of the module tree on purpose.
         object.__setattr__(self, "_template", copy.deepcopy(model))
         self.module, self._conversion = convert(copy.deepcopy(model), batch)  # first: refuses what can't batch
@@ -141,25 +157,69 @@ class BatchModule(nn.Module):
                 _reorder_around(layer)
         self.merged_order = order
 
+    @classmethod
+    def from_factory(
+        cls,
+        make_model: Callable[[], nn.Module],
+        batch: int,
+        *,
+        seed: int | None = None,
+        merged_order: Literal["auto", "models", "samples"] = "auto",
+    ) -> BatchModule:
+        """``batch`` models, model ``i`` built by ``make_model()`` after ``torch.manual_seed(seed + i)``.
+
+        Each model is exactly what ``torch.manual_seed(seed + i); make_model()`` gives, whatever its
+        ``__init__`` does (custom initialisation, ``self.apply(_init_weights)``, bare ``nn.Parameter`` attributes).
+        The models are built and copied in one at a time, so this needs about one plain model of memory
+        besides the batched one. torch's random state is restored afterwards.
+
+        Args:
+            make_model: builds one plain model (a class or any function of no arguments).
+            batch: number of models B.
+            seed: model ``i``'s seed is ``seed + i``; drawn from torch's generator when ``None``.
+            merged_order: as in :class:`BatchModule`.
+
+        Examples::
+
+            >>> models = BatchModule.from_factory(lambda: nn.Linear(4, 2), batch=3, seed=0)
+            >>> _ = torch.manual_seed(2)
+            >>> torch.equal(models.state_dict_of(2)["weight"], nn.Linear(4, 2).weight)
+            True
+        """
+        if isinstance(make_model, nn.Module) or not callable(make_model):
+            raise TypeError(
+                f"from_factory expects a callable that builds one model (a class, a lambda), got a "
+                f"{type(make_model).__name__} instance"
+            )
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()))
+        batched = cls(build_with_seed(make_model, seed), batch, merged_order=merged_order)
+        for i in range(1, batch):
+            batched.load_state_dicts(build_with_seed(make_model, seed + i).state_dict(), slots=[i])
+        return batched
+
     def _initialise_independently(self, seed: int | None) -> None:
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()))
-        template = self._template
-        devices = sorted({t.device.index or 0 for t in template.state_dict().values() if t.is_cuda})
-        states = []
+        uncovered = reset_uncovered(self._template)
+        if uncovered:
+            warnings.warn(
+                "init='independent' re-initialises only what reset_parameters() covers; these parameters stay "
+                f"identical in all {self.batch} models: {', '.join(uncovered)}. BatchModule.from_factory"
+                "(make_model, batch, seed=...) initialises each model as its own construction would",
+                stacklevel=3,
+            )
         for i in range(self.batch):
-            model = copy.deepcopy(template)
-            with torch.random.fork_rng(devices=devices):
-                torch.manual_seed(seed + i)
-                for submodule in model.modules():
-                    reset = getattr(submodule, "reset_parameters", None)
-                    if callable(reset):
-                        reset()
-            states.append(model.state_dict())
-        self.load_state_dicts(states)
+            model = reset_with_seed(copy.deepcopy(self._template), seed + i)
+            self.load_state_dicts(model.state_dict(), slots=[i])
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, *args: Any, shared_input: bool = False, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            # No trial inside a graph: dynamo runs _settled_order eagerly while it traces and traces the
+            # forward in the order it returns (so a compiled model never changes order, nor recompiles).
+            self._settled_order(shared_input, *args, **kwargs)
+            return self._forward(args, shared_input, kwargs)
         if self._order_on_trial:
             return self._forward_on_trial(args, shared_input, kwargs)
         return self._forward(args, shared_input, kwargs)
@@ -168,26 +228,38 @@ class BatchModule(nn.Module):
         """The first forward of an automatically chosen samples-major order: should a layer refuse it,
         undo what the forward changed (buffers such as running statistics, the random state) and run
         models-major, for good."""
-        buffers = [(buffer, buffer.detach().clone()) for buffer in self.buffers()]
-        devices = sorted({t.device.index or 0 for t in self.parameters() if t.is_cuda})
-        capturing = bool(devices) and torch.cuda.is_current_stream_capturing()
-        cpu_rng = torch.get_rng_state()
-        cuda_rng = [] if capturing else [torch.cuda.get_rng_state(d) for d in devices]
         try:
-            out = self._forward(args, shared_input, kwargs)
+            with _state_restored(self, always=False):
+                out = self._forward(args, shared_input, kwargs)
         except SamplesOrderError as error:
-            with torch.no_grad():
-                for buffer, saved in buffers:
-                    buffer.copy_(saved)
-            torch.set_rng_state(cpu_rng)
-            for device, state in zip(devices, cuda_rng):
-                torch.cuda.set_rng_state(state, device)
-            self._set_order("models")
-            self._order_on_trial = False
-            logger.info("torchmb: running models-major, since the model merges other dims into dim 0: %s", error)
+            self._keep_models_major(error)
             return self._forward(args, shared_input, kwargs)
         self._order_on_trial = False
         return out
+
+    @torch._dynamo.assume_constant_result
+    def _settled_order(self, shared_input: bool, *args: Any, **kwargs: Any) -> str:
+        """The merged order, its trial decided first. Dynamo calls this while tracing, with the module and
+        the real inputs (a method, and the tensors as arguments of their own: what every torch >= 2.5
+        accepts there), and traces its result as a constant."""
+        return self._settle_order(args, shared_input, kwargs)
+
+    def _settle_order(self, args: tuple, shared_input: bool, kwargs: dict) -> str:
+        """The trial as a dry run (torch.compile traces the forward afterwards): a forward without
+        gradients whose effects on buffers and the random state are undone either way."""
+        if self._order_on_trial:
+            try:
+                with _state_restored(self, always=True), torch.no_grad():
+                    self._forward(args, shared_input, kwargs)
+            except SamplesOrderError as error:
+                self._keep_models_major(error)
+            self._order_on_trial = False
+        return self.merged_order
+
+    def _keep_models_major(self, error: SamplesOrderError) -> None:
+        self._set_order("models")
+        self._order_on_trial = False
+        logger.info("torchmb: running models-major, since the model merges other dims into dim 0: %s", error)
 
     def _forward(self, args: tuple, shared_input: bool, kwargs: dict) -> Any:
         if len(args) == 1 and not kwargs and type(args[0]) is Tensor:  # the common call: no pytree walk
@@ -231,7 +303,22 @@ class BatchModule(nn.Module):
 
     def _run(self, samples: int, shared_input: bool, *args: Any, **kwargs: Any) -> Any:
         with forward_context(ForwardContext(self.batch, samples, shared_input, self.merged_order)):
+            if not torch.compiler.is_compiling():  # compiled code is not tracked (a contextvar, Python modes)
+                check_decisions = self._first_forward or checking_decisions()
+                if shared_input or check_decisions:
+                    return self._run_tracked(shared_input, check_decisions, args, kwargs)
             return self.module(*args, **kwargs)
+
+    def _run_tracked(self, shared_input: bool, check_decisions: bool, args: tuple, kwargs: dict) -> Any:
+        """Run the model labelling its tensors (see ``torchmb._tracking``): the shared input and what is
+        computed from it are recognised by identity, and a Python decision on several models' data is
+        refused in the first forward and under ``torchmb.testing``."""
+        tracker = ModelDataTracker(check_decisions=check_decisions)
+        tracker.mark(tree_flatten((args, kwargs))[0], Kind.SHARED if shared_input else Kind.PER_MODEL)
+        with tracker, recognise_shared_by(tracker.is_shared):
+            out = self.module(*args, **kwargs)
+        self._first_forward = False
+        return out
 
     def _split_output(self, value: Any, samples: int) -> Any:
         if not isinstance(value, Tensor):
@@ -335,26 +422,16 @@ class BatchModule(nn.Module):
         """Keep only the models ``keep`` (indices or a boolean mask of length B), in that order; in place.
 
         Parameters keep their identity (their data shrinks), so an optimizer's ``select(keep)`` with the
-        same ``keep`` continues the survivors exactly.
+        same ``keep`` continues the survivors exactly. Graphs built before (a validation loss computed
+        without ``torch.no_grad()``) stay alive and valid for the B models they were built from, but a
+        backward through one raises, since it would accumulate into parameters that no longer have
+        those models. Atomic: every survivor's tensor is gathered before the first is swapped in, so an
+        error leaves the module as it was.
         """
         index = self._keep_index(keep)
         self._refuse_offloaded("select() cannot shrink", "build a new BatchModule from the survivors' state_dicts")
-        shrunk: set[int] = set()
-        with torch.no_grad():
-            for key, value in self.module.state_dict(keep_vars=True).items():
-                if id(value) in shrunk or not self._is_per_model(key, value):
-                    continue  # a tied parameter is shrunk once
-                shrunk.add(id(value))
-                kept = value.data[index.to(value.device)]
-                if isinstance(value, nn.Parameter):
-                    # Swap in place rather than assign .data: autograd caches a parameter's gradient
-                    # accumulator, with its old shape, for as long as any earlier graph is alive.
-                    replacement = nn.Parameter(kept, requires_grad=value.requires_grad)
-                    if value.grad is not None:
-                        replacement.grad = value.grad[index.to(value.device)]
-                    torch.utils.swap_tensors(value, replacement)
-                else:
-                    value.data = kept
+        survivors = gather_survivors(self.module.state_dict(keep_vars=True), index, self._is_per_model)
+        commit_survivors(survivors)
         self.batch = len(index)
         for module in self.module.modules():
             if isinstance(module, AbstractBatchModule):
@@ -415,3 +492,29 @@ def _reorder_around(module: AbstractBatchModule) -> None:
     module.register_forward_pre_hook(lambda _, args, kwargs: tree_map(to_samples, (args, kwargs)), with_kwargs=True)
     module.register_forward_hook(lambda _, args, out: tree_map(to_models, out))
     module._reordered = True
+
+
+@contextlib.contextmanager
+def _state_restored(module: nn.Module, *, always: bool) -> Iterator[None]:
+    """Restore ``module``'s buffers and the random state after the block if it raises, or ``always``."""
+    buffers = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
+    devices = sorted({t.device.index or 0 for t in module.parameters() if t.is_cuda})
+    capturing = bool(devices) and torch.cuda.is_current_stream_capturing()
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = [] if capturing else [torch.cuda.get_rng_state(d) for d in devices]
+
+    def restore() -> None:
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+        torch.set_rng_state(cpu_rng)
+        for device, state in zip(devices, cuda_rng):
+            torch.cuda.set_rng_state(state, device)
+
+    try:
+        yield
+    except BaseException:
+        restore()
+        raise
+    if always:
+        restore()

@@ -79,17 +79,68 @@ def register_batch_module(batch_class, *, overwrite=False):
     return given
 
 
-def lookup_batch_module(module_class: type[nn.Module]) -> type[AbstractBatchModule] | None:
-    """The batched class for ``module_class``: exact type first, then its MRO.
+# Layers of optional libraries with a batched class, by the plain class's qualified name (torchmb imports
+# neither library; a model holding one has imported it).
+_BY_NAME: dict[str, type[AbstractBatchModule]] = {
+    "torchvision.ops.misc.FrozenBatchNorm2d": batch_layers.FrozenBatchNorm2d,
+}
 
-    A subclass that overrides ``forward`` does not inherit its parent's batched class (its own
-    computation would be lost); it is left to the ``torch.func`` path instead.
+# Subclasses of registered torch layers whose ``forward`` (checked for each name) reaches the layer's
+# weights only through the functionals its parent's batched class swaps in (``batch_layers.batched_subclass``):
+# ``F.linear``, ``F.conv2d``, ``F.batch_norm``, ``F.layer_norm``, ``F.group_norm``, with permutes, activations
+# and dropout around them. Their own ``forward`` runs on the batched layer.
+_FUNCTIONAL_SUBCLASSES: frozenset[str] = frozenset(
+    {
+        "timm.layers.conv2d_same.Conv2dSame",
+        "timm.layers.linear.Linear",
+        "timm.layers.norm.GroupNorm",
+        "timm.layers.norm.GroupNorm1",
+        "timm.layers.norm.LayerNorm",
+        "timm.layers.norm.LayerNorm2d",
+        "timm.layers.norm.LayerNorm2dFp32",
+        "timm.layers.norm.LayerNormFp32",
+        "timm.layers.norm_act.BatchNormAct2d",
+        "timm.layers.norm_act.GroupNorm1Act",
+        "timm.layers.norm_act.GroupNormAct",
+        "timm.layers.norm_act.LayerNormAct",
+        "timm.layers.norm_act.LayerNormAct2d",
+        "torchvision.models.convnext.LayerNorm2d",
+    }
+)
+
+
+def _qualified_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _forward_owner(cls: type[nn.Module]) -> type[nn.Module]:
+    """The class in ``cls``'s MRO whose ``forward`` ``cls`` runs."""
+    return next(c for c in cls.__mro__ if "forward" in c.__dict__)
+
+
+def lookup_batch_module(module_class: type[nn.Module]) -> type[AbstractBatchModule] | None:
+    """The batched class for ``module_class``: exact type first, then a known layer of timm or torchvision
+    by name, then its MRO.
+
+    A subclass that keeps its parent's ``forward`` takes the parent's batched class. One that overrides
+    ``forward`` keeps its computation: when the overriding class is one of timm's and torchvision's listed here,
+    its own ``forward`` runs with the parent's batched functionals swapped in
+    (:func:`batch_layers.batched_subclass`; register that for a subclass of your own); otherwise it is left
+    to the ``torch.func`` path.
     """
     if module_class in _REGISTRY:
         return _REGISTRY[module_class]
+    by_name = _BY_NAME.get(_qualified_name(module_class))
+    if by_name is not None:
+        return by_name
     for parent in module_class.__mro__[1:]:
         if parent in _REGISTRY:
-            return _REGISTRY[parent] if module_class.forward is parent.forward else None
+            batch_class = _REGISTRY[parent]
+            if module_class.forward is parent.forward:
+                return batch_class
+            if _qualified_name(_forward_owner(module_class)) in _FUNCTIONAL_SUBCLASSES:
+                return batch_layers.batched_subclass(module_class, batch_class)
+            return None
     return None
 
 

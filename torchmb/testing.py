@@ -3,11 +3,17 @@
 Both checks need a deterministic model (dropout off, i.e. ``eval()``, or no dropout); batch norm in
 training mode is fine. They turn cuDNN's nondeterministic algorithms off while they run, so that two
 identical computations agree bit for bit.
+
+Both refuse, in every forward they run, Python control flow on several models' data (``if
+h.mean() > 0:`` in the model's ``forward``): such a decision is taken once for all models on their pooled
+data whatever the inputs, so it is found by watching the forward, not by chance of a seed (a
+``BatchModule`` checks its own first forward the same way).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -16,6 +22,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ._module import BatchModule
+from ._tracking import PooledDecisionError, check_every_forward
 
 __all__ = ["assert_equivalent", "assert_isolated"]
 
@@ -40,11 +47,15 @@ def _model_output(output: Any, index: int) -> Any:
 
 
 @contextlib.contextmanager
-def _deterministic() -> Iterator[None]:
+def _checking() -> Iterator[None]:
+    """cuDNN deterministic, and every forward watched for Python decisions on several models' data."""
     old = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     try:
-        yield
+        with check_every_forward():
+            yield
+    except PooledDecisionError as error:
+        raise AssertionError(f"the model is not B independent models: {error}") from error
     finally:
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = old
 
@@ -110,7 +121,7 @@ def assert_equivalent(
     reference_opts = [torch.optim.SGD(r.parameters(), lr=lr) for r in references]
     report: dict[str, float] = {}
     batched_params = dict(batched.module.named_parameters())
-    with _deterministic():
+    with _checking():
         for step in range(steps):
             batched_opt.zero_grad(set_to_none=True)
             output = batched(*inputs, shared_input=shared_input)
@@ -151,18 +162,28 @@ def assert_isolated(
 ) -> None:
     """Check that disturbing model ``model`` leaves every other model bit-identical.
 
-    Three disturbances are tried, each against an undisturbed run from the same state: model ``model``'s
-    input replaced (not with ``shared_input``), its parameters perturbed, and its loss made NaN. Every
-    other model's outputs and gradients must not change by a single bit; the disturbed model's must
-    (otherwise the check would prove nothing). ``batched``'s state is restored afterwards.
+    Each disturbance is compared with an undisturbed run from the same state: model ``model``'s input
+    replaced by other values, and scaled by ``1e3`` and by ``-1e3`` (not with ``shared_input``; the scaled
+    inputs flip the sign of any statistic pooled over the models, so that a decision taken on it by tensor
+    ops, ``torch.where(h.mean() > 0, ...)``, changes for the other models), its parameters shifted, and its
+    loss made NaN. Every other model's outputs, gradients and buffers (after the forward and backward)
+    must not change by a single bit, and a buffer stored once for all models must not change at all; the
+    disturbed model's outputs or gradients must change (otherwise the check would prove nothing).
+    ``batched``'s state is restored afterwards.
+
+    Raises:
+        AssertionError: naming the disturbance, the model and the tensor that changed, or the Python
+            decision taken on several models' data.
     """
     inputs = _as_tuple(inputs)
     batch = batched.batch
     victim = model % batch
     saved = {k: v.clone() for k, v in batched.module.state_dict().items()}
     params = dict(batched.module.named_parameters())
+    buffers = dict(batched.module.named_buffers())
+    per_model = {name: batched._is_per_model(name, buffer) for name, buffer in buffers.items()}
 
-    def run(run_inputs: tuple[Tensor, ...], poison: bool = False, shift: float = 0.0) -> tuple[list, dict]:
+    def run(run_inputs: tuple[Tensor, ...], poison: bool = False, shift: float = 0.0) -> _Run:
         batched.module.load_state_dict(saved)
         if shift:
             with torch.no_grad():
@@ -175,24 +196,40 @@ def assert_isolated(
         if poison:
             losses = losses * torch.where(torch.arange(batch, device=losses.device) == victim, float("nan"), 1.0)
         losses.sum().backward()
-        outputs = [t.detach().clone() for t in tree_flatten(output)[0] if isinstance(t, Tensor)]
-        grads = {n: p.grad.clone() for n, p in params.items() if p.grad is not None}
-        return outputs, grads
+        return _Run(
+            outputs=[t.detach().clone() for t in tree_flatten(output)[0] if isinstance(t, Tensor)],
+            grads={n: p.grad.clone() for n, p in params.items() if p.grad is not None},
+            buffers={n: b.detach().clone() for n, b in buffers.items()},
+        )
 
-    def check(what: str, base: tuple[list, dict], disturbed: tuple[list, dict], changed: Callable[..., bool]) -> None:
+    def check(what: str, base: _Run, disturbed: _Run, changed: Callable[[Tensor, Tensor], bool]) -> None:
+        others = [i for i in range(batch) if i != victim]
         victim_changed = False
-        for j, (a, b) in enumerate(zip(base[0], disturbed[0])):
-            for i in range(batch):
-                if i != victim and not torch.equal(a[i], b[i]):
+        for j, (a, b) in enumerate(zip(base.outputs, disturbed.outputs)):
+            for i in others:
+                if not torch.equal(a[i], b[i]):
                     raise AssertionError(f"{what}: output {j} of model {i} changed when model {victim} was disturbed")
             victim_changed |= changed(a[victim], b[victim])
-        for name in base[1]:
-            for i in range(batch):
-                if i != victim and not torch.equal(base[1][name][i], disturbed[1][name][i]):
+        for name in base.grads:
+            for i in others:
+                if not torch.equal(base.grads[name][i], disturbed.grads[name][i]):
                     raise AssertionError(
                         f"{what}: gradient of {name} of model {i} changed when model {victim} was disturbed"
                     )
-            victim_changed |= changed(base[1][name][victim], disturbed[1][name][victim])
+            victim_changed |= changed(base.grads[name][victim], disturbed.grads[name][victim])
+        for name, value in base.buffers.items():
+            if not per_model[name]:
+                if not torch.equal(value, disturbed.buffers[name]):
+                    raise AssertionError(
+                        f"{what}: buffer {name}, stored once for all models, changed when model {victim} was "
+                        "disturbed: the models share it"
+                    )
+                continue
+            for i in others:
+                if not torch.equal(value[i], disturbed.buffers[name][i]):
+                    raise AssertionError(
+                        f"{what}: buffer {name} of model {i} changed when model {victim} was disturbed"
+                    )
         if not victim_changed:
             raise AssertionError(f"{what}: model {victim} itself did not change, so isolation was not tested")
 
@@ -203,10 +240,14 @@ def assert_isolated(
         return bool((~torch.isfinite(b)).any())
 
     try:
-        with _deterministic():
+        with _checking():
             base = run(inputs)
             if not shared_input:
-                check("input", base, run(tuple(_disturb(x, victim) for x in inputs)), differs)
+                check("input replaced", base, run(tuple(_replace(x, victim) for x in inputs)), differs)
+                for scale in (1e3, -1e3):
+                    scaled = tuple(_scale(x, victim, scale) for x in inputs)
+                    if any(s is not x for s, x in zip(scaled, inputs)):
+                        check(f"input scaled by {scale:g}", base, run(scaled), differs)
             check("parameters", base, run(inputs, shift=0.5), differs)
             check("NaN loss", base, run(inputs, poison=True), non_finite)
     finally:
@@ -214,10 +255,29 @@ def assert_isolated(
         batched.zero_grad(set_to_none=True)
 
 
-def _disturb(x: Tensor, victim: int) -> Tensor:
+@dataclasses.dataclass
+class _Run:
+    """What one run of :func:`assert_isolated` compares."""
+
+    outputs: list[Tensor]
+    grads: dict[str, Tensor]
+    buffers: dict[str, Tensor]
+
+
+def _replace(x: Tensor, victim: int) -> Tensor:
+    """``x`` with model ``victim``'s input replaced by other values of its kind."""
     disturbed = x.clone()
     if x.is_floating_point():
         disturbed[victim] = torch.randn_like(x[victim]) * (x[victim].std() + 1)
     else:
         disturbed[victim] = (x[victim] + 1) % (int(x.max()) + 1)
+    return disturbed
+
+
+def _scale(x: Tensor, victim: int, scale: float) -> Tensor:
+    """``x`` with model ``victim``'s input multiplied by ``scale`` (``x`` itself if not floating point)."""
+    if not x.is_floating_point():
+        return x
+    disturbed = x.clone()
+    disturbed[victim] *= scale
     return disturbed

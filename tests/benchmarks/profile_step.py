@@ -1,6 +1,7 @@
 """Profile one torchmb training step (torch.profiler): where the time of a workload goes.
 
-    python tests/benchmarks/profile_step.py --workload lenet --batch 64 [--impl torchmb] [--rows 25] [--host]
+    python tests/benchmarks/profile_step.py --workload lenet --batch 64 [--impl torchmb,vmap+compile]
+        [--rows 25] [--host]
 
 ``--host`` prints instead where the host's time of a step goes: the wall time of enqueueing steps (no
 sync), the kernel launches per step, and the operators sorted by their own CPU time.
@@ -14,22 +15,27 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from torchmb import _bench
+from torchmb import _bench_steps
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--workload", default="lenet", choices=sorted(_bench.WORKLOADS))
+    parser.add_argument("--workload", default="lenet", choices=sorted(_bench_steps.WORKLOADS))
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--samples", type=int, default=128)
-    parser.add_argument("--impl", default="torchmb")
+    parser.add_argument("--impl", default="torchmb", help="comma-separated implementations, profiled one by one")
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--host", action="store_true", help="host time, launches and CPU-time table instead")
     args = parser.parse_args()
     torch.backends.cudnn.benchmark = True
     device = torch.device("cuda")
-    steps = _bench._step_functions(_bench.WORKLOADS[args.workload], args.batch, args.samples, device, (args.impl,))
-    step = steps[args.impl]
+    builders = _bench_steps.Steps(_bench_steps.WORKLOADS[args.workload], args.batch, args.samples, device).builders()
+    for impl in args.impl.split(","):
+        profile_one(builders[impl](), f"{args.workload} B={args.batch} {impl}", args.rows, args.host)
+        torch.cuda.empty_cache()
+
+
+def profile_one(step, title: str, rows: int, host: bool) -> None:
     for _ in range(5):
         step()
     torch.cuda.synchronize()
@@ -37,13 +43,16 @@ def main() -> None:
         for _ in range(5):
             step()
         torch.cuda.synchronize()
-    print(f"== {args.workload} B={args.batch} {args.impl}")
-    if not args.host:
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=60))
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_ms = sum(e.self_device_time_total for e in kernels) / 5 / 1e3
+    launches = sum(e.count for e in events if "LaunchKernel" in e.key or "LaunchCooperative" in e.key) / 5
+    print(f"== {title}: {launches:.0f} kernel launches, {gpu_ms:.3f} GPU ms per step")
+    if not host:
+        print(events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70))
         return
-    launches = sum(e.count for e in prof.key_averages() if "LaunchKernel" in e.key or "LaunchCooperative" in e.key)
-    print(f"kernel launches per step: {launches / 5:.0f}; enqueue ms per step: {enqueue_ms(step):.3f}")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
+    print(f"enqueue ms per step: {enqueue_ms(step):.3f}")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60))
 
 
 def enqueue_ms(step, steps: int = 20) -> float:

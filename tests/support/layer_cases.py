@@ -139,9 +139,24 @@ def _call(layer: nn.Module, case: LayerCase, inputs: list[Tensor]) -> list[Tenso
     return [t for t in tree_flatten(layer(*inputs[:split], **kwargs))[0] if isinstance(t, Tensor)]
 
 
-def run_case(case: LayerCase, mode: str, device: str, steps: int = 2, order: str = "models") -> None:
+def _fed(inputs: list[Tensor], then: Callable[[list[Tensor]], None] | None) -> list[Tensor]:
+    if then is None:
+        return inputs
+    return [x.clone() if x.requires_grad else x for x in inputs]
+
+
+def run_case(
+    case: LayerCase,
+    mode: str,
+    device: str,
+    steps: int = 2,
+    order: str = "models",
+    then: Callable[[list[Tensor]], None] | None = None,
+) -> None:
     """Compare the batched layer with B plain ones; ``order`` is the merged order it runs in (as a
-    ``BatchModule`` of that order would set it, with that forward's context)."""
+    ``BatchModule`` of that order would set it, with that forward's context). ``then`` runs on both
+    layers' outputs before backward (in-place ops); the layers then read copies of their inputs, so that
+    a layer returning its input (dropout in eval mode) hands out no leaf."""
     if case.refuses is not None:
         with pytest.raises(TypeError, match=case.refuses):
             batched_from([case.make()])
@@ -160,7 +175,9 @@ def run_case(case: LayerCase, mode: str, device: str, steps: int = 2, order: str
         # Samples-major, layers check their inputs against the forward's n: run them inside one.
         scope = forward_context(ForwardContext(BATCH, inputs[0].shape[1], order=order)) if order == "samples" else None
         with scope or contextlib.nullcontext():
-            y_batched = _call(batched, case, merged)
+            y_batched = _call(batched, case, _fed(merged, then))
+        if then is not None:
+            then(y_batched)
         out_dims = case.out_dims or (0,) * len(y_batched)
         grads = [torch.randn_like(y) for y in y_batched]
         torch.autograd.backward(y_batched, grads)
@@ -168,7 +185,9 @@ def run_case(case: LayerCase, mode: str, device: str, steps: int = 2, order: str
             layer.zero_grad()
             own = [x[i].clone().requires_grad_() if x.is_floating_point() else x[i] for x in inputs]
             with _reference_backend(layer):
-                y_own = _call(layer, case, own)
+                y_own = _call(layer, case, _fed(own, then))
+                if then is not None:
+                    then(y_own)
                 assert len(y_own) == len(y_batched), f"{case.name}: {len(y_batched)} outputs, plain has {len(y_own)}"
                 torch.autograd.backward(y_own, [_per_model(g, i, d, order) for g, d in zip(grads, out_dims)])
             for y_b, y_i, d in zip(y_batched, y_own, out_dims):

@@ -4,45 +4,118 @@ import json
 
 import pytest
 import torch
+from support.torchvision_ops import import_torchvision
 
-from torchmb import _bench
+from torchmb import BatchModule, _bench, _bench_steps
 from torchmb.__main__ import main
+from torchmb._bench_zoo import ZOO_MODELS
 
 
 def test_quick_cpu_bench_measures_every_implementation(tmp_path, capsys) -> None:
     out = tmp_path / "bench.json"
-    main(["bench", "--device", "cpu", "--quick", "--json", str(out)])
+    impls = ("torchmb", "torchmb-models", "torchmb-shared", "vmap", "vmap-shared", "loop", "limit")
+    flags = ["--device", "cpu", "--quick", "--workloads", "mlp", "--impls", ",".join((*impls, "torchmb+compile"))]
+    main(["bench", *flags, "--json", str(out)])
     report = json.loads(out.read_text())
     assert report["environment"]["device"] == "cpu"
     rows = report["rows"]
-    seen = {(r["workload"], r["B"], r["impl"]) for r in rows}
-    for workload in ("mlp", "lenet"):
-        for batch in (1, 4):
-            for impl in ("torchmb", "torchmb-models", "torchmb-shared", "vmap", "vmap-shared", "loop", "limit"):
-                assert (workload, batch, impl) in seen
+    assert {(r["B"], r["impl"]) for r in rows} == {(b, i) for b in (1, 4) for i in impls}  # --quick compiles nothing
+    by_key = {(r["B"], r["impl"]): r for r in rows}
     for row in rows:
         assert "error" not in row, row
-        assert row["model_steps_per_s"] > 0
-        assert row["vs_vmap"] == pytest.approx(
-            row["model_steps_per_s"]
-            / next(r for r in rows if (r["workload"], r["B"], r["impl"]) == (row["workload"], row["B"], "vmap"))[
-                "model_steps_per_s"
-            ]
-        )
+        low, high = row["model_steps_per_s_range"]
+        assert 0 < low <= row["model_steps_per_s"] <= high
+        assert row["repeats"] == 2
+        if row["impl"] != "vmap":
+            vmap_row = by_key[(row["B"], "vmap")]
+            assert row["vs_vmap"] == pytest.approx(row["model_steps_per_s"] / vmap_row["model_steps_per_s"])
+        if row["impl"] != "limit":
+            assert row["limit"] == "limit"
     assert "| mlp | 4 | torchmb |" in capsys.readouterr().out
 
 
+def _timed(impl: str, steps_per_s: float, low: float, high: float, batch: int = 8) -> dict:
+    return {"workload": "mlp", "B": batch, "impl": impl, "model_steps_per_s": steps_per_s,
+            "model_steps_per_s_range": [low, high]}
+
+
+def test_ratios_compare_each_kind_with_its_own_limit_and_overlapping_ranges_tie() -> None:
+    rows = [
+        _timed("vmap", 100, 95, 105),
+        _timed("torchmb", 104, 100, 110),
+        _timed("torchmb+compile", 200, 190, 210),
+        _timed("torchmb+graph", 300, 290, 310),
+        _timed("limit", 150, 140, 160),
+        _timed("limit+compile", 250, 240, 260),
+        _timed("limit+graph", 400, 390, 410),
+    ]
+    _bench.add_ratios(rows)
+    by_impl = {r["impl"]: r for r in rows}
+    torchmb, compiled, graphed = by_impl["torchmb"], by_impl["torchmb+compile"], by_impl["torchmb+graph"]
+    assert torchmb["vs_vmap"] == pytest.approx(1.04) and torchmb["vs_vmap_tie"]
+    assert torchmb["vs_vmap_range"] == pytest.approx([100 / 105, 110 / 95])
+    assert (torchmb["limit"], compiled["limit"], graphed["limit"]) == ("limit", "limit+compile", "limit+graph")
+    assert compiled["vs_limit"] == pytest.approx(0.8) and not compiled["vs_limit_tie"]
+    assert graphed["vs_limit"] == pytest.approx(0.75)
+    assert "vs_vmap" not in by_impl["vmap"] and "vs_limit" not in by_impl["limit"]
+    assert "1.04 (0.95-1.16) tie" in _bench.table(rows)
+
+
+def test_a_batch_that_runs_out_of_memory_skips_larger_ones_and_the_budget_ends_the_run(monkeypatch) -> None:
+    def measure(row, build, timer, batch, repeats, iters, warmup):
+        if batch >= 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
+        row.update(model_steps_per_s=1.0, model_steps_per_s_range=[1.0, 1.0])
+
+    monkeypatch.setattr(_bench, "_measure", measure)
+    rows = _bench.run(["mlp"], [1, 2, 3], 2, torch.device("cpu"), ("torchmb",), log=lambda line: None)
+    assert [("error" in r, r.get("skipped")) for r in rows] == [
+        (False, None), (True, None), (False, "B=2 ran out of memory")
+    ]
+    rows = _bench.run(["mlp"], [1], 2, torch.device("cpu"), ("torchmb", "limit"), log=lambda line: None, budget_s=0)
+    assert [r["skipped"] for r in rows] == ["past the time budget of 0 s"] * 2
+
+
 @pytest.mark.parametrize("name", sorted(_bench.WORKLOADS))
-def test_every_workload_converts_and_trains_like_plain_models(name: str) -> None:
+def test_every_workload_converts_and_computes_like_plain_models(name: str) -> None:
+    if name in ZOO_MODELS:
+        import_torchvision()  # the zoo's builders import torchvision (timm too)
     workload = _bench.WORKLOADS[name]
     torch.manual_seed(0)
-    plain = [workload.make() for _ in range(2)]
-    batched = _bench.BatchModule(workload.make(), 2)
+    plain = [workload.make().eval() for _ in range(2)]  # eval: the zoo's models drop out in training
+    batched = BatchModule(workload.make(), 2).eval()
     batched.load_state_dicts([m.state_dict() for m in plain])
     x = workload.make_input((2, 2), torch.device("cpu"))
     out = batched(x)
     for i, model in enumerate(plain):
         torch.testing.assert_close(out[i], model(x[i]), atol=2e-5, rtol=1e-4)
+
+
+def test_zoo_rows_train_torchvision_and_timm_models_and_say_where_vmap_needs_one_draw() -> None:
+    import_torchvision()
+    names = ["tv-efficientnet_b0", "timm-vit_tiny"]
+    impls = ("torchmb", "vmap", "limit")
+    rows = _bench.run(names, [2], 2, torch.device("cpu"), impls, iters=1, repeats=1, warmup=1, log=lambda _: None)
+    assert [(r["workload"], r["impl"]) for r in rows] == [(n, i) for n in names for i in impls]
+    for row in rows:
+        assert "error" not in row, row
+        assert row["model_steps_per_s"] > 0
+    notes = {(r["workload"], r["impl"]): r.get("note") for r in rows}
+    # torchvision's stochastic depth: vmap's different randomness refuses it, torchmb draws per model
+    assert "randomness='same'" in notes[("tv-efficientnet_b0", "vmap")]
+    assert notes[("tv-efficientnet_b0", "torchmb")] is None and notes[("timm-vit_tiny", "vmap")] is None
+
+
+def test_zoo_flag_selects_the_zoo_workloads_and_their_implementations(monkeypatch) -> None:
+    seen = {}
+
+    def run(workloads, batches, samples, device, impls, **kwargs):
+        seen.update(workloads=workloads, impls=impls)
+        return []
+
+    monkeypatch.setattr(_bench, "run", run)
+    main(["bench", "--device", "cpu", "--zoo"])
+    assert seen == {"workloads": list(ZOO_MODELS), "impls": ("torchmb", "vmap", "loop", "limit")}
 
 
 def test_unknown_names_are_refused() -> None:
@@ -71,7 +144,7 @@ def test_bf16_channels_last_run_trains_every_implementation(tmp_path) -> None:
 
 def test_channels_last_inputs_keep_their_values_and_layout() -> None:
     x = torch.randn(2, 3, 4, 5, 6)
-    stored = _bench._channels_last(x)
+    stored = _bench_steps.channels_last_images(x)
     torch.testing.assert_close(stored, x, rtol=0, atol=0)
     assert stored[0].is_contiguous(memory_format=torch.channels_last)
 
@@ -105,3 +178,22 @@ def test_transformer_vmap_ensemble_runs_on_cuda_with_math_attention() -> None:
         assert row["model_steps_per_s"] > 0
     assert by_impl["vmap"]["attention"] == "math"
     assert "attention" not in by_impl["torchmb"]
+
+
+@pytest.mark.cuda
+@pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores for float32 matrix multiplication:UserWarning")
+@pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")  # torch's own, as dynamo
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # traces
+def test_compiled_and_graphed_rows_run_on_cuda_against_their_own_limits() -> None:
+    impls = ("torchmb", "torchmb+compile", "torchmb+graph", "vmap", "vmap+compile", "limit", "limit+compile",
+             "limit+graph")
+    rows = _bench.run(["lenet"], [2], 4, torch.device("cuda"), impls, repeats=2, warmup=1, log=lambda line: None)
+    by_impl = {r["impl"]: r for r in rows}
+    assert set(by_impl) == set(impls)
+    for row in rows:
+        assert "error" not in row, row
+        assert row["peak_mib"] > 0
+    for impl in ("torchmb+compile", "vmap+compile", "limit+compile"):
+        assert by_impl[impl]["compile_s"] > 0
+    assert by_impl["torchmb+compile"]["limit"] == "limit+compile"
+    assert by_impl["torchmb+graph"]["limit"] == "limit+graph"

@@ -74,7 +74,7 @@ def test_own_parameters_keep_the_childrens_fast_paths() -> None:
     assert batched.module.cls_token.shape == (B, 1, 1, 6)
     x = torch.randn(B, N, 3, 4, dtype=torch.float64)
     assert_equivalent(lambda: Tokens().double(), B, x, steps=3, **DOUBLE)
-    assert_isolated(BatchModule(Tokens(), B, init="independent", seed=0), x.float(), model=1)
+    assert_isolated(BatchModule.from_factory(Tokens, B, seed=0), x.float(), model=1)
 
 
 class Gate(nn.Module):

@@ -14,7 +14,7 @@ from torchmb.memory import largest_fitting, max_batch, models_subset, step_in_ch
 @pytest.mark.parametrize("make, shape", [(BatchNormCNN, (3, 8, 8)), (WithCustom, (5,))], ids=["bn-cnn", "torch.func"])
 def test_chunks_of_models_give_the_full_steps_gradients_and_statistics(make, shape) -> None:
     torch.manual_seed(0)
-    full = BatchModule(make(), 5, init="independent", seed=0)
+    full = BatchModule.from_factory(make, 5, seed=0)
     chunked = copy.deepcopy(full)
     x = torch.randn(5, 6, *shape)
     targets = torch.randint(0, 2, (5, 6))
@@ -47,7 +47,7 @@ def test_chunks_with_shared_input() -> None:
 
 def test_models_subset_computes_those_models_and_restores_everything() -> None:
     torch.manual_seed(0)
-    batched = BatchModule(WithCustom(), 5, init="independent", seed=0).eval()
+    batched = BatchModule.from_factory(WithCustom, 5, seed=0).eval()
     x = torch.randn(5, 3, 5)
     with torch.no_grad():
         everything = copy.deepcopy(batched)(x)  # a copy: FiLM counts its calls in a buffer

@@ -37,7 +37,7 @@ def test_equivalent_to_independent_models(name: str, train: bool) -> None:
 def test_isolated(name: str) -> None:
     make, shape = MODEL_CASES[name]
     torch.manual_seed(0)
-    batched = BatchModule(make(), B, init="independent", seed=3)
+    batched = BatchModule.from_factory(make, B, seed=3)
     assert_isolated(batched, torch.randn(B, N, *shape), model=1)
 
 
@@ -45,7 +45,7 @@ def test_isolated(name: str) -> None:
 def test_shared_input_equals_the_same_input_for_every_model(name: str) -> None:
     make, shape = MODEL_CASES[name]
     torch.manual_seed(0)
-    batched = BatchModule(make(), B, init="independent", seed=1)
+    batched = BatchModule.from_factory(make, B, seed=1)
     x = torch.randn(N, *shape)
     reference = copy.deepcopy(batched)  # stateful modules (FiLM counts calls) must start equal
     seen = []
@@ -179,8 +179,30 @@ class SeqFirst(nn.Module):
 def test_sequence_first_layout_is_found_and_batched() -> None:
     torch.manual_seed(0)
     assert_equivalent(SeqFirst, 3, torch.randn(3, 2, 5, 4))
-    assert_equivalent(SeqFirst, 3, torch.randn(3, 2, 12, 4))  # seq a multiple of B*n: the exact dim wins
+    assert_equivalent(SeqFirst, 3, torch.randn(3, 2, 7, 4))  # seq > B*n, not a multiple of it
     assert_isolated(BatchModule(SeqFirst(), 3, init="independent", seed=0), torch.randn(3, 2, 5, 4))
+
+
+class Patches(nn.Module):
+    """MobileViT's unfolding: every sample's map becomes ``P`` sequences of ``N`` tokens, merged into dim 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.norm = nn.LayerNorm(4)
+
+    def forward(self, x):  # (n, 4, 12, 2): P = 2 patches of N = 12 tokens
+        n = x.shape[0]
+        tokens = x.permute(0, 3, 2, 1).reshape(n * 2, 12, 4)
+        return self.norm(self.fc(tokens)).reshape(n, 2, 12, 4).permute(0, 3, 2, 1)
+
+
+def test_tokens_as_many_as_the_merged_axis_leave_the_models_in_dim_0() -> None:
+    # B*n = 3*4 = 12 = N: dim 1 has exactly B*n entries, yet the models are in dim 0 (B*n*P rows).
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 4, 12, 2)
+    assert_equivalent(Patches, 3, x)
+    assert_isolated(BatchModule(Patches(), 3, init="independent", seed=0), x)
 
 
 class SeqFirstEncoder(nn.Module):
@@ -354,4 +376,4 @@ def test_equivalent_and_isolated_cuda(name: str) -> None:
         return make().cuda()
 
     assert_equivalent(make_cuda, B, torch.randn(B, N, *shape, device="cuda"), steps=5)
-    assert_isolated(BatchModule(make_cuda(), B, init="independent", seed=0), torch.randn(B, N, *shape, device="cuda"))
+    assert_isolated(BatchModule.from_factory(make_cuda, B, seed=0), torch.randn(B, N, *shape, device="cuda"))

@@ -106,7 +106,7 @@ def test_decorator_registration_runs_a_custom_batched_module(clean_registry) -> 
     assert isinstance(batched.module[1], NativeGain) and not batched.generic_modules
     torch.manual_seed(0)
     assert_equivalent(make, 3, torch.randn(3, 5, 4))
-    assert_isolated(BatchModule(make(), 3, init="independent", seed=0), torch.randn(3, 5, 4))
+    assert_isolated(BatchModule.from_factory(make, 3, seed=0), torch.randn(3, 5, 4))
 
 
 class Offset(nn.Module):
@@ -142,7 +142,7 @@ def test_torchmb_02_style_module_registers_and_runs(clean_registry) -> None:
     make = lambda: nn.Sequential(nn.Linear(4, 6), Offset(6), nn.Linear(6, 2))  # noqa: E731
     torch.manual_seed(0)
     assert_equivalent(make, 3, torch.randn(3, 5, 4))
-    assert_isolated(BatchModule(make(), 3, init="independent", seed=0), torch.randn(3, 5, 4))
+    assert_isolated(BatchModule.from_factory(make, 3, seed=0), torch.randn(3, 5, 4))
 
 
 def test_plain_class_with_two_batched_classes_is_ambiguous(clean_registry) -> None:

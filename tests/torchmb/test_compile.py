@@ -1,0 +1,200 @@
+"""``torch.compile`` of a BatchModule and of a whole training step: no graph breaks inside the forward of a
+model made of registered layers, and the numbers eager torchmb gives.
+
+Compiling is slow on a CPU: the models are tiny, most tests use the ``aot_eager`` backend (dynamo and
+AOTAutograd, which is where graph breaks and tracing errors show) and one uses Inductor.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo.testing
+import torch.nn.functional as F
+from support.models import MLP, BatchNormCNN, LeNet
+from support.resnet import ResNet18
+from support.transformer import TransformerLM
+from torch import nn
+
+import batch_layers
+import torchmb
+from torchmb import BatchModule
+
+B, N = 2, 3
+# torch warns about its own code here: dynamo instantiates the custom autograd Functions it traces and reads
+# .grad of the non-leaf tensors it resumes with, Inductor's start-up uses torch.jit.script_method, and on a
+# GPU Inductor advises TF32 (which the conftest keeps off, for comparisons at fp32 tolerances)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores for float32 matrix multiplication:UserWarning"),
+    pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning"),
+    pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+]
+
+FULLGRAPH_CASES = {
+    "mlp": (MLP, lambda: torch.randn(B, N, 12)),
+    "lenet": (LeNet, lambda: torch.randn(B, N, 1, 28, 28)),
+    "resnet": (lambda: ResNet18(width=2), lambda: torch.randn(B, N, 3, 8, 8)),
+    "transformer": (lambda: TransformerLM(num_layers=1), lambda: torch.randint(0, 23, (B, N, 5))),
+}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _output_and_grads(module: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    out = module(x)
+    out.square().sum().backward()
+    return [out.detach(), *(p.grad for p in module.parameters())]
+
+
+@pytest.mark.parametrize("name", FULLGRAPH_CASES)
+def test_forward_compiles_in_one_graph_with_eager_numbers(name: str) -> None:
+    make, make_input = FULLGRAPH_CASES[name]
+    torch.manual_seed(0)
+    batched = BatchModule(make(), B, init="independent", seed=0)
+    reference = copy.deepcopy(batched)
+    x = make_input()
+    compiled = torch.compile(batched, backend="aot_eager", fullgraph=True)
+    for got, want in zip(_output_and_grads(compiled, x), _output_and_grads(reference, x), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    for got, want in zip(batched.buffers(), reference.buffers(), strict=True):  # running statistics updated once
+        torch.testing.assert_close(got, want)
+    assert batched.merged_order == reference.merged_order
+
+
+def test_inductor_trains_lenet_like_eager() -> None:
+    torch.manual_seed(0)
+    batched = BatchModule(LeNet(), B, init="independent", seed=0)
+    reference = copy.deepcopy(batched)
+    x = torch.randn(B, N, 1, 28, 28)
+    compiled = torch.compile(batched, backend="inductor", fullgraph=True)
+    for got, want in zip(_output_and_grads(compiled, x), _output_and_grads(reference, x), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+class _PerPixelLinear(nn.Module):
+    """A BatchNorm'd convolution whose spatial dims are then merged into dim 0: only models-major keeps it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.norm = nn.BatchNorm2d(4)
+        self.mix = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(self.conv(x))
+        n, c, h, w = y.shape
+        return self.mix(y.permute(0, 2, 3, 1).reshape(-1, c)).view(n, h, w, 2)
+
+
+@pytest.mark.parametrize(("make", "order"), [(_PerPixelLinear, "models"), (BatchNormCNN, "samples")])
+def test_compiling_settles_the_order_once_and_undoes_the_trial(make, order: str) -> None:
+    torch.manual_seed(0)
+    batched = BatchModule(make(), B)
+    reference = copy.deepcopy(batched)
+    assert batched.merged_order == "samples"
+    x = torch.randn(B, N, 3, 4, 4)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(batched, backend=counter, fullgraph=True)
+    for _ in range(2):
+        torch.testing.assert_close(compiled(x), reference(x))
+    assert batched.merged_order == reference.merged_order == order
+    for got, want in zip(batched.buffers(), reference.buffers(), strict=True):  # updated twice, not three times
+        torch.testing.assert_close(got, want)
+    assert counter.frame_count == 1  # the settled order is traced once and never retraced
+
+
+class _BreaksGraph(nn.Module):
+    """Breaks dynamo's graph between its layers (as data-dependent Python would), then may raise."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.fail = fail
+        self.first = nn.Linear(5, 8)
+        self.second = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        torch._dynamo.graph_break()
+        if self.fail:
+            raise RuntimeError("the model failed")
+        return self.second(h)
+
+
+def test_the_forward_context_survives_a_graph_break_and_an_error() -> None:
+    torch.manual_seed(0)
+    batched = BatchModule(_BreaksGraph(), B, init="independent", seed=0)
+    reference = copy.deepcopy(batched)
+    x = torch.randn(N, 5)  # shared input: the second layer must still know it is shared
+    compiled = torch.compile(batched, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, shared_input=True), reference(x, shared_input=True))
+    failing = torch.compile(BatchModule(_BreaksGraph(fail=True), B), backend="aot_eager")
+    with pytest.raises(RuntimeError, match="the model failed"):
+        failing(torch.randn(B, N, 5))
+    assert batch_layers.current_forward() is None
+
+
+@pytest.mark.parametrize("optimizer", [torchmb.optim.SGD, torchmb.optim.Adam])
+def test_compiled_training_step_matches_eager(optimizer) -> None:
+    """Forward, ``batch_loss``, backward and a ``torchmb.optim`` step in one compiled function."""
+    torch.manual_seed(0)
+    batched = BatchModule(BatchNormCNN(), B, init="independent", seed=0)
+    eager = copy.deepcopy(batched)
+    kwargs = {"lr": [0.1, 0.01]} | ({"momentum": 0.9} if optimizer is torchmb.optim.SGD else {})
+    optimizers = {id(m): optimizer(m.parameters(), **kwargs) for m in (batched, eager)}
+
+    def step(model: BatchModule, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt = optimizers[id(model)]
+        opt.zero_grad(set_to_none=True)
+        losses = torchmb.batch_loss(model(x), y, loss_fn=F.cross_entropy)
+        losses.sum().backward()
+        opt.step()
+        return losses.detach()
+
+    compiled_step = torch.compile(step, backend="aot_eager")
+    for _ in range(3):
+        x, y = torch.randn(B, N, 3, 8, 8), torch.randint(0, 4, (B, N))
+        torch.testing.assert_close(compiled_step(batched, x, y), step(eager, x, y))
+    for got, want in zip(batched.state_dict().values(), eager.state_dict().values(), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["mlp", "lenet"])
+def test_reduce_overhead_trains_like_eager_on_cuda(name: str) -> None:
+    make, make_input = FULLGRAPH_CASES[name]
+    torch.manual_seed(0)
+    batched = BatchModule(make(), B, init="independent", seed=0).cuda()
+    reference = copy.deepcopy(batched)
+    compiled = torch.compile(batched, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):  # the first calls record, later ones replay the CUDA graph
+        x = make_input().cuda()
+        for p in (*batched.parameters(), *reference.parameters()):
+            p.grad = None
+        for got, want in zip(_output_and_grads(compiled, x), _output_and_grads(reference, x), strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.cuda
+def test_cupy_embedding_kernels_run_as_operators_in_a_compiled_graph() -> None:
+    pytest.importorskip("cupy")
+    make, make_input = FULLGRAPH_CASES["transformer"]
+    torch.manual_seed(0)
+    batched = BatchModule(make(), B, init="independent", seed=0).cuda()
+    reference = copy.deepcopy(batched)
+    x = make_input().cuda()
+    compiled = torch.compile(batched, fullgraph=True)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, acc_events=True) as profile:
+        got = _output_and_grads(compiled, x)
+    for got_tensor, want in zip(got, _output_and_grads(reference, x), strict=True):
+        torch.testing.assert_close(got_tensor, want, atol=1e-5, rtol=1e-4)
+    ran = {event.key for event in profile.key_averages()}
+    assert {"torchmb::embedding_gather", "torchmb::embedding_scatter"} <= ran
