@@ -1,10 +1,8 @@
 """Vision Transformers under BatchModule hand ``F.scaled_dot_product_attention`` the query, key and value
 layout of the plain model, so its fused kernels (flash, memory-efficient) run, forward and backward.
 
-The timm ViT built without parameters of its root (no class token, no learned position embedding) keeps
-every block on registered layers today. A ViT whose root owns ``cls_token`` / ``pos_embed`` (timm's default,
-torchvision's) needs the root-owns-parameter conversion (torchmb/_generic.py, issue 16): until its blocks
-convert to registered layers, those cases skip.
+Every block runs on registered layers, also where the root owns ``cls_token`` / ``pos_embed`` (timm's
+default, torchvision's): only the root's own parameters go through ``torch.func`` (torchmb/_generic.py).
 """
 
 from __future__ import annotations
@@ -51,11 +49,10 @@ MODELS = {
 }
 
 
-def skip_unless_blocks_are_batched(batched: BatchModule) -> None:
-    """The ViTs whose root owns parameters need the root-owns-parameter conversion (see the module doc)."""
+def assert_blocks_are_batched(batched: BatchModule) -> None:
+    """The blocks' layers are registered batched layers, whatever the root owns."""
     linears = [m for m in batched.modules() if isinstance(m, (batch_layers.Linear, batch_layers.MultiheadAttention))]
-    if not linears:
-        pytest.skip("the root owns parameters and the whole model went through torch.func: needs issue 16's fix")
+    assert linears, "the blocks went through torch.func"
 
 
 class AttentionInputs(TorchFunctionMode):
@@ -79,7 +76,7 @@ def test_attention_sees_the_plain_models_layout(name: str) -> None:
     torch.manual_seed(0)
     plain = MODELS[name]().eval()
     batched = BatchModule(plain, BATCH).eval()
-    skip_unless_blocks_are_batched(batched)
+    assert_blocks_are_batched(batched)
     x = torch.randn(BATCH, SAMPLES, 3, 32, 32)
     with AttentionInputs() as seen_batched:
         batched(x)
@@ -92,7 +89,7 @@ def test_attention_sees_the_plain_models_layout(name: str) -> None:
 @pytest.mark.parametrize("name", list(MODELS))
 def test_vit_trains_as_plain_copies(name: str) -> None:
     batched = BatchModule(MODELS[name](), BATCH)
-    skip_unless_blocks_are_batched(batched)
+    assert_blocks_are_batched(batched)
     assert not [m for m in batched.generic_modules if "blocks" in m or "layers" in m]
     torch.manual_seed(0)
     make = lambda: MODELS[name]().double()  # noqa: E731
@@ -112,7 +109,7 @@ def test_vit_training_step_with_fused_attention_on_cuda(name: str, dtype: torch.
     torch.manual_seed(0)
     references = [MODELS[name]().cuda() for _ in range(BATCH)]
     batched = BatchModule(MODELS[name](), BATCH).cuda()
-    skip_unless_blocks_are_batched(batched)
+    assert_blocks_are_batched(batched)
     batched.load_state_dicts([r.state_dict() for r in references])
     x = torch.randn(BATCH, 4, 3, 32, 32, device="cuda")
     with sdpa_kernel([backend]), torch.autocast("cuda", dtype=dtype):
