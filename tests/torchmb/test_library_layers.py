@@ -96,7 +96,8 @@ def test_unlisted_subclass_keeps_its_computation_on_the_generic_path() -> None:
     make = lambda: nn.Sequential(OffsetLinear(4, 3)).double()  # noqa: E731
     assert lookup_batch_module(OffsetLinear) is None
     torch.manual_seed(0)
-    assert_equivalent(make, 3, torch.randn(3, 5, 4, dtype=torch.float64), steps=2)
+    with pytest.warns(UserWarning, match="100% of the model's parameters are batched through torch.func"):
+        assert_equivalent(make, 3, torch.randn(3, 5, 4, dtype=torch.float64), steps=2)
 
 
 def test_own_subclass_opts_in_to_the_fast_rule(clean_registry) -> None:
