@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+from support.torchvision_ops import import_torchvision
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
@@ -17,6 +18,8 @@ PAGES = [*sorted((ROOT / "docs" / "tutorials").glob("*.md")), *REFERENCE_WITH_CO
 def test_page_code_runs(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     blocks = BLOCK.findall(page.read_text())
     assert blocks, f"{page.name} has no python block to run"
+    if any("import timm" in block or "import torchvision" in block for block in blocks):
+        import_torchvision()  # this machine's torch may be the CPU build (see tests/support/torchvision_ops.py)
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": f"docs_{page.stem}"}
     for number, block in enumerate(blocks, 1):
