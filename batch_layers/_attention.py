@@ -202,19 +202,12 @@ class MultiheadAttention(AbstractBatchModule):
         return layer
 
     # -- layout helpers ---------------------------------------------------------------------------
-    def _shared_rows(self, rows: int) -> bool:
-        """Whether a batch dim of ``rows`` is the shared ``n`` of a shared-input forward (not ``B * n``)."""
-        context = current_forward()
-        if context is None or not context.shared or self.batch == 1:
-            return False
-        return rows % (self.batch * context.samples) != 0 and rows % context.samples == 0
-
     def _by_model(self, x: Tensor, batched: bool, what: str) -> Tensor:
         """``(B, N, T, F)`` (a view where possible) from a merged query/key/value in this layer's layout."""
         if not batched:
             if x.dim() != 2:
                 raise ValueError(f"{type(self).__name__}: expected a 2-D unbatched {what}, got shape {tuple(x.shape)}")
-            if self._shared_rows(x.shape[0]):
+            if self.is_shared(x):
                 return x.expand(self.batch, 1, *x.shape)
             if x.shape[0] % self.batch:
                 raise ValueError(
@@ -226,7 +219,7 @@ class MultiheadAttention(AbstractBatchModule):
             raise ValueError(f"{type(self).__name__}: expected a 3-D {what}, got shape {tuple(x.shape)}")
         if not self.batch_first:
             x = x.transpose(0, 1)
-        if self._shared_rows(x.shape[0]):
+        if self.is_shared(x):
             return x.expand(self.batch, *x.shape)
         context = current_forward()
         step = self.batch * (context.samples if context is not None else 1)

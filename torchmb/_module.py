@@ -24,7 +24,8 @@ from batch_layers import (
 from ._convert import ConversionEntry, convert, warn_if_mostly_generic
 from ._generic import is_generic
 from ._init import build_with_seed, reset_uncovered, reset_with_seed
-from ._select import commit_survivors, gather_survivors
+from ._select import commit_survivors, gather_survivors, survivor_index
+from ._state_dicts import is_per_model, load_plain_states
 from ._tracking import Kind, ModelDataTracker, checking_decisions
 
 __all__ = ["BatchModule"]
@@ -340,16 +341,7 @@ class BatchModule(nn.Module):
 
     # -- per-model state --------------------------------------------------------------------------
     def _is_per_model(self, key: str, value: Tensor) -> bool:
-        plain = self._plain_shapes.get(key)
-        if plain is None:
-            raise KeyError(f"state entry {key!r} has no counterpart in the plain model")
-        if tuple(value.shape) == (self.batch, *plain):
-            return True
-        if tuple(value.shape) == plain:
-            return False
-        raise RuntimeError(
-            f"state entry {key!r} has shape {tuple(value.shape)}; expected {(self.batch, *plain)} or {plain}"
-        )
+        return is_per_model(key, value, self.batch, self._plain_shapes)
 
     def state_dict_of(self, index: int) -> OrderedDict[str, Tensor]:
         """Model ``index``'s plain state dict (cloned tensors), loadable into the original model."""
@@ -376,38 +368,8 @@ class BatchModule(nn.Module):
         slots = list(range(self.batch)) if slots is None else [self._check_index(s) for s in slots]
         if isinstance(state_dicts, Mapping):
             state_dicts = [state_dicts] * len(slots)
-        state_dicts = list(state_dicts)
-        if len(state_dicts) != len(slots):
-            raise ValueError(f"expected {len(slots)} state dicts (one per model), got {len(state_dicts)}")
         targets = self.module.state_dict(keep_vars=True)
-        for i, state in enumerate(state_dicts):
-            missing = sorted(set(targets) - set(state))
-            unexpected = sorted(set(state) - set(targets))
-            if missing or unexpected:
-                raise KeyError(f"state dict {i}: missing keys {missing}, unexpected keys {unexpected}")
-            for key, value in state.items():
-                if tuple(value.shape) != self._plain_shapes[key]:
-                    raise ValueError(
-                        f"state dict {i}: {key!r} expected shape {self._plain_shapes[key]}, got {tuple(value.shape)}"
-                    )
-        with torch.no_grad():
-            for key, target in targets.items():
-                values = [state[key] for state in state_dicts]
-                if self._is_per_model(key, target):
-                    stacked = torch.stack([v.to(target.device, target.dtype) for v in values])
-                    if slots == list(range(self.batch)):
-                        target.copy_(stacked)
-                    else:
-                        target[torch.tensor(slots, device=target.device)] = stacked
-                else:
-                    first = values[0].to(target.device, target.dtype)
-                    if any(not torch.equal(first, v.to(target.device, target.dtype)) for v in values[1:]):
-                        raise ValueError(f"{key!r} is stored once for all models; the state dicts disagree on it")
-                    if len(slots) != self.batch and not torch.equal(first, target):
-                        raise ValueError(
-                            f"{key!r} is stored once for all models; loading into some slots cannot change it"
-                        )
-                    target.copy_(first)
+        load_plain_states(targets, list(state_dicts), slots, self.batch, self._plain_shapes)
 
     def unbatch(self, index: int) -> nn.Module:
         """A fresh instance of the original model class holding model ``index``'s parameters and buffers."""
@@ -428,7 +390,7 @@ class BatchModule(nn.Module):
         those models. Atomic: every survivor's tensor is gathered before the first is swapped in, so an
         error leaves the module as it was.
         """
-        index = self._keep_index(keep)
+        index = survivor_index(keep, self.batch)
         self._refuse_offloaded("select() cannot shrink", "build a new BatchModule from the survivors' state_dicts")
         survivors = gather_survivors(self.module.state_dict(keep_vars=True), index, self._is_per_model)
         commit_survivors(survivors)
@@ -448,19 +410,6 @@ class BatchModule(nn.Module):
                     f"{action} {name or 'the model'}: an offloaded embedding keeps all B tables in one host "
                     f"table; {instead} instead"
                 )
-
-    def _keep_index(self, keep: Sequence[int] | Tensor) -> Tensor:
-        keep = torch.as_tensor(keep)
-        if keep.dtype == torch.bool:
-            if keep.shape != (self.batch,):
-                raise ValueError(f"a boolean keep mask must have shape ({self.batch},), got {tuple(keep.shape)}")
-            keep = keep.nonzero().flatten()
-        keep = keep.long().flatten().cpu()
-        if keep.numel() == 0:
-            raise ValueError("select() must keep at least one model")
-        for i in keep.tolist():
-            self._check_index(i)
-        return keep
 
     def _check_index(self, index: int) -> int:
         if not -self.batch <= index < self.batch:

@@ -6,14 +6,14 @@ nothing); only then are they swapped in (:func:`commit_survivors`, which cannot 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Survivors", "commit_survivors", "gather_survivors"]
+__all__ = ["Survivors", "commit_survivors", "gather_survivors", "survivor_index"]
 
 
 @dataclass
@@ -22,6 +22,23 @@ class Survivors:
 
     parameters: list[tuple[nn.Parameter, nn.Parameter]] = field(default_factory=list)
     buffers: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+
+
+def survivor_index(keep: Sequence[int] | Tensor, batch: int) -> Tensor:
+    """``keep`` (model indices, negative ones counting from the end, or a boolean mask of length ``batch``)
+    as a CPU index tensor of the survivors, in ``keep``'s order."""
+    keep = torch.as_tensor(keep)
+    if keep.dtype == torch.bool:
+        if keep.shape != (batch,):
+            raise ValueError(f"a boolean keep mask must have shape ({batch},), got {tuple(keep.shape)}")
+        keep = keep.nonzero().flatten()
+    keep = keep.long().flatten().cpu()
+    if keep.numel() == 0:
+        raise ValueError("select() must keep at least one model")
+    out_of_range = [i for i in keep.tolist() if not -batch <= i < batch]
+    if out_of_range:
+        raise IndexError(f"model index {out_of_range[0]} is out of range for batch={batch}")
+    return keep % batch
 
 
 def gather_survivors(
