@@ -20,15 +20,21 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-__all__ = ["build_with_seed", "reset_uncovered", "reset_with_seed", "seeded"]
+__all__ = ["build_with_seed", "random_state_kept", "reset_uncovered", "reset_with_seed", "seeded"]
+
+
+@contextlib.contextmanager
+def random_state_kept() -> Iterator[None]:
+    """Run a block, then restore torch's CPU random state and that of every CUDA device already initialised."""
+    devices = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        yield
 
 
 @contextlib.contextmanager
 def seeded(seed: int) -> Iterator[None]:
-    """Run a block after ``torch.manual_seed(seed)``; torch's CPU random state, and that of every CUDA
-    device already initialised, is restored afterwards."""
-    devices = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices):
+    """Run a block after ``torch.manual_seed(seed)``, restoring the random state afterwards."""
+    with random_state_kept():
         torch.manual_seed(seed)
         yield
 

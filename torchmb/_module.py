@@ -23,7 +23,7 @@ from batch_layers import (
 
 from ._convert import ConversionEntry, convert, warn_if_mostly_generic
 from ._generic import is_generic
-from ._init import build_with_seed, reset_uncovered, reset_with_seed
+from ._init import build_with_seed, random_state_kept, reset_uncovered, reset_with_seed
 from ._select import commit_survivors, gather_survivors, survivor_index
 from ._state_dicts import is_per_model, load_plain_states
 from ._tracking import Kind, ModelDataTracker, checking_decisions
@@ -194,7 +194,8 @@ class BatchModule(nn.Module):
             )
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()))
-        batched = cls(build_with_seed(make_model, seed), batch, merged_order=merged_order)
+        with random_state_kept():  # conversion initialises batched layers before copying weights into them
+            batched = cls(build_with_seed(make_model, seed), batch, merged_order=merged_order)
         for i in range(1, batch):
             batched.load_state_dicts(build_with_seed(make_model, seed + i).state_dict(), slots=[i])
         return batched
