@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_map
@@ -205,10 +206,13 @@ def _buffer_versions(module: nn.Module) -> dict[str, tuple[int, int]]:
 
 
 def _note_buffer_versions(module: nn.Module, args: tuple) -> None:
-    module._torchmb_buffer_versions = _buffer_versions(module)
+    if not torch.compiler.is_compiling():  # version counters are not traceable; eager forwards check
+        module._torchmb_buffer_versions = _buffer_versions(module)
 
 
 def _check_buffer_versions(module: nn.Module, args: tuple, output: object) -> None:
+    if torch.compiler.is_compiling():
+        return
     before = module._torchmb_buffer_versions
     changed = [name for name, version in _buffer_versions(module).items() if before.get(name) != version]
     if changed:
