@@ -161,7 +161,7 @@ def run(
                     "precision": precision,
                     "channels_last": channels_last,
                 }
-                if impl.startswith("vmap") and workload.attention and device.type == "cuda":
+                if impl.startswith("vmap") and workload.attention:
                     row["attention"] = "math"
                 failed_at = out_of_memory.get((name, impl))
                 if failed_at is not None and batch > failed_at:
@@ -226,7 +226,7 @@ def largest_batches(workloads: list[str], samples: int, device: torch.device, up
             buffers = {k: v.unsqueeze(0).repeat(batch, *[1] * v.dim()) for k, v in model.named_buffers()}
             opt = torch.optim.SGD(list(params.values()), lr=0.01)
             x = x_one.unsqueeze(0).expand(batch, *x_one.shape).contiguous()
-            with vmap_attention(workload, device):
+            with vmap_attention(workload):
                 out = vmap(lambda p, b, xi: functional_call(base, (p, b), (xi,)), randomness="different")(
                     params, buffers, x
                 )

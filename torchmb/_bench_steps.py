@@ -98,10 +98,11 @@ def channels_last_images(x: torch.Tensor) -> torch.Tensor:
     return images.view(x.shape)
 
 
-def vmap_attention(workload: Workload, device: torch.device) -> contextlib.AbstractContextManager:
-    """The attention backend the vmap ensemble runs with: on CUDA the math one, since the fused kernels'
-    batching rules fail under vmap (torch 2.11: "LSE is not correctly aligned"); elsewhere the default."""
-    if workload.attention and device.type == "cuda":
+def vmap_attention(workload: Workload) -> contextlib.AbstractContextManager:
+    """The attention backend the vmap ensemble runs with: the math one, since the fused kernels' batching
+    rules fail under vmap on CUDA (torch 2.11: "LSE is not correctly aligned") and have none on the CPU
+    (vmap falls back to a loop over the models there)."""
+    if workload.attention:
         return sdpa_kernel(SDPBackend.MATH)
     return contextlib.nullcontext()
 
@@ -191,13 +192,13 @@ class Steps:
         buffers = {name: torch.stack([s[name] for s in states]) for name, _ in base.named_buffers()}
         del states
         optimizer = torch.optim.SGD(list(parameters.values()), lr=0.01)
-        samples, workload, device = self.samples, self.workload, self.device
+        samples, workload = self.samples, self.workload
 
         def one_model(p, b, x):
             return functional_call(base, (p, b), (x,))
 
         def loss_of(x: torch.Tensor, y: torch.Tensor, randomness: str = "different") -> torch.Tensor:
-            with self._amp(), vmap_attention(workload, device):
+            with self._amp(), vmap_attention(workload):
                 ensemble = vmap(one_model, in_dims=(0, 0, None if shared_input else 0), randomness=randomness)
                 return summed_cross_entropy(ensemble(parameters, buffers, x), y, samples)
 
