@@ -116,6 +116,9 @@ class GemmRule:
     min_groups: int = 8  # B * groups: below this cuDNN's per-group launches are few
     max_columns_per_group: int = 256  # C_in/g * prod(k): rows of each group's im2col matrix
     max_out_per_group: int = 64  # C_out/g
+    # With one output channel per group (depthwise) each GEMM is a matrix-vector product that reads the
+    # prod(k)-fold im2col copy for one multiply-add per element; the depthwise kernel reads the input once.
+    min_out_per_group: int = 2
     max_columns_elements: int = 2**31 - 1  # the whole im2col matrix (memory, and 32-bit indexing of unfold/fold)
 
 
@@ -156,7 +159,7 @@ def prefers_gemm(
     return (
         groups >= rule.min_groups
         and columns_per_group <= rule.max_columns_per_group
-        and out_per_group <= rule.max_out_per_group
+        and rule.min_out_per_group <= out_per_group <= rule.max_out_per_group
         and groups * columns_per_group * output_positions <= rule.max_columns_elements
     )
 
@@ -282,8 +285,10 @@ class _GemmConv(torch.autograd.Function):
         per_group = weight.reshape(batch * groups, grad.shape[1], -1)
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
+            # the im2col-sized gradient is freed by the fold, before the weight gradient rebuilds the matrix
             grad_columns = torch.bmm(per_group.transpose(1, 2), grad)
             grad_x = _fold(grad_columns, x.shape, batch, groups, kernel_size, stride, dilation, pads, order)
+            del grad_columns
         if ctx.needs_input_grad[1]:
             columns = _columns(x, batch, groups, kernel_size, stride, dilation, pads, order)
             grad_weight = torch.bmm(grad, columns.transpose(1, 2)).view(weight.shape)

@@ -155,10 +155,12 @@ def test_rule_takes_gemm_for_lenet_on_cuda_only(shape: dict, batch: int) -> None
     assert not batch_layers.prefers_gemm(device_type="mps", **rule)  # no rule: the grouped convolution
 
 
-def test_rule_keeps_the_grouped_convolution_for_wide_layers_few_models_and_other_dtypes() -> None:
+def test_rule_keeps_the_grouped_convolution_for_wide_layers_few_models_depthwise_and_other_dtypes() -> None:
     lenet = {"dtype": torch.float32, "device_type": "cuda", **LENET_CONV2}
     assert not batch_layers.prefers_gemm(groups=16, dtype=torch.float32, device_type="cuda", **RESNET_CONV)
     assert not batch_layers.prefers_gemm(groups=2, **lenet)
+    depthwise = {**lenet, "in_per_group": 1, "out_per_group": 1, "kernel_size": (3, 3)}
+    assert not batch_layers.prefers_gemm(groups=64 * 96, **depthwise)
     assert not batch_layers.prefers_gemm(groups=64, **{**lenet, "dtype": torch.complex64})
     assert not batch_layers.prefers_gemm(groups=2**20, **lenet), "an im2col matrix past 32-bit indexing"
 
