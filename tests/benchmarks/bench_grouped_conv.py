@@ -47,7 +47,7 @@ PLAIN = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 
 
 def _estimated_gib(config: tuple, batch: int, n: int) -> float:
-    """Input, output, their gradients and the im2col matrix (the grouped layers as many elements), fp32."""
+    """Input, output and their gradients, and the im2col matrix counted twice (forward, backward), fp32."""
     dims, cin, cout, kernel, size, stride, padding = config[:7]
     out_size = (size + 2 * padding - kernel) // stride + 1
     activations = batch * n * (cin * size**dims + cout * out_size**dims) * 2
