@@ -215,3 +215,14 @@ def test_compiles_in_one_graph_with_gemm_forced() -> None:
     torch._dynamo.reset()
     for got, want in zip(*results, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("order", ORDERS)
+def test_cuda_rule_takes_gemm_for_lenet_and_both_paths_match_plain_layers(order: str) -> None:
+    conv = batch_layers.Conv2d(6, 16, 5, batch=8, device="cuda")
+    assert "_GemmConvBackward" in node_names(conv(torch.randn(8 * 2, 6, 12, 12, device="cuda")))
+    case = LayerCase("lenet-conv2", lambda: nn.Conv2d(6, 16, 5), (6, 12, 12), atol=1e-4)
+    for algorithm in ALGORITHMS:
+        with batch_layers.use_conv_algorithm(algorithm):
+            run_case(case, "train", "cuda", order=order)
