@@ -20,7 +20,6 @@ from ._base import (
 from ._batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d
 from ._bilinear import Bilinear
 from ._conv import Conv1d, Conv2d, Conv3d
-from ._conv_gemm import GEMM_RULES, GemmRule, get_conv_algorithm, prefers_gemm, set_conv_algorithm, use_conv_algorithm
 from ._conv_transpose import ConvTranspose1d, ConvTranspose2d, ConvTranspose3d
 from ._dropout import AlphaDropout, Dropout, Dropout1d, Dropout2d, Dropout3d, FeatureAlphaDropout
 from ._embedding import Embedding, FastEmbedding, batched_embedding, check_indices
@@ -36,7 +35,6 @@ from ._recurrent_cells import GRUCell, LSTMCell, RNNCell
 from ._subclass import batched_subclass
 
 __all__ = [
-    "GEMM_RULES",
     "GRU",
     "LAYERS",
     "LSTM",
@@ -65,7 +63,6 @@ __all__ = [
     "ForwardContext",
     "FrozenBatchNorm2d",
     "GRUCell",
-    "GemmRule",
     "GroupNorm",
     "InstanceNorm1d",
     "InstanceNorm2d",
@@ -89,15 +86,11 @@ __all__ = [
     "current_forward",
     "forward_context",
     "get_backend",
-    "get_conv_algorithm",
     "is_shared_input",
     "offload_embeddings",
-    "prefers_gemm",
     "recognise_shared_by",
     "set_backend",
-    "set_conv_algorithm",
     "use_backend",
-    "use_conv_algorithm",
     "use_cupy",
     "use_torch",
 ]

@@ -9,15 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.utils import _ntuple, _reverse_repeat_tuple
 
-from ._base import (
-    AbstractBatchModule,
-    autocast_dtype,
-    copy_into_every_model,
-    from_grouped,
-    is_channels_last,
-    to_grouped,
-)
-from ._conv_gemm import gemm_conv, get_conv_algorithm, output_sizes, prefers_gemm
+from ._base import AbstractBatchModule, autocast_dtype, copy_into_every_model, from_grouped, to_grouped
 
 __all__ = ["Conv1d", "Conv2d", "Conv3d"]
 
@@ -298,38 +290,7 @@ class _ConvNd(AbstractBatchModule):
         per_model = n * max(self.in_channels, self.out_channels) * spatial
         return max(1, _INDEX_LIMIT // max(per_model, 1))
 
-    def _runs_as_gemm(self, x: Tensor, batch: int) -> bool:
-        """Whether this call takes the batched-GEMM path (:mod:`batch_layers._conv_gemm`): as forced by
-        :func:`~batch_layers.set_conv_algorithm`, else by :func:`~batch_layers.prefers_gemm` (never for a
-        channels-last input, whose layout only the grouped convolution keeps)."""
-        algorithm = get_conv_algorithm()
-        if algorithm is not None:
-            return algorithm == "gemm"
-        if is_channels_last(x):
-            return False
-        n = x.shape[0] // batch
-        # every padding mode pads by the same amounts, so the output size follows from the unpadded input
-        out = output_sizes(tuple(x.shape[2:]), self.kernel_size, self.stride, self.dilation, self._explicit_padding)
-        dtype = autocast_dtype(x.device.type) or x.dtype
-        return prefers_gemm(
-            groups=batch * self.groups,
-            in_per_group=self.in_channels // self.groups,
-            out_per_group=self.out_channels // self.groups,
-            kernel_size=self.kernel_size,
-            output_positions=n * math.prod(out),
-            dtype=dtype,
-            device_type=x.device.type,
-        )
-
     def _grouped_forward(self, x: Tensor, weight: Tensor, bias: Tensor | None, batch: int, order: str) -> Tensor:
-        if self._runs_as_gemm(x, batch):
-            if self.padding_mode != "zeros":
-                x = F.pad(x, self._explicit_padding, mode=self.padding_mode)
-                pads = (0,) * (2 * self.dims)
-            else:
-                pads = self._explicit_padding
-            config = (self.kernel_size, self.stride, self.dilation, pads, order)
-            return gemm_conv(x, weight, bias, batch, self.groups, *config)
         if self._numeric_padding is None:  # uneven 'same' padding: torch's own conv pads it
             grouped = to_grouped(x, batch, order)
             return from_grouped(self._conv(grouped, weight, bias, batch * self.groups), batch, order)
