@@ -168,7 +168,7 @@ def test_compiled_training_step_matches_eager(optimizer) -> None:
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", ["mlp", "lenet"])
-# torch 2.11's CUDA-graph trees capture one partition with no kernel in it (the outputs are views) and warn
+# torch 2.11's CUDA-graph trees warn that a captured graph is empty here (not investigated; the numbers match eager)
 @pytest.mark.filterwarnings("ignore:The CUDA Graph is empty:UserWarning")
 def test_reduce_overhead_trains_like_eager_on_cuda(name: str) -> None:
     make, make_input = FULLGRAPH_CASES[name]
