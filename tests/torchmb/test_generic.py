@@ -409,3 +409,37 @@ class TableBias(nn.Module):
 def test_a_region_calls_a_layer_on_a_table(persistent: bool) -> None:
     torch.manual_seed(0)
     assert_equivalent(lambda: TableBias(persistent).double(), B, torch.randn(B, N, 3, dtype=torch.float64), **DOUBLE)
+
+
+class FourierPositions(nn.Module):
+    """XCiT's encoder in small: called with sizes alone, it builds a grid, projects it with a registered
+    layer and repeats the result for every sample."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.project = nn.Linear(2, d)
+
+    def forward(self, samples: int, tokens: int) -> Tensor:
+        grid = torch.linspace(-1, 1, 2 * tokens, dtype=self.project.weight.dtype).view(1, tokens, 2)
+        return self.project(grid).repeat(samples, 1, 1)
+
+
+class EncodedTokens(nn.Module):
+    def __init__(self, d: int = 4, tokens: int = 3) -> None:
+        super().__init__()
+        self.cls_token = nn.Parameter(torch.randn(1, 1, d))
+        self.positions = FourierPositions(d)
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.positions(x.shape[0], x.shape[1])
+        return self.head(torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1))
+
+
+def test_a_region_calls_a_child_with_no_tensor_that_runs_a_layer_on_a_constant() -> None:
+    torch.manual_seed(0)
+    batched = BatchModule(EncodedTokens(), B)
+    assert generic_paths(batched) == {"": "generic-own"}
+    assert registered_layers_everywhere(batched, nn.Linear) == 2
+    inputs = torch.randn(B, N, 3, 4, dtype=torch.float64)
+    assert_equivalent(lambda: EncodedTokens().double(), B, inputs, **DOUBLE)
