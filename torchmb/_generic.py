@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch._C._functorch as functorch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 from torch.func import vmap
@@ -273,6 +274,8 @@ class _PerModelTensors(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and _float_mask_on_cpu(*args, **kwargs):
+            return _attention_by_matmul(*args, **kwargs)
         out = kwargs.get("out")
         if isinstance(out, Tensor) and functorch.maybe_get_level(out) == self.level:
             result = func(*args, **{k: v for k, v in kwargs.items() if k != "out"})
@@ -282,6 +285,36 @@ class _PerModelTensors(TorchFunctionMode):
             physical = result.unsqueeze(0).expand(self.batch, *result.shape).contiguous()
             return functorch._add_batch_dim(physical, 0, self.level)
         return result
+
+
+def _float_mask_on_cpu(query: Tensor, *args: Any, attn_mask: Tensor | None = None, **kwargs: Any) -> bool:
+    """Whether an attention call may hand its flash kernel a learned mask (a tensor under ``vmap`` does not
+    say whether autograd tracks it, so every float mask counts)."""
+    mask = args[2] if len(args) > 2 else attn_mask
+    return query.device.type == "cpu" and isinstance(mask, Tensor) and mask.is_floating_point()
+
+
+def _attention_by_matmul(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """``F.scaled_dot_product_attention`` with a float mask, spelled out: under ``vmap`` on CPU torch batches
+    the call into its flash kernel, which refuses a mask that needs a gradient (BEiT's learned relative
+    position bias), where a plain model's call takes the math path that accepts it."""
+    if is_causal or enable_gqa:
+        raise NotImplementedError(
+            "torchmb: scaled_dot_product_attention with a float mask under vmap on CPU is spelled out without "
+            "is_causal and enable_gqa; pass the causal mask in attn_mask"
+        )
+    scores = query @ key.transpose(-2, -1) * (query.shape[-1] ** -0.5 if scale is None else scale)
+    weights = F.dropout((scores + attn_mask).softmax(dim=-1), dropout_p)
+    return weights @ value
 
 
 # -- the vmapped call --------------------------------------------------------------------------------------

@@ -443,3 +443,29 @@ def test_a_region_calls_a_child_with_no_tensor_that_runs_a_layer_on_a_constant()
     assert registered_layers_everywhere(batched, nn.Linear) == 2
     inputs = torch.randn(B, N, 3, 4, dtype=torch.float64)
     assert_equivalent(lambda: EncodedTokens().double(), B, inputs, **DOUBLE)
+
+
+class BiasedAttention(nn.Module):
+    """BEiT's attention in small: it owns a relative position bias and hands it to fused attention as a
+    float mask, which must get its gradient (on CPU, vmap's flash kernel would refuse a mask needing one)."""
+
+    def __init__(self, d: int = 4, heads: int = 2, tokens: int = 3) -> None:
+        super().__init__()
+        self.heads = heads
+        self.bias = nn.Parameter(torch.randn(heads, tokens, tokens))
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, tokens, d = x.shape
+        qkv = self.qkv(x).reshape(n, tokens, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias.unsqueeze(0), dropout_p=0.0)
+        return out.transpose(1, 2).reshape(n, tokens, d)
+
+
+def test_a_region_attends_with_a_learned_float_mask() -> None:
+    torch.manual_seed(0)
+    batched = BatchModule(BiasedAttention(), B)
+    assert generic_paths(batched) == {"": "generic-own"}
+    inputs = torch.randn(B, N, 3, 4, dtype=torch.float64)
+    assert_equivalent(lambda: BiasedAttention().double(), B, inputs, **DOUBLE)
