@@ -274,7 +274,7 @@ class _PerModelTensors(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and _float_mask_on_cpu(*args, **kwargs):
+        if func is F.scaled_dot_product_attention and args[0].device.type == "cpu":
             return _attention_by_matmul(*args, **kwargs)
         out = kwargs.get("out")
         if isinstance(out, Tensor) and functorch.maybe_get_level(out) == self.level:
@@ -287,34 +287,32 @@ class _PerModelTensors(TorchFunctionMode):
         return result
 
 
-def _float_mask_on_cpu(query: Tensor, *args: Any, attn_mask: Tensor | None = None, **kwargs: Any) -> bool:
-    """Whether an attention call may hand its flash kernel a learned mask (a tensor under ``vmap`` does not
-    say whether autograd tracks it, so every float mask counts)."""
-    mask = args[2] if len(args) > 2 else attn_mask
-    return query.device.type == "cpu" and isinstance(mask, Tensor) and mask.is_floating_point()
-
-
 def _attention_by_matmul(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    attn_mask: Tensor,
+    attn_mask: Tensor | None = None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> Tensor:
-    """``F.scaled_dot_product_attention`` with a float mask, spelled out: under ``vmap`` on CPU torch batches
-    the call into its flash kernel, which refuses a mask that needs a gradient (BEiT's learned relative
-    position bias), where a plain model's call takes the math path that accepts it."""
-    if is_causal or enable_gqa:
-        raise NotImplementedError(
-            "torchmb: scaled_dot_product_attention with a float mask under vmap on CPU is spelled out without "
-            "is_causal and enable_gqa; pass the causal mask in attn_mask"
-        )
+    """``F.scaled_dot_product_attention``, spelled out as torch's math path computes it, for a region on CPU.
+
+    Under ``vmap`` torch batches the call into its CPU flash kernel, which has no batching rule (a loop
+    over the models, with a performance warning) and refuses a mask needing a gradient (BEiT's learned
+    relative position bias: a tensor under ``vmap`` does not say whether autograd tracks it).
+    """
+    if enable_gqa:
+        raise NotImplementedError("torchmb: scaled_dot_product_attention with enable_gqa under vmap on CPU")
     scores = query @ key.transpose(-2, -1) * (query.shape[-1] ** -0.5 if scale is None else scale)
-    weights = F.dropout((scores + attn_mask).softmax(dim=-1), dropout_p)
-    return weights @ value
+    if is_causal:
+        attn_mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    elif attn_mask is not None:
+        scores = scores + attn_mask
+    return F.dropout(scores.softmax(dim=-1), dropout_p) @ value
 
 
 # -- the vmapped call --------------------------------------------------------------------------------------

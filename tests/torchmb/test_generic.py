@@ -459,7 +459,7 @@ class BiasedAttention(nn.Module):
         n, tokens, d = x.shape
         qkv = self.qkv(x).reshape(n, tokens, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias.unsqueeze(0), dropout_p=0.0)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias.unsqueeze(0))
         return out.transpose(1, 2).reshape(n, tokens, d)
 
 
@@ -469,3 +469,31 @@ def test_a_region_attends_with_a_learned_float_mask() -> None:
     assert generic_paths(batched) == {"": "generic-own"}
     inputs = torch.randn(B, N, 3, 4, dtype=torch.float64)
     assert_equivalent(lambda: BiasedAttention().double(), B, inputs, **DOUBLE)
+
+
+class DroppedAttention(nn.Module):
+    """EVA's attention in small: it owns a parameter (a layer scale) and drops attention weights."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.ones(d))
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, tokens, d = x.shape
+        q, k, v = self.qkv(x).reshape(n, tokens, 3, 2, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5 if self.training else 0.0)
+        return self.gamma * out.transpose(1, 2).reshape(n, tokens, d)
+
+
+def test_attention_dropout_in_a_region_draws_per_model() -> None:
+    """On CPU torch has no batching rule for attention dropout (it would loop, warning); spelled out, each
+    model draws its own mask."""
+    torch.manual_seed(0)
+    batched = BatchModule(DroppedAttention(), B)
+    one_input = torch.randn(1, N, 4, 8)
+    outputs = batched(one_input.expand(B, -1, -1, -1))
+    assert not torch.equal(outputs[0], outputs[1])
+    batched.eval()
+    plain = batched.unbatch(0).eval()
+    torch.testing.assert_close(batched(one_input.expand(B, -1, -1, -1))[0], plain(one_input[0]))
