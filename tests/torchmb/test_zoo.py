@@ -43,9 +43,9 @@ def _converting(entry: ZooModel):
     return contextlib.nullcontext()
 
 
-def _images(entry: ZooModel, batch: int, dtype: torch.dtype, seed: int = 0) -> Tensor:
+def _images(entry: ZooModel, batch: int, dtype: torch.dtype, samples: int, seed: int = 0) -> Tensor:
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(batch, SAMPLES, 3, entry.size, entry.size, generator=generator, dtype=dtype)
+    return torch.randn(batch, samples, 3, entry.size, entry.size, generator=generator, dtype=dtype)
 
 
 def _logits(output) -> Tensor:
@@ -71,7 +71,7 @@ def test_zoo_model_matches_plain_copies(entry: ZooModel) -> None:
         assert_equivalent(
             make,
             BATCH,
-            _images(entry, BATCH, torch.float64),
+            _images(entry, BATCH, torch.float64, entry.samples),
             steps=2,
             loss_fn=lambda output: _logits(output).square().mean(),
             lr=0.01,
@@ -100,7 +100,7 @@ def test_zoo_model_trains_with_randomness_per_model(entry: ZooModel) -> None:
     plain = _unzeroed(entry.build())
     with _converting(entry):
         batched = torchmb.BatchModule(plain, BATCH)  # every model a copy of the plain one
-    image = _images(entry, 1, torch.float32)
+    image = _images(entry, 1, torch.float32, SAMPLES)
     same_images = image.expand(BATCH, *image.shape[1:])
 
     plain.eval()
