@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 from torch.func import vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode, _pop_mode_temporarily
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
@@ -275,7 +276,11 @@ class _PerModelTensors(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention and args[0].device.type == "cpu":
-            return _attention_by_matmul(*args, **kwargs)
+            # Under vmap torch would call its CPU flash kernel, which has no batching rule (a loop over the
+            # models, with a performance warning) and refuses a mask needing a gradient (BEiT's learned
+            # relative position bias); its math path batches.
+            with sdpa_kernel(SDPBackend.MATH):
+                return func(*args, **kwargs)
         out = kwargs.get("out")
         if isinstance(out, Tensor) and functorch.maybe_get_level(out) == self.level:
             result = func(*args, **{k: v for k, v in kwargs.items() if k != "out"})
@@ -285,34 +290,6 @@ class _PerModelTensors(TorchFunctionMode):
             physical = result.unsqueeze(0).expand(self.batch, *result.shape).contiguous()
             return functorch._add_batch_dim(physical, 0, self.level)
         return result
-
-
-def _attention_by_matmul(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Tensor:
-    """``F.scaled_dot_product_attention``, spelled out as torch's math path computes it, for a region on CPU.
-
-    Under ``vmap`` torch batches the call into its CPU flash kernel, which has no batching rule (a loop
-    over the models, with a performance warning) and refuses a mask needing a gradient (BEiT's learned
-    relative position bias: a tensor under ``vmap`` does not say whether autograd tracks it).
-    """
-    if enable_gqa:
-        raise NotImplementedError("torchmb: scaled_dot_product_attention with enable_gqa under vmap on CPU")
-    scores = query @ key.transpose(-2, -1) * (query.shape[-1] ** -0.5 if scale is None else scale)
-    if is_causal:
-        attn_mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        scores = scores.masked_fill(~attn_mask, float("-inf"))
-    elif attn_mask is not None:
-        scores = scores + attn_mask
-    return F.dropout(scores.softmax(dim=-1), dropout_p) @ value
 
 
 # -- the vmapped call --------------------------------------------------------------------------------------
