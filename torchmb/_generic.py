@@ -28,9 +28,11 @@ from typing import Any
 
 import torch
 import torch._C._functorch as functorch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 from torch.func import vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode, _pop_mode_temporarily
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
@@ -161,6 +163,8 @@ def _on_merged_axis(module: nn.Module, call: Callable[..., Any], args: tuple, kw
             f"{type(module).__name__} was called inside a torch.func transform within a generic module's "
             "forward; torchmb cannot take its inputs out onto the merged model axis there"
         )
+    if _runs_in_region(module, region, args, kwargs):
+        return call(*args, **kwargs)
     merged_args, merged_kwargs, context = _merged_call(region, args, kwargs)
     slices = _swap(module, region.real)  # the callee's own subtree computes with the stacked tensors
     token = _REGION.set(None)
@@ -172,6 +176,22 @@ def _on_merged_axis(module: nn.Module, call: Callable[..., Any], args: tuple, kw
         for key, real in _swap(module, slices).items():
             region.real[key] = real  # an escaped generic module may have reassigned a buffer
     return tree_map(functools.partial(_to_region, region, type(module).__name__), out)
+
+
+def _runs_in_region(module: nn.Module, region: _Region, args: tuple, kwargs: dict) -> bool:
+    """Whether a callee runs in the region, under its ``vmap``, rather than escaping: a module without
+    state of its own (a container, a parameter-free module) called with no per-model tensor. What it
+    computes from constants then becomes per model as the region's own code does (XCiT's Fourier encoder
+    builds a coordinate grid, runs its Conv on it and repeats the result for every sample: on the merged
+    axis, the repeat would interleave the models). Its layers, called on those constants, escape and
+    compute one result per model from copies of them."""
+    if isinstance(module, AbstractBatchModule) or is_generic(module):
+        return False
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+    if any(functorch.maybe_get_level(t) == region.level for t in tensors):
+        return False
+    outer = current_forward()
+    return not (outer is not None and outer.shared and any(_rows(t) == outer.samples for t in tensors))
 
 
 def _swap(root: nn.Module, values: dict[tuple[int, str], Tensor]) -> dict[tuple[int, str], Tensor]:
@@ -255,6 +275,12 @@ class _PerModelTensors(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and args[0].device.type == "cpu":
+            # Under vmap torch would call its CPU flash kernel, which has no batching rule (a loop over the
+            # models, with a performance warning) and refuses a mask needing a gradient (BEiT's learned
+            # relative position bias); its math path batches.
+            with sdpa_kernel(SDPBackend.MATH):
+                return func(*args, **kwargs)
         out = kwargs.get("out")
         if isinstance(out, Tensor) and functorch.maybe_get_level(out) == self.level:
             result = func(*args, **{k: v for k, v in kwargs.items() if k != "out"})

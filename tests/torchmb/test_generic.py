@@ -409,3 +409,91 @@ class TableBias(nn.Module):
 def test_a_region_calls_a_layer_on_a_table(persistent: bool) -> None:
     torch.manual_seed(0)
     assert_equivalent(lambda: TableBias(persistent).double(), B, torch.randn(B, N, 3, dtype=torch.float64), **DOUBLE)
+
+
+class FourierPositions(nn.Module):
+    """XCiT's encoder in small: called with sizes alone, it builds a grid, projects it with a registered
+    layer and repeats the result for every sample."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.project = nn.Linear(2, d)
+
+    def forward(self, samples: int, tokens: int) -> Tensor:
+        grid = torch.linspace(-1, 1, 2 * tokens, dtype=self.project.weight.dtype).view(1, tokens, 2)
+        return self.project(grid).repeat(samples, 1, 1)
+
+
+class EncodedTokens(nn.Module):
+    def __init__(self, d: int = 4, tokens: int = 3) -> None:
+        super().__init__()
+        self.cls_token = nn.Parameter(torch.randn(1, 1, d))
+        self.positions = FourierPositions(d)
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.positions(x.shape[0], x.shape[1])
+        return self.head(torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1))
+
+
+def test_a_region_calls_a_child_with_no_tensor_that_runs_a_layer_on_a_constant() -> None:
+    torch.manual_seed(0)
+    batched = BatchModule(EncodedTokens(), B)
+    assert generic_paths(batched) == {"": "generic-own"}
+    assert registered_layers_everywhere(batched, nn.Linear) == 2
+    inputs = torch.randn(B, N, 3, 4, dtype=torch.float64)
+    assert_equivalent(lambda: EncodedTokens().double(), B, inputs, **DOUBLE)
+
+
+class BiasedAttention(nn.Module):
+    """BEiT's attention in small: it owns a relative position bias and hands it to fused attention as a
+    float mask, which must get its gradient (on CPU, vmap's flash kernel would refuse a mask needing one)."""
+
+    def __init__(self, d: int = 4, heads: int = 2, tokens: int = 3) -> None:
+        super().__init__()
+        self.heads = heads
+        self.bias = nn.Parameter(torch.randn(heads, tokens, tokens))
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, tokens, d = x.shape
+        qkv = self.qkv(x).reshape(n, tokens, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias.unsqueeze(0))
+        return out.transpose(1, 2).reshape(n, tokens, d)
+
+
+def test_a_region_attends_with_a_learned_float_mask() -> None:
+    torch.manual_seed(0)
+    batched = BatchModule(BiasedAttention(), B)
+    assert generic_paths(batched) == {"": "generic-own"}
+    inputs = torch.randn(B, N, 3, 4, dtype=torch.float64)
+    assert_equivalent(lambda: BiasedAttention().double(), B, inputs, **DOUBLE)
+
+
+class DroppedAttention(nn.Module):
+    """EVA's attention in small: it owns a parameter (a layer scale) and drops attention weights."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.ones(d))
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, tokens, d = x.shape
+        q, k, v = self.qkv(x).reshape(n, tokens, 3, 2, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5 if self.training else 0.0)
+        return self.gamma * out.transpose(1, 2).reshape(n, tokens, d)
+
+
+def test_attention_dropout_in_a_region_draws_per_model() -> None:
+    """On CPU torch has no batching rule for attention dropout (it would loop, warning); spelled out, each
+    model draws its own mask."""
+    torch.manual_seed(0)
+    batched = BatchModule(DroppedAttention(), B)
+    one_input = torch.randn(1, N, 4, 8)
+    outputs = batched(one_input.expand(B, -1, -1, -1))
+    assert not torch.equal(outputs[0], outputs[1])
+    batched.eval()
+    plain = batched.unbatch(0).eval()
+    torch.testing.assert_close(batched(one_input.expand(B, -1, -1, -1))[0], plain(one_input[0]))
