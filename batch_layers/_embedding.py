@@ -275,6 +275,20 @@ _SHARED_DOC = """
 """
 
 
+def stacked_tables(embeddings: Tensor, batch: int | None) -> Tensor:
+    """``from_pretrained``'s tables as ``(B, num, dim)``: given so, or one ``(num, dim)`` table copied into
+    ``batch`` slots."""
+    if embeddings.dim() == 2:
+        if batch is None:
+            raise ValueError("a 2-D embeddings tensor is one table: pass batch= (the number of copies)")
+        return stack_copies(embeddings, batch)
+    if embeddings.dim() != 3:
+        raise ValueError(f"embeddings must be (B, num, dim) or (num, dim), got {tuple(embeddings.shape)}")
+    if batch is not None and batch != embeddings.shape[0]:
+        raise ValueError(f"batch={batch} disagrees with embeddings of shape {tuple(embeddings.shape)}")
+    return embeddings
+
+
 class Embedding(AbstractBatchModule):
     r"""``batch`` independent :class:`torch.nn.Embedding` tables, looked up in one launch.
 
@@ -438,14 +452,7 @@ class Embedding(AbstractBatchModule):
         batch: int | None = None,
     ) -> Embedding:
         """From ``(B, num, dim)`` tables, or one ``(num, dim)`` table copied into ``batch`` slots."""
-        if embeddings.dim() == 2:
-            if batch is None:
-                raise ValueError("a 2-D embeddings tensor is one table: pass batch= (the number of copies)")
-            embeddings = stack_copies(embeddings, batch)
-        elif embeddings.dim() != 3:
-            raise ValueError(f"embeddings must be (B, num, dim) or (num, dim), got {tuple(embeddings.shape)}")
-        elif batch is not None and batch != embeddings.shape[0]:
-            raise ValueError(f"batch={batch} disagrees with embeddings of shape {tuple(embeddings.shape)}")
+        embeddings = stacked_tables(embeddings, batch)
         b, num, dim = embeddings.shape
         return cls(
             num,

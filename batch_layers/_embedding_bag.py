@@ -16,6 +16,7 @@ from ._embedding import (
     _check_index_tensor,
     _normalize_padding,
     batched_embedding,
+    stacked_tables,
 )
 
 __all__ = ["EmbeddingBag"]
@@ -140,12 +141,7 @@ class EmbeddingBag(AbstractBatchModule):
         batch: int | None = None,
     ) -> EmbeddingBag:
         """From ``(B, num, dim)`` tables, or one ``(num, dim)`` table copied into ``batch`` slots."""
-        if embeddings.dim() == 2:
-            if batch is None:
-                raise ValueError("a 2-D embeddings tensor is one table: pass batch= (the number of copies)")
-            embeddings = stack_copies(embeddings, batch)
-        elif embeddings.dim() != 3:
-            raise ValueError(f"embeddings must be (B, num, dim) or (num, dim), got {tuple(embeddings.shape)}")
+        embeddings = stacked_tables(embeddings, batch)
         b, num, dim = embeddings.shape
         layer = cls(
             num,

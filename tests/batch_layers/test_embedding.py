@@ -141,6 +141,9 @@ def test_embedding_refuses_bad_arguments() -> None:
         batch_layers.Embedding(4, 3, _weight=torch.randn(4, 3), batch=2)
     with pytest.raises(ValueError, match="pass batch="):
         batch_layers.Embedding.from_pretrained(torch.randn(4, 3))
+    for layer in (batch_layers.Embedding, batch_layers.EmbeddingBag):
+        with pytest.raises(ValueError, match=r"batch=3 disagrees with embeddings of shape \(2, 4, 3\)"):
+            layer.from_pretrained(torch.randn(2, 4, 3), batch=3)
     emb = batch_layers.Embedding(4, 3, batch=2)
     with pytest.raises(TypeError, match=r"int64 or int32, got torch\.float32"):
         emb(torch.zeros(2, 3))
