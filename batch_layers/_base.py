@@ -300,14 +300,15 @@ def is_channels_last(x: Tensor) -> bool:
     return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
 
 
-def to_grouped(x: Tensor, batch: int, order: MergedOrder = "models") -> Tensor:
+def to_grouped(x: Tensor, batch: int, order: MergedOrder = "models", keep_channels_last: bool = True) -> Tensor:
     """``(B*n, C, *S)`` in the merged ``order`` to ``(n, B*C, *S)``: the models become channel groups.
 
     Samples-major, this is a view of a contiguous input. A channels-last input gives a channels-last
-    result, ``(n, H, W, B*C)`` in memory, so cuDNN runs its NHWC kernels; any other gives a contiguous one.
+    result, ``(n, H, W, B*C)`` in memory, so cuDNN runs its NHWC kernels, unless ``keep_channels_last`` is
+    false; any other gives a contiguous one.
     """
     n = x.shape[0] // batch
-    if is_channels_last(x):
+    if keep_channels_last and is_channels_last(x):
         channels, height, width = x.shape[1:]
         if order == "models":
             grouped = x.view(batch, n, channels, height, width).permute(1, 3, 4, 0, 2).contiguous()
@@ -329,13 +330,14 @@ def shared_to_grouped(x: Tensor, batch: int) -> Tensor:
     return x.unsqueeze(1).expand(x.shape[0], batch, *x.shape[1:]).reshape(x.shape[0], -1, *x.shape[2:])
 
 
-def from_grouped(y: Tensor, batch: int, order: MergedOrder = "models") -> Tensor:
-    """``(n, B*C, *S)`` back to the merged ``(B*n, C, *S)`` in ``order``, keeping a channels-last layout."""
+def from_grouped(y: Tensor, batch: int, order: MergedOrder = "models", channels_last: bool = False) -> Tensor:
+    """``(n, B*C, *S)`` back to the merged ``(B*n, C, *S)`` in ``order``, keeping a channels-last layout
+    (and giving a 4-D result one where ``channels_last`` asks for it, in the same single copy)."""
     n = y.shape[0]
-    if is_channels_last(y):
+    if is_channels_last(y) or (channels_last and y.dim() == 4):
         height, width = y.shape[2:]
         channels = y.shape[1] // batch
-        rows = y.permute(0, 2, 3, 1).view(n, height, width, batch, channels)
+        rows = y.permute(0, 2, 3, 1).unflatten(3, (batch, channels))
         if order == "models":
             merged = rows.permute(3, 0, 1, 2, 4).contiguous()
         else:

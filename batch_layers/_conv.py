@@ -9,12 +9,33 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.utils import _ntuple, _reverse_repeat_tuple
 
-from ._base import AbstractBatchModule, autocast_dtype, copy_into_every_model, from_grouped, to_grouped
+from ._base import (
+    AbstractBatchModule,
+    autocast_dtype,
+    copy_into_every_model,
+    from_grouped,
+    is_channels_last,
+    to_grouped,
+)
+from ._conv_triton import grouped_conv2d, input_grad, runs_on_triton
 
 __all__ = ["Conv1d", "Conv2d", "Conv3d"]
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _INDEX_LIMIT = 2**31 - 1  # elements one convolution kernel may address (cuDNN and ATen use int32 indexing)
+# Input channels per group from which a channels-last input stays channels-last in the grouped layout.
+# Below it cuDNN runs grouped NHWC convolutions slice by slice (a copy kernel per group, forward and
+# backward) and depthwise ones in its NHWC engine instead of ATen's depthwise kernels: 1.3-2x slower
+# than NCHW on the H100 for LeNet's 1-16 channels per model, and thousands of launches per step where
+# a layer norm's permute leaves a timm ConvNeXt's activations channels-last. From 64 on NHWC was 4% faster
+# (tests/benchmarks/bench_conv_forms.py).
+_NHWC_GROUP_CHANNELS = 64
+
+
+def keeps_channels_last(weight: Tensor, groups: int, transposed: bool) -> bool:
+    """Whether a grouped (transposed) convolution with this stacked weight runs on a channels-last layout."""
+    in_per_group = weight.shape[0] // groups if transposed else weight.shape[1]
+    return in_per_group >= _NHWC_GROUP_CHANNELS
 
 
 def reset_conv_slices(weight: Tensor, bias: Tensor | None, kernel_size: tuple[int, ...]) -> None:
@@ -48,13 +69,14 @@ class _GroupedConv(torch.autograd.Function):
     def forward(ctx, x, weight, bias, batch, stride, padding, dilation, groups, transposed, output_padding, order):
         dtype = autocast_dtype(x.device.type)
         config = (stride, padding, dilation, groups, transposed, output_padding)
+        layout = keeps_channels_last(weight, groups, transposed)
         if dtype is None:
-            y = _grouped(to_grouped(x, batch, order), weight, bias, *config)
+            y = _grouped(to_grouped(x, batch, order, layout), weight, bias, *config)
         else:  # autocast does not reach a custom backward: cast here, once
             x, weight = x.to(dtype), weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
             with torch.autocast(x.device.type, enabled=False):
-                y = _grouped(to_grouped(x, batch, order), weight, bias, *config)
+                y = _grouped(to_grouped(x, batch, order, layout), weight, bias, *config)
         ctx.save_for_backward(x, weight)
         ctx.config = (batch, *config, bias is not None, order)
         return y
@@ -65,9 +87,18 @@ class _GroupedConv(torch.autograd.Function):
         batch, stride, padding, dilation, groups, transposed, output_padding, has_bias, order = ctx.config
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2]]
         out_channels = weight.shape[1] * groups if transposed else weight.shape[0]
+        grouped = to_grouped(x, batch, order, keeps_channels_last(weight, groups, transposed))
+        grad = grad.to(x.dtype)
+        own_grad_x = None
+        # the kernel has no derivative of its own: only where this backward is not itself differentiated
+        if mask[0] and not torch.is_grad_enabled() and not transposed and set(stride) == {1} and set(dilation) == {1}:
+            if runs_on_triton(grouped, weight, groups, transposed):
+                own_grad_x = input_grad(grad, weight, grouped.shape, padding, groups)
+        if own_grad_x is not None:
+            mask[0] = False
         grad_x, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
-            grad.to(x.dtype),
-            to_grouped(x, batch, order),
+            grad,
+            grouped,
             weight,
             [out_channels] if has_bias else None,
             stride,
@@ -78,6 +109,8 @@ class _GroupedConv(torch.autograd.Function):
             groups,
             mask,
         )
+        if own_grad_x is not None:
+            grad_x, mask[0] = own_grad_x, True
         grad_x = from_grouped(grad_x, batch, order) if mask[0] else None
         grads = (grad_x, grad_weight if mask[1] else None, grad_bias if mask[2] else None)
         return (*grads, None, None, None, None, None, None, None, None)
@@ -99,10 +132,13 @@ def grouped_conv(
     """The models-as-groups (transposed) convolution of a merged ``(B*n, C, *S)`` input: ``weight`` is the
     stacked ``(B*O, C/g, *k)`` (``(B*C, O/g, *k)`` transposed) and ``groups`` counts ``B * g``."""
     config = (stride, padding, dilation, groups, transposed, output_padding, order)
-    return from_grouped(_GroupedConv.apply(x, weight, bias, batch, *config), batch, order)
+    # a channels-last input gives a channels-last output, as a plain layer's would, whichever layout ran
+    return from_grouped(_GroupedConv.apply(x, weight, bias, batch, *config), batch, order, is_channels_last(x))
 
 
 def _grouped(grouped, weight, bias, stride, padding, dilation, groups, transposed, output_padding) -> Tensor:
+    if runs_on_triton(grouped, weight, groups, transposed):
+        return grouped_conv2d(grouped, weight, bias, list(stride), list(padding), list(dilation), groups)
     return torch.convolution(grouped, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
 
 
@@ -269,7 +305,8 @@ class _ConvNd(AbstractBatchModule):
         """``F.conv{1,2,3}d`` of a merged input with per-model ``(B, out, in/groups, *k)`` weights: one grouped
         convolution through torch's autograd (the layer's own forward also keeps its input, not a copy)."""
         batch = self.batch
-        grouped = to_grouped(self.expand_shared(x) if self.is_shared(x) else x, batch, self.merged_order)
+        layout = keeps_channels_last(weight.flatten(0, 1), groups, False)
+        grouped = to_grouped(self.expand_shared(x) if self.is_shared(x) else x, batch, self.merged_order, layout)
         y = _CONV[self.dims](
             grouped,
             weight.reshape(-1, *weight.shape[2:]),
@@ -279,7 +316,7 @@ class _ConvNd(AbstractBatchModule):
             dilation,
             batch * groups,
         )
-        return from_grouped(y, batch, self.merged_order)
+        return from_grouped(y, batch, self.merged_order, is_channels_last(x))
 
     def _models_per_call(self, x: Tensor, batch: int) -> int:
         """How many models one grouped convolution may take: cuDNN's kernels index with 32 bits."""
@@ -292,8 +329,9 @@ class _ConvNd(AbstractBatchModule):
 
     def _grouped_forward(self, x: Tensor, weight: Tensor, bias: Tensor | None, batch: int, order: str) -> Tensor:
         if self._numeric_padding is None:  # uneven 'same' padding: torch's own conv pads it
-            grouped = to_grouped(x, batch, order)
-            return from_grouped(self._conv(grouped, weight, bias, batch * self.groups), batch, order)
+            grouped = to_grouped(x, batch, order, keeps_channels_last(weight, batch * self.groups, False))
+            y = self._conv(grouped, weight, bias, batch * self.groups)
+            return from_grouped(y, batch, order, is_channels_last(x))
         if self.padding_mode != "zeros":
             x = F.pad(x, self._explicit_padding, mode=self.padding_mode)
         return grouped_conv(

@@ -112,27 +112,38 @@ def test_channels_last_inputs_give_the_same_results() -> None:
         torch.testing.assert_close(a.grad, b, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("wide", [True, False], ids=["64-channels-per-model", "few-channels"])
 @pytest.mark.parametrize("order", ["models", "samples"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_channels_last_stays_channels_last_and_matches_plain_models(device: str, order: str) -> None:
+def test_channels_last_stays_channels_last_and_matches_plain_models(device: str, order: str, wide: bool) -> None:
+    """Every layer's output is channels-last, as the plain layer's is. Convolutions with 64 input channels
+    per model run cuDNN's grouped NHWC kernels; narrower ones run on the contiguous grouped layout (NHWC
+    goes group by group there) and hand back a channels-last output."""
     torch.manual_seed(0)
     batch = 3
+    width = 64 if wide else 4
 
     def make() -> nn.Module:
         return nn.Sequential(
-            nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 6, 3, stride=2),
-            nn.BatchNorm2d(6), nn.ConvTranspose2d(6, 2, 2, stride=2),
+            nn.Conv2d(width, width, 3, padding=1),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.Conv2d(width, 6, 3, stride=2),
+            nn.BatchNorm2d(6),
+            nn.ReLU(),
+            nn.Conv2d(6, width, 1),
+            nn.ConvTranspose2d(width, 2, 2, stride=2),
         ).to(device, memory_format=torch.channels_last)
 
     plain = [make() for _ in range(batch)]
     batched = BatchModule(make(), batch, merged_order=order)
     batched.load_state_dicts([m.state_dict() for m in plain])
-    x = torch.randn(batch, 5, 3, 9, 9, device=device)  # (B, n, C, H, W)
+    x = torch.randn(batch, 5, width, 9, 9, device=device)  # (B, n, C, H, W)
     seen = []
     for layer in batched.module:
         layer.register_forward_hook(lambda _, args, out: seen.append((args[0], out)))
     rows = x if order == "models" else x.transpose(0, 1)
-    merged = rows.reshape(batch * 5, 3, 9, 9).contiguous(memory_format=torch.channels_last).requires_grad_()
+    merged = rows.reshape(batch * 5, width, 9, 9).contiguous(memory_format=torch.channels_last).requires_grad_()
     with forward_context(ForwardContext(batch, 5, order=order)):
         got = batched.module(merged)
     for layer_input, layer_output in seen:
