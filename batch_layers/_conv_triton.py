@@ -1,0 +1,163 @@
+"""A Triton implicit-GEMM kernel for grouped 2-D convolutions with few channels per group.
+
+B models' convolutions run as one convolution with B groups (``_conv.py``). Where each group is small
+(LeNet's 6 to 16 channels, 5x5), cuDNN runs its grouped kernels one group after another: at B=256 the
+second LeNet convolution's forward is 256 launches of a per-group GEMM, 11.8 of a step's 25 GPU ms on an
+H100, where the plain model's whole step takes 8. This kernel computes every group in one launch: each
+program takes a tile of output positions (image, row, column) of one group and multiplies its im2col
+patch, gathered straight from the input, with the group's filters.
+
+The input gradient of a convolution with stride 1 is the same kernel run on the output gradient, with
+the filters flipped and their in/out channels swapped; the weight gradient stays with cuDNN, which does
+not loop over groups for it. ``torch.backends.cudnn.allow_tf32`` decides, as for cuDNN's convolutions,
+whether the products run in TF32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+__all__ = ["grouped_conv2d", "input_grad", "runs_on_triton"]
+
+# Up to these sizes per group, and from this many groups, the kernel beats cuDNN (H100, TF32 as torch's
+# default): LeNet's second convolution at B=256 takes 3.6 against 7.4 ms forward and backward
+# (tests/benchmarks/bench_conv_forms.py), and the compiled LeNet step runs 1.46x faster; at B=64 the
+# convolution ties and the compiled step ran 0.94x as fast as with cuDNN; at B=16 cuDNN is twice as fast.
+_MAX_OUT_PER_GROUP = 32
+_MAX_PATCH = 512  # in-channels per group x kernel height x kernel width
+_MIN_GROUPS = 128
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def conv2d_groups(
+        x, w, b, y,
+        N, H, W, OH, OW,
+        sxn, sxc, sxh, sxw,
+        syn, syc, syh, syw,
+        stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
+        CI: tl.constexpr, CO: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+        HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_CO: tl.constexpr,
+    ):  # fmt: skip
+        group = tl.program_id(1)
+        p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+        in_range = p < N * OH * OW
+        n = (p // (OH * OW)).to(tl.int64)
+        oh = (p // OW) % OH
+        ow = p % OW
+        co = tl.arange(0, BLOCK_CO)
+        x_rows = x + n * sxn + group * CI * sxc
+        acc = tl.zeros((BLOCK_P, BLOCK_CO), dtype=tl.float32)
+        for k0 in tl.static_range(0, CI * KH * KW, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            ci = k // (KH * KW)
+            kh = (k // KW) % KH
+            kw = k % KW
+            ih = oh[:, None] * stride_h - pad_h + kh[None, :] * dil_h
+            iw = ow[:, None] * stride_w - pad_w + kw[None, :] * dil_w
+            inside = (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W) & in_range[:, None] & (k < CI * KH * KW)[None, :]
+            patch = tl.load(x_rows[:, None] + ci[None, :] * sxc + ih * sxh + iw * sxw, mask=inside, other=0.0)
+            filters = tl.load(
+                w + (group * CO + co[None, :]) * (CI * KH * KW) + k[:, None],
+                mask=(co[None, :] < CO) & (k[:, None] < CI * KH * KW),
+                other=0.0,
+            )
+            acc = tl.dot(patch, filters, acc, input_precision=PRECISION)
+        if HAS_BIAS:
+            acc += tl.load(b + group * CO + co, mask=co < CO, other=0.0).to(tl.float32)[None, :]
+        out = y + n[:, None] * syn + (group * CO + co[None, :]) * syc + oh[:, None] * syh + ow[:, None] * syw
+        tl.store(out, acc.to(y.dtype.element_ty), mask=in_range[:, None] & (co[None, :] < CO))
+
+    return conv2d_groups
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def runs_on_triton(x: Tensor, weight: Tensor, groups: int, transposed: bool) -> bool:
+    """Whether a grouped convolution of this shape runs on the Triton kernel: CUDA, 2-D, not transposed,
+    at least 128 groups of at most 32 output channels and 512 patch elements each, Triton installed."""
+    return (
+        x.is_cuda
+        and x.dim() == 4
+        and not transposed
+        and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        and groups >= _MIN_GROUPS
+        and weight.shape[0] // groups <= _MAX_OUT_PER_GROUP
+        and weight[0].numel() <= _MAX_PATCH
+        and _triton_available()
+    )
+
+
+def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, stride, padding, dilation, groups: int) -> Tensor:
+    n, _, height, width = x.shape
+    out_channels, in_per_group, kh, kw = weight.shape
+    out_h = (height + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    out_w = (width + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    y = x.new_empty(n, out_channels, out_h, out_w)
+    if y.numel() == 0:
+        return y
+    import triton
+
+    per_group = out_channels // groups
+    block_co = max(16, triton.next_power_of_2(per_group))
+    block_p = 128 if block_co <= 16 else 64
+    grid = (triton.cdiv(n * out_h * out_w, block_p), groups)
+    weight = weight.contiguous()
+    precision = "tf32" if torch.backends.cudnn.allow_tf32 and x.dtype == torch.float32 else "ieee"
+    with torch.cuda.device(x.device):
+        _kernel()[grid](
+            x, weight, weight if bias is None else bias, y,
+            n, height, width, out_h, out_w,
+            *x.stride(), *y.stride(),
+            stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1],
+            CI=in_per_group, CO=per_group, KH=kh, KW=kw, HAS_BIAS=bias is not None, PRECISION=precision,
+            BLOCK_P=block_p, BLOCK_K=16 if in_per_group * kh * kw <= 16 else 32, BLOCK_CO=block_co,
+        )  # fmt: skip
+    return y
+
+
+@torch.library.custom_op("torchmb::grouped_conv2d", mutates_args=())
+def grouped_conv2d(
+    x: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int], padding: list[int], dilation: list[int],
+    groups: int,
+) -> Tensor:  # fmt: skip
+    """``F.conv2d(x, weight, bias, stride, padding, dilation, groups)`` on the Triton kernel (no autograd:
+    ``_conv._GroupedConv`` differentiates it)."""
+    return _launch(x, weight, bias, stride, padding, dilation, groups)
+
+
+@grouped_conv2d.register_fake
+def _(x, weight, bias, stride, padding, dilation, groups):
+    kh, kw = weight.shape[2:]
+    out_h = (x.shape[2] + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    out_w = (x.shape[3] + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    return x.new_empty(x.shape[0], weight.shape[0], out_h, out_w)
+
+
+def input_grad(grad: Tensor, weight: Tensor, input_shape: torch.Size, padding, groups: int) -> Tensor | None:
+    """The input gradient of a stride-1, undilated grouped convolution as a convolution of ``grad`` with
+    the flipped, channel-swapped filters; None where that convolution would not run on the kernel."""
+    out_channels, in_per_group, kh, kw = weight.shape
+    flipped = weight.view(groups, out_channels // groups, in_per_group, kh, kw).transpose(1, 2).flip(3, 4)
+    flipped = flipped.reshape(groups * in_per_group, out_channels // groups, kh, kw)
+    if not runs_on_triton(grad, flipped, groups, False):
+        return None
+    full = [kh - 1 - padding[0], kw - 1 - padding[1]]
+    if min(full) < 0:
+        return None
+    grad_x = grouped_conv2d(grad, flipped, None, [1, 1], full, [1, 1], groups)
+    return grad_x if tuple(grad_x.shape) == tuple(input_shape) else None

@@ -1,0 +1,143 @@
+"""The Triton kernel for grouped convolutions with few channels per group (``batch_layers/_conv_triton.py``)
+against B plain ``nn.Conv2d``: outputs, input and parameter gradients, in fp32 (TF32 off), under bf16
+autocast and under ``torch.compile``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import batch_layers
+from batch_layers import ForwardContext, _conv_triton, forward_context
+from batch_layers._conv_triton import runs_on_triton
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores for float32 matrix multiplication:UserWarning"),
+    # dynamo instantiates autograd Functions while tracing them (torch 2.11)
+    pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning"),
+]
+
+BATCH, SAMPLES = 12, 3
+MIN_GROUPS = _conv_triton._MIN_GROUPS  # the tests below lower it, to run the kernel on 12 models
+
+
+def test_many_models_take_the_kernel_and_few_do_not(monkeypatch) -> None:
+    monkeypatch.setattr(_conv_triton, "_MIN_GROUPS", MIN_GROUPS)
+    weight = torch.empty(256 * 16, 6, 5, 5, device="cuda")
+    x = torch.empty(2, 256 * 6, 12, 12, device="cuda")
+    assert runs_on_triton(x, weight, 256, False)
+    assert not runs_on_triton(x[:, : 16 * 6], weight[: 16 * 16], 16, False)  # cuDNN is faster for 16 models
+    assert not runs_on_triton(x.cpu(), weight.cpu(), 256, False)
+
+SHAPES = [  # in, out, kernel, stride, padding, dilation, groups, image size
+    (6, 16, 5, 1, 0, 1, 1, 12),  # LeNet's second convolution
+    (2, 6, 5, 1, 2, 1, 1, 13),
+    (3, 8, 3, 2, 1, 1, 1, 11),
+    (4, 12, 3, 1, 2, 2, 1, 9),
+    (8, 8, 3, 1, 1, 1, 2, 7),
+    (5, 32, (1, 3), (2, 1), (0, 1), 1, 1, 10),
+]
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("triton")
+    monkeypatch.setattr(_conv_triton, "_MIN_GROUPS", 8)  # the kernel for these few models too (speed decides it)
+    before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def _models(shape, dtype=torch.float32):
+    cin, cout, k, stride, padding, dilation, groups, _ = shape
+    torch.manual_seed(0)
+    plain = [nn.Conv2d(cin, cout, k, stride, padding, dilation, groups).to("cuda", dtype) for _ in range(BATCH)]
+    batched = batch_layers.Conv2d.from_module(plain[0], BATCH)
+    with torch.no_grad():
+        for i, model in enumerate(plain):
+            batched.weight[i].copy_(model.weight)
+            batched.bias[i].copy_(model.bias)
+    return plain, batched
+
+
+def _weighted_sum(per_model: torch.Tensor) -> torch.Tensor:
+    """Each model's output weighted by the same ramp, so every output element gets its own gradient."""
+    ramp = torch.linspace(-1, 1, per_model[0].numel(), device="cuda").view_as(per_model[0])
+    return (per_model.float() * ramp).sum()
+
+
+def _check(plain, batched, x, order, atol, rtol, amp=False, run=None):
+    batched.merged_order = order
+    rows = x if order == "models" else x.transpose(0, 1)
+    merged = rows.reshape(-1, *x.shape[2:]).clone().requires_grad_()
+    with forward_context(ForwardContext(BATCH, SAMPLES, order=order)), torch.autocast("cuda", enabled=amp):
+        y = (batched if run is None else run)(merged)
+    per_model = y.view(BATCH, SAMPLES, *y.shape[1:]) if order == "models" else y.view(SAMPLES, BATCH, *y.shape[1:])
+    per_model = per_model if order == "models" else per_model.transpose(0, 1)
+    _weighted_sum(per_model).backward()
+    grad_x = merged.grad.view(*rows.shape)
+    grad_x = grad_x if order == "models" else grad_x.transpose(0, 1)
+    for i, model in enumerate(plain):
+        own = x[i].clone().requires_grad_()
+        with torch.autocast("cuda", enabled=amp):
+            expected = model(own)
+        _weighted_sum(expected.unsqueeze(0)).backward()
+        torch.testing.assert_close(per_model[i], expected, atol=atol, rtol=rtol)
+        torch.testing.assert_close(grad_x[i], own.grad, atol=atol, rtol=rtol)
+        torch.testing.assert_close(batched.weight.grad[i], model.weight.grad, atol=atol * 10, rtol=rtol)
+        torch.testing.assert_close(batched.bias.grad[i], model.bias.grad, atol=atol * 10, rtol=rtol)
+
+
+@pytest.mark.parametrize("order", ["models", "samples"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_kernel_matches_plain_convolutions(shape, order: str) -> None:
+    plain, batched = _models(shape)
+    size = shape[-1]
+    x = torch.randn(BATCH, SAMPLES, shape[0], size, size, device="cuda")
+    weight = batched.weight.reshape(-1, *batched.weight.shape[2:])
+    assert runs_on_triton(x[0], weight, BATCH * shape[6], False), "the shape should take the Triton kernel"
+    _check(plain, batched, x, order, atol=1e-4, rtol=1e-4)
+
+
+def test_kernel_under_bf16_autocast_matches_plain_autocast() -> None:
+    plain, batched = _models(SHAPES[0])
+    x = torch.randn(BATCH, SAMPLES, 6, 12, 12, device="cuda")
+    _check(plain, batched, x, "samples", atol=5e-2, rtol=5e-2, amp=True)
+
+
+def test_kernel_traces_under_compile_without_graph_breaks() -> None:
+    plain, batched = _models(SHAPES[0])
+    x = torch.randn(BATCH, SAMPLES, 6, 12, 12, device="cuda")
+    _check(plain, batched, x, "models", atol=1e-4, rtol=1e-4, run=torch.compile(batched, fullgraph=True))
+
+
+def test_channels_last_input_gives_channels_last_output_through_the_kernel() -> None:
+    plain, batched = _models(SHAPES[0])
+    x = torch.randn(BATCH * SAMPLES, 6, 12, 12, device="cuda").contiguous(memory_format=torch.channels_last)
+    with forward_context(ForwardContext(BATCH, SAMPLES, order="models")):
+        y = batched(x)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    for i, model in enumerate(plain):
+        torch.testing.assert_close(y[i * SAMPLES : (i + 1) * SAMPLES], model(x[i * SAMPLES : (i + 1) * SAMPLES]))
+
+
+def test_double_backward_through_the_layer_matches_plain() -> None:
+    """A gradient penalty differentiates the backward: that path keeps cuDNN's differentiable input gradient."""
+    plain, batched = _models(SHAPES[0])
+    x = torch.randn(BATCH * SAMPLES, 6, 12, 12, device="cuda", requires_grad=True)
+    with forward_context(ForwardContext(BATCH, SAMPLES, order="models")):
+        (grad,) = torch.autograd.grad(batched(x).square().sum(), x, create_graph=True)
+    grad.square().sum().backward()
+    for i, model in enumerate(plain):
+        own = x[i * SAMPLES : (i + 1) * SAMPLES].detach().requires_grad_()
+        own_loss = F.conv2d(own, model.weight, model.bias).square().sum()
+        (own_grad,) = torch.autograd.grad(own_loss, own, create_graph=True)
+        own_grad.square().sum().backward()
+        torch.testing.assert_close(grad[i * SAMPLES : (i + 1) * SAMPLES], own_grad, atol=1e-3, rtol=1e-4)
+        torch.testing.assert_close(batched.weight.grad[i], model.weight.grad, atol=1e-2, rtol=1e-4)
