@@ -35,7 +35,7 @@ class Workload:
     batches: tuple[int, ...]  # the default numbers of models: what one H200's default run holds and times
     classes: int = 10
     attention: bool = False
-    compiled_limit: bool = False  # whether the default run compiles the limit too (small models: it is quick)
+    compile_all: bool = False  # whether the default run compiles vmap and the limit too (small models: it is quick)
 
 
 def _images(channels: int, size: int) -> Callable[[tuple[int, ...], torch.device], torch.Tensor]:
@@ -47,8 +47,8 @@ def _tokens(lead: tuple[int, ...], device: torch.device) -> torch.Tensor:
 
 
 WORKLOADS = {
-    "mlp": Workload("mlp", models.MLP, _images(1, 28), (16, 64, 256), compiled_limit=True),
-    "lenet": Workload("lenet", models.LeNet5, _images(1, 28), (16, 64, 256), compiled_limit=True),
+    "mlp": Workload("mlp", models.MLP, _images(1, 28), (16, 64, 256), compile_all=True),
+    "lenet": Workload("lenet", models.LeNet5, _images(1, 28), (16, 64, 256), compile_all=True),
     "resnet18": Workload("resnet18", models.ResNet18, _images(3, 32), (16,)),
     "transformer": Workload("transformer", models.TransformerClassifier, _tokens, (16,), attention=True),
     "mobilenetv2": Workload("mobilenetv2", models.MobileNetV2, _images(3, 32), (16,)),

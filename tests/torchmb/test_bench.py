@@ -118,6 +118,43 @@ def test_zoo_flag_selects_the_zoo_workloads_and_their_implementations(monkeypatc
     assert seen == {"workloads": list(ZOO_MODELS), "impls": ("torchmb", "vmap", "loop", "limit")}
 
 
+def test_default_run_compiles_vmap_and_the_limit_for_the_small_models_only_after_a_compiler_warm_up(
+    monkeypatch, capsys
+) -> None:
+    seen = {}
+
+    def run(workloads, batches, samples, device, impls, **kwargs):
+        seen.update(workloads=workloads, impls=impls)
+        return []
+
+    warm_ups = []
+    monkeypatch.setattr(_bench, "run", run)
+    monkeypatch.setattr(_bench, "warm_up_compiler", lambda device: warm_ups.append(device) or 1.0)
+    main(["bench", "--device", "cpu"])
+    assert seen == {"workloads": ["mlp", "lenet", "transformer", "resnet18"], "impls": None}
+    assert warm_ups == [torch.device("cpu")] and "compiler warm-up" in capsys.readouterr().out
+    small, large = _bench_steps.WORKLOADS["lenet"], _bench_steps.WORKLOADS["resnet18"]
+    assert _bench.default_implementations(small, 64) == _bench.DEFAULT_IMPLEMENTATIONS
+    assert "limit+compile" not in _bench.default_implementations(small, 16)
+    assert _bench.default_implementations(large, 16) == ("torchmb", "torchmb+compile", "vmap")
+    main(["bench", "--device", "cpu", "--impls", "torchmb,vmap"])
+    assert len(warm_ups) == 1, "a run that compiles nothing warms no compiler up"
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # Inductor's imports
+def test_compiler_warm_up_compiles_and_runs_a_function(monkeypatch) -> None:
+    compiled = []
+    real_compile = torch.compile
+
+    def compile_and_note(fn, *args, **kwargs):
+        compiled.append(fn)
+        return real_compile(fn, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", compile_and_note)
+    assert _bench.warm_up_compiler(torch.device("cpu")) > 0
+    assert len(compiled) == 1
+
+
 def test_unknown_names_are_refused() -> None:
     with pytest.raises(SystemExit, match="unknown workload or implementation: vgg"):
         main(["bench", "--device", "cpu", "--quick", "--workloads", "vgg"])
