@@ -470,17 +470,15 @@ class OneCycleLR(BatchLRScheduler):
             max_m = per_model_values(max_momentum, batch, "max_momentum")
             base_m = per_model_values(base_momentum, batch, "base_momentum")
             if last_epoch == -1:
-                for group in optimizer.param_groups:
-                    self._set_momentum(group, max_m.clone())
+                for i, group in enumerate(optimizer.param_groups):
+                    self._set_momentum(optimizer, i, max_m)
                     group["max_momentum"] = max_m.clone()
                     group["base_momentum"] = base_m.clone()
         super().__init__(optimizer, last_epoch)
 
-    def _set_momentum(self, group: dict[str, Any], value: Tensor) -> None:
-        if self.use_beta1:
-            group["betas"] = (value, *group["betas"][1:])
-        else:
-            group["momentum"] = value
+    def _set_momentum(self, optimizer: BatchOptimizer, group: int, value: Tensor) -> None:
+        # through the optimizer, which checks the values and creates the momentum buffers a compiled step needs
+        optimizer.set_hyperparameter("beta1" if self.use_beta1 else "momentum", value, group=group)
 
     def _anneal(self, start: Tensor, end: Tensor, pct: float) -> Tensor:
         if self.anneal_strategy == "cos":
@@ -494,7 +492,7 @@ class OneCycleLR(BatchLRScheduler):
                 f"Tried to step {step_num} times. The specified number of total steps is {self.total_steps}"
             )
         lrs = []
-        for group in self.optimizer.param_groups:
+        for g, group in enumerate(self.optimizer.param_groups):
             start_step = 0.0
             for i, phase in enumerate(self._schedule_phases):
                 end_step = phase["end_step"]
@@ -503,7 +501,7 @@ class OneCycleLR(BatchLRScheduler):
                     lr = self._anneal(group[phase["start_lr"]], group[phase["end_lr"]], pct)
                     if self.cycle_momentum:
                         momentum = self._anneal(group[phase["start_momentum"]], group[phase["end_momentum"]], pct)
-                        self._set_momentum(group, momentum)
+                        self._set_momentum(self.optimizer, g, momentum)
                     break
                 start_step = phase["end_step"]
             lrs.append(lr)

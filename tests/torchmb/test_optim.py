@@ -399,6 +399,14 @@ def test_bad_parameters_are_refused() -> None:
         mo.Adam([torch.zeros((), requires_grad=True)])
     with pytest.raises(ValueError, match="Nesterov momentum requires a momentum and zero dampening"):
         mo.SGD(make_params(), lr=0.1, momentum=[0.9, 0.0, 0.9, 0.9], nesterov=True)
+    # checked where the values are set, not in step(); a refused value leaves every group as it was
+    nesterov = mo.SGD([{"params": make_params()[:1]}, {"params": make_params()[1:]}], lr=0.1, momentum=0.9,
+                      nesterov=True)
+    with pytest.raises(ValueError, match="Nesterov momentum requires a momentum and zero dampening"):
+        nesterov.set_hyperparameter("dampening", [0.0, 0.0, 0.1, 0.0], group=1)
+    with pytest.raises(ValueError, match="Nesterov momentum requires a momentum and zero dampening"):
+        nesterov.set_hyperparameter("momentum", [0.9, 0.0, 0.9, 0.9])
+    assert all(g["momentum"].tolist() == [0.9] * B for g in nesterov.param_groups)
     p = torch.zeros(4, 3, requires_grad=True)
     opt = mo.SGD([p], lr=0.1)
     p.grad = torch.zeros(4, 3).to_sparse()

@@ -10,6 +10,12 @@ broadcast over each parameter (the fused CUDA path, ``_fused.py``, reads them as
 launch per group, and keeps SGD's on the device until a hyperparameter changes). The number of kernel
 launches of a step depends on the number of parameter tensors (fused: on the number of groups), never on
 B, and each model's arithmetic does not depend on the other models' values.
+
+A step is traceable by ``torch.compile`` without graph breaks: hyperparameters are validated where they are
+set, never in ``step()``; state is created lazily by checks of the state dict alone, or, where it depends on
+hyperparameter values (momentum buffers), when the values are set. The few host checks an eager step
+makes to skip work no model needs (:func:`any_model`, :func:`save_rows`, :func:`shared_values`) give
+way, while dynamo traces, to branch-free forms with the same numbers; the fused kernels are not traced.
 """
 
 from __future__ import annotations
@@ -145,6 +151,14 @@ class BatchOptimizer(torch.optim.Optimizer):
         ``batch_layers`` backend allows), ``True`` insists (or raises), ``False`` never takes them."""
         if self.fused is False:
             return False
+        if torch.compiler.is_compiling():
+            # CuPy launches cannot be traced; Inductor fuses the reference step instead
+            if self.fused is True:
+                raise RuntimeError(
+                    f"{type(self).__name__}(fused=True): the fused kernels cannot run inside torch.compile; "
+                    "use fused=None, which compiles the reference step (Inductor fuses it)"
+                )
+            return False
         from . import _fused
 
         reason = _fused.fused_reason(params, tensors)
@@ -198,6 +212,7 @@ class BatchOptimizer(torch.optim.Optimizer):
                     )
             for name in self.per_model:
                 group[name] = self._normalize(name, group[name])
+            self._check_group(group)
         except Exception:
             self.param_groups.pop()
             raise
@@ -222,8 +237,19 @@ class BatchOptimizer(torch.optim.Optimizer):
         if name in ("lr", "eps", "weight_decay", "momentum", "lr_decay", "initial_accumulator_value"):
             check_range(name, values, low=0.0)
 
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """Raise where ``group``'s hyperparameters do not go together (subclasses extend). Runs where they are
+        set (construction, :meth:`set_hyperparameter`, :meth:`load_state_dict`), never in ``step()``."""
+
     def _init_group_state(self, group: dict[str, Any]) -> None:
-        """Create state eagerly at construction (only Adagrad does, like torch)."""
+        """Create the state that ``group``'s hyperparameter values call for, eagerly wherever they are set, so
+        that a compiled step finds it (Adagrad's accumulators, momentum buffers)."""
+
+    def _create_group_state(self, group: dict[str, Any]) -> None:
+        """Every parameter's state in ``group`` (one not yet selected down to B models gets it at its first step)."""
+        for p in group["params"]:
+            if p.shape[0] == self.batch:
+                self._ensure_state(p, group)
 
     def get_hyperparameter(self, name: str, group: int = 0) -> Any:
         """A copy of the per-model values of ``name`` in ``param_groups[group]``: ``(B,)`` float64."""
@@ -238,20 +264,25 @@ class BatchOptimizer(torch.optim.Optimizer):
         ``betas`` takes a pair; ``beta1`` / ``beta2`` set one half of it.
         """
         groups = self.param_groups if group is None else [self.param_groups[group]]
-        if name in ("beta1", "beta2") and "betas" in self.per_model:
-            i = 0 if name == "beta1" else 1
-            for g in groups:
-                betas = list(g["betas"])
-                betas[i] = value
-                g["betas"] = self._normalize("betas", tuple(betas))
-            return
-        if name not in self.per_model:
+        half = {"beta1": 0, "beta2": 1}.get(name) if "betas" in self.per_model else None
+        key = "betas" if half is not None else name
+        if key not in self.per_model:
             raise KeyError(
                 f"{type(self).__name__} has no per-model hyperparameter {name!r}; "
                 f"expected one of {list(self.per_model)}"
             )
+        updates = []  # every group is checked before any changes
         for g in groups:
-            g[name] = self._normalize(name, value)
+            new = value
+            if half is not None:
+                new = list(g["betas"])
+                new[half] = value
+            new = self._normalize(key, tuple(new) if half is not None else new)
+            self._check_group({**g, key: new})
+            updates.append((g, new))
+        for g, new in updates:
+            g[key] = new
+            self._init_group_state(g)
 
     def step_counts(self) -> Tensor:
         """The number of steps each model has taken: ``(B,)`` float64 (the largest over its parameters)."""
@@ -353,6 +384,7 @@ class BatchOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             for name in self.per_model:
                 group[name] = self._normalize(name, group[name])
+            self._check_group(group)
             for p in group["params"]:
                 if p.shape[0] != self.batch:
                     raise ValueError(
@@ -363,8 +395,20 @@ class BatchOptimizer(torch.optim.Optimizer):
             for key in self.cpu_state:
                 if key in state:
                     state[key] = state[key].to("cpu", torch.float64)
+        for group in self.param_groups:
+            self._init_group_state(group)
 
     # ---- stepping -----------------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As in ``torch.optim``. torch marks its own ``zero_grad`` as not to be traced, a graph break in a
+        compiled training step; compiled, ``set_to_none=True`` is traced here instead."""
+        if not (set_to_none and torch.compiler.is_compiling()):
+            super().zero_grad(set_to_none)
+            return
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
     def _coefficients(self, params: list[Tensor], values: dict[str, list[Tensor]]) -> dict[str, list[Tensor]]:
         """Per-parameter ``(B,)`` float64 CPU values as ``(B, 1, ..., 1)`` device tensors, in one copy per device.
 
@@ -375,40 +419,41 @@ class BatchOptimizer(torch.optim.Optimizer):
         for p in params:
             dtype = p.dtype if p.dtype in (torch.float32, torch.float64) else torch.float32
             keys.append((p.device, dtype, p.dim()))
-        rows: dict[tuple[torch.device, torch.dtype], dict[int, int]] = {}
         stacked: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-        for per_param in values.values():
-            for key, v in zip(keys, per_param):
-                where = rows.setdefault(key[:2], {})
-                if id(v) not in where:
-                    where[id(v)] = len(where)
-                    stacked.setdefault(key[:2], []).append(v)
+        rows = {  # per name and parameter: the row of its vector among those stacked for its device and dtype
+            name: [position(stacked.setdefault(key[:2], []), v) for key, v in zip(keys, per_param)]
+            for name, per_param in values.items()
+        }
         moved: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         for (device, dtype), vectors in stacked.items():
             host = torch.stack(vectors).to(dtype)
-            if device.type == "cuda":
+            if device.type == "cuda" and not torch.compiler.is_compiling():  # a graph's copy is Inductor's
                 moved[(device, dtype)] = host.pin_memory().to(device, non_blocking=True)
             else:
                 moved[(device, dtype)] = host.to(device)
         views: dict[tuple, Tensor] = {}
         out: dict[str, list[Tensor]] = {}
-        for name, per_param in values.items():
+        for name, per_param in rows.items():
             column = []
-            for key, v in zip(keys, per_param):
-                view_key = (*key, id(v))
-                view = views.get(view_key)
+            for key, row in zip(keys, per_param):
+                view = views.get((*key, row))
                 if view is None:
-                    row = moved[key[:2]][rows[key[:2]][id(v)]]
-                    view = views[view_key] = row.view(-1, *([1] * (key[2] - 1)))
+                    view = views[(*key, row)] = moved[key[:2]][row].view(-1, *([1] * (key[2] - 1)))
                 column.append(view)
             out[name] = column
         return out
 
-    def _skip_index(self, skip: Any) -> Tensor | None:
+    def _skip_mask(self, skip: Any) -> Tensor | None:
+        """``skip`` as a ``(B,)`` bool CPU mask; None where no model skips, which only an eager step can check
+        (compiled, a bool mask is kept whatever it holds, and indices are not traceable)."""
         if skip is None:
             return None
-        index = _as_index(skip, self.batch, "skip")
-        return index if index.numel() else None
+        if isinstance(skip, Tensor) and skip.dtype == torch.bool and skip.shape == (self.batch,):
+            mask = skip.detach().to("cpu")
+        else:  # indices, or a mask of the wrong shape for _as_index to refuse
+            mask = torch.zeros(self.batch, dtype=torch.bool)
+            mask[_as_index(skip, self.batch, "skip")] = True
+        return mask if any_model(mask) else None
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, *, skip: Any = None) -> Any:
@@ -418,17 +463,14 @@ class BatchOptimizer(torch.optim.Optimizer):
             closure: re-evaluates the model and returns the loss (as in ``torch.optim``).
             skip: models that must not step this time (a bool mask of length B or indices): their
                 weights, state and step counts stay exactly as they are. ``torchmb.amp.GradScaler``
-                uses it to skip only the models whose gradients overflowed.
+                uses it to skip only the models whose gradients overflowed. Under ``torch.compile`` give
+                a bool mask tensor (indices are read on the host).
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        skip_index = self._skip_index(skip)
-        skip_mask = None
-        if skip_index is not None:
-            skip_mask = torch.zeros(self.batch, dtype=torch.bool)
-            skip_mask[skip_index] = True
+        skip_mask = self._skip_mask(skip)
         for group in self.param_groups:
             params, grads, states = [], [], []
             for p in group["params"]:
@@ -452,24 +494,19 @@ class BatchOptimizer(torch.optim.Optimizer):
                 states.append(self._ensure_state(p, group))
             if not params:
                 continue
-            saved = None
-            if skip_index is not None:
-                saved = []
-                for p, state in zip(params, states):
-                    for t in [p, *(v for k, v in state.items() if isinstance(v, Tensor) and k not in self.cpu_state)]:
-                        idx = skip_index.to(t.device)
-                        saved.append((t, idx, t.index_select(0, idx)))
             steps = [state["step"] for state in states]
             if all(s is steps[0] for s in steps):  # the usual case (one object, see below): one addition
                 counts = [steps[0] + 1] * len(steps)
             else:  # equal counts share one object, so per-count coefficients are computed and sent once
                 counts = shared_values([s + 1 for s in steps])
+            kept = []  # skipped models keep their rows of these (and their step counts, below)
+            if skip_mask is not None:
+                owned = [v for s in states for k, v in s.items() if isinstance(v, Tensor) and k not in self.cpu_state]
+                kept = save_rows([*params, *owned], skip_mask)
             self._step_group(group, params, grads, states, counts, skip_mask)
             for state, count in zip(states, counts):
                 state["step"] = count if skip_mask is None else torch.where(skip_mask, state["step"], count)
-            if saved is not None:
-                for t, idx, rows in saved:
-                    t.index_copy_(0, idx, rows)
+            restore_rows(kept)
         return loss
 
     def _step_group(
@@ -485,9 +522,13 @@ class BatchOptimizer(torch.optim.Optimizer):
 
 
 def shared_values(tensors: list[Tensor]) -> list[Tensor]:
-    """``tensors`` with equal ones replaced by one object (the first of them), so per-object work runs once."""
+    """``tensors`` with equal ones replaced by one object (the first of them), so per-object work runs once.
+
+    Compiled, ``tensors`` are returned as they are: merging compares values, which a graph cannot branch on,
+    and Inductor fuses the per-object work anyway.
+    """
     first = tensors[0]
-    if all(t is first for t in tensors):
+    if all(t is first for t in tensors) or torch.compiler.is_compiling():
         return tensors
     distinct: list[Tensor] = []
     out = []
@@ -502,69 +543,110 @@ def shared_values(tensors: list[Tensor]) -> list[Tensor]:
     return out
 
 
+def position(seen: list[Tensor], t: Tensor) -> int:
+    """The index of the object ``t`` in ``seen``, appended if new.
+
+    Identity, not ``id()``: dynamo guards on the ``id`` of a tensor it reads from the optimizer, so a compiled
+    step would recompile whenever a step replaces a state tensor or a scheduler a hyperparameter. The newest
+    entries are looked at first, since one object repeated for every parameter is the usual case.
+    """
+    for i in range(len(seen) - 1, -1, -1):
+        if seen[i] is t:
+            return i
+    seen.append(t)
+    return len(seen) - 1
+
+
 def set_indices(tensors: list[Tensor]) -> tuple[list[int], list[Tensor]]:
     """Per entry, the index of its object among the distinct objects of ``tensors``; and those objects."""
-    index: dict[int, int] = {}
     distinct: list[Tensor] = []
-    sets = []
-    for t in tensors:
-        i = index.get(id(t))
-        if i is None:
-            i = index[id(t)] = len(distinct)
-            distinct.append(t)
-        sets.append(i)
-    return sets, distinct
+    return [position(distinct, t) for t in tensors], distinct
 
 
 def per_count(counts: list[Tensor], fn: Callable[[Tensor], Any]) -> list[Any]:
     """``[fn(c) for c in counts]``, computing once per distinct tensor object."""
-    memo: dict[int, Any] = {}
-    out = []
-    for c in counts:
-        if id(c) not in memo:
-            memo[id(c)] = fn(c)
-        out.append(memo[id(c)])
-    return out
+    sets, distinct = set_indices(counts)
+    results = [fn(c) for c in distinct]
+    return [results[i] for i in sets]
+
+
+def any_model(mask: Tensor) -> bool:
+    """Whether any model's entry of the host ``(B,)`` bool ``mask`` is set, so that an eager step can skip work
+    that no model needs. A compiled graph cannot branch on values: there it is True and the work is done for
+    every model; each caller says why that gives the numbers an eager step gives."""
+    return torch.compiler.is_compiling() or bool(mask.any())
+
+
+def state_needed(mask: Tensor, what: str) -> bool:
+    """Whether a step creates state that only the models set in the host ``(B,)`` bool ``mask`` use.
+
+    A compiled graph cannot create state depending on values: the optimizer creates it when the values are
+    set (``_init_group_state``), and a graph that finds it missing checks on the device that no model needs
+    it, so a value written straight into ``param_groups`` fails loudly instead of stepping without ``what``.
+    """
+    if torch.compiler.is_compiling():
+        torch._assert_async(
+            ~mask.any(),
+            f"{what} became non-zero without set_hyperparameter (a direct write to param_groups); its state does "
+            "not exist yet: set it with set_hyperparameter, or take one eager step before the compiled ones",
+        )
+        return False
+    return bool(mask.any())
 
 
 def prepare_grads(
-    params: list[Tensor], grads: list[Tensor], maximize: bool, weight_decay: Tensor, coefs: dict[str, list[Tensor]]
+    params: list[Tensor],
+    grads: list[Tensor],
+    maximize: bool,
+    weight_decay: Tensor | None,
+    coefs: dict[str, list[Tensor]],
 ) -> list[Tensor]:
-    """``-grad`` when maximizing, plus L2 weight decay (when any model has some), without touching ``.grad``."""
+    """``-grad`` when maximizing, plus L2 weight decay (``None``: the optimizer has none; else when any model
+    has some), without touching ``.grad``.
+
+    Compiled, the decay is always added: what an eager step adds when some model has decay, and for a model
+    without it ``g + 0 * p``, which is ``g`` for finite weights.
+    """
     if maximize:
         grads = list(torch._foreach_neg(grads))
-    if bool((weight_decay != 0).any()):
+    if weight_decay is not None and any_model(weight_decay != 0):
         grads = axpy(grads, params, coefs["weight_decay"])
     return grads
 
 
-class frozen_rows:
-    """Keep the rows ``index`` of ``tensors`` as they are across a block (models whose step size is 0).
-
-    A per-model step size folded into a denominator (``p += m / (d / s)``) cannot express ``s == 0``;
-    those models' weights are restored instead, which is what ``p += 0 * m / d`` leaves for finite values.
-    """
-
-    def __init__(self, tensors: list[Tensor], index: Tensor | None) -> None:
-        self.tensors = tensors
-        self.index = index
-        self.saved: list[tuple[Tensor, Tensor, Tensor]] = []
-
-    def __enter__(self) -> frozen_rows:
-        if self.index is not None and self.index.numel():
-            for t in self.tensors:
-                idx = self.index.to(t.device)
-                self.saved.append((t, idx, t.index_select(0, idx)))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for t, idx, rows in self.saved:
-            t.index_copy_(0, idx, rows)
-
-
-def zero_rows(values: list[Tensor]) -> Tensor | None:
-    """The models whose value is 0 in any of the per-parameter ``(B,)`` vectors, or None."""
+def zero_mask(values: list[Tensor]) -> Tensor:
+    """The models whose value is 0 in any of the per-parameter ``(B,)`` vectors, as a bool mask."""
     mask = torch.zeros_like(values[0], dtype=torch.bool)
     for v in values:
         mask |= v == 0
-    return mask.nonzero().flatten() if bool(mask.any()) else None
+    return mask
+
+
+def save_rows(tensors: list[Tensor], mask: Tensor) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """The rows of ``tensors`` of the models set in ``mask``, for :func:`restore_rows` to put back after a block.
+
+    Used for models that skip a step, and for models whose step size is 0: a per-model step size folded
+    into a denominator (``p += m / (d / s)``) cannot express ``s == 0``, so those models' weights are
+    restored, which is what ``p += 0 * m / d`` leaves for finite values. Eagerly only the rows named are
+    copied (none when no model is set); compiled, which rows is a value the graph cannot branch on, so whole
+    tensors are kept and the restore selects per model (Inductor fuses it into the step).
+    """
+    if torch.compiler.is_compiling():
+        return [(t, mask.to(t.device).view(-1, *([1] * (t.dim() - 1))), t.clone()) for t in tensors]
+    index = mask.nonzero().flatten()
+    if not index.numel():
+        return []
+    saved = []
+    for t in tensors:
+        idx = index.to(t.device)
+        saved.append((t, idx, t.index_select(0, idx)))
+    return saved
+
+
+def restore_rows(saved: list[tuple[Tensor, Tensor, Tensor]]) -> None:
+    """Put back what :func:`save_rows` kept: ``(tensor, model indices or a broadcast mask, old values)``."""
+    for t, where, old in saved:
+        if where.dtype == torch.bool:
+            t.copy_(torch.where(where, old, t))
+        else:
+            t.index_copy_(0, where, old)

@@ -17,16 +17,19 @@ from torch import Tensor
 
 from ._base import (
     BatchOptimizer,
+    any_model,
     axpy,
     axpy_,
     check_range,
-    frozen_rows,
     lerp_,
     per_count,
     prepare_grads,
+    restore_rows,
+    save_rows,
     set_indices,
     shared_values,
-    zero_rows,
+    state_needed,
+    zero_mask,
 )
 
 __all__ = ["SGD", "Adagrad", "Adam", "AdamW", "RMSprop"]
@@ -50,7 +53,9 @@ class SGD(BatchOptimizer):
         maximize: maximize the objective instead of minimizing it.
     {_PER_MODEL_NOTE}
     A model whose momentum is 0 keeps no momentum history (as ``torch.optim.SGD`` creates none); if its
-    momentum later becomes non-zero its buffer starts from that step's gradient.
+    momentum later becomes non-zero its buffer starts from that step's gradient. The momentum buffers are
+    created when a non-zero momentum is set (construction, :meth:`set_hyperparameter`,
+    :meth:`load_state_dict`), so that a compiled step finds them.
 
     Examples:
         >>> w = torch.nn.Parameter(torch.randn(4, 3, 2))  # 4 models' (3, 2) weights
@@ -82,22 +87,20 @@ class SGD(BatchOptimizer):
         )
         super().__init__(params, defaults, fused=fused)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        self._check_nesterov(self.param_groups[-1])
-
-    @staticmethod
-    def _check_nesterov(group: dict[str, Any]) -> None:
+    def _check_group(self, group: dict[str, Any]) -> None:
         if group["nesterov"] and (bool((group["momentum"] <= 0).any()) or bool((group["dampening"] != 0).any())):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening for every model")
 
+    def _init_group_state(self, group: dict[str, Any]) -> None:
+        if bool((group["momentum"] != 0).any()):
+            self._create_group_state(group)
+
     def _init_state(self, p: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
-        if "momentum_buffer" not in state and bool((group["momentum"] != 0).any()):
+        if "momentum_buffer" not in state and state_needed(group["momentum"] != 0, "SGD momentum"):
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["momentum_started"] = torch.zeros(self.batch, dtype=torch.float64)
 
     def _step_group(self, group, params, grads, states, counts, skip_mask) -> None:
-        self._check_nesterov(group)
         has_buffers = "momentum_buffer" in states[0]
         bufs = [state["momentum_buffer"] for state in states] if has_buffers else None
         flags = shared_values([state["momentum_started"] for state in states]) if has_buffers else None
@@ -113,8 +116,7 @@ class SGD(BatchOptimizer):
             def advance(flag: Tensor) -> Tensor:
                 old = flag != 0
                 started = old | active if skip_mask is None else torch.where(skip_mask, old, old | active)
-                started = started.to(torch.float64)
-                return flag if torch.equal(started, flag) else started  # unchanged: keep the object
+                return started.to(torch.float64)
 
             for state, started in zip(states, per_count(flags, advance)):
                 state["momentum_started"] = started
@@ -251,12 +253,12 @@ class Adam(BatchOptimizer):
         }
         if self.decoupled_weight_decay:
             values["decay"] = [1 - lr * wd] * n
-            l2 = torch.zeros_like(wd)
+            l2 = None
         else:
             values["weight_decay"] = [wd] * n
             l2 = wd
         coefs = self._coefficients(params, values)
-        if self.decoupled_weight_decay and bool((wd != 0).any()):
+        if self.decoupled_weight_decay and any_model(wd != 0):  # compiled always: p * (1 - lr * 0) is p exactly
             torch._foreach_mul_(params, coefs["decay"])
         grads = prepare_grads(params, grads, group["maximize"], l2, coefs)
         lerp_(exp_avgs, grads, coefs["one_minus_beta1"])
@@ -269,8 +271,9 @@ class Adam(BatchOptimizer):
             denom = torch._foreach_sqrt(exp_avg_sqs)
         torch._foreach_div_(denom, coefs["scale"])
         torch._foreach_add_(denom, coefs["eps_scaled"])
-        with frozen_rows(params, zero_rows(step_size)):
-            torch._foreach_addcdiv_(params, exp_avgs, denom)
+        kept = save_rows(params, zero_mask(step_size))
+        torch._foreach_addcdiv_(params, exp_avgs, denom)
+        restore_rows(kept)
 
     def _fused_step(self, group, params, grads, exp_avgs, exp_avg_sqs, max_sqs, counts) -> None:
         """torch's plain single-tensor Adam per element, one launch for the group.
@@ -392,10 +395,14 @@ class RMSprop(BatchOptimizer):
         else:
             super()._validate(name, values)
 
+    def _init_group_state(self, group: dict[str, Any]) -> None:
+        if bool((group["momentum"] > 0).any()):
+            self._create_group_state(group)
+
     def _init_state(self, p: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
         if "square_avg" not in state:
             state["square_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        if "momentum_buffer" not in state and bool((group["momentum"] > 0).any()):
+        if "momentum_buffer" not in state and state_needed(group["momentum"] > 0, "RMSprop momentum"):
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         if group["centered"] and "grad_avg" not in state:
             state["grad_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -433,8 +440,9 @@ class RMSprop(BatchOptimizer):
             axpy_(params, bufs, coefs["neg_lr"])
         else:
             torch._foreach_div_(avg, coefs["neg_lr"])
-            with frozen_rows(params, zero_rows([lr])):
-                torch._foreach_addcdiv_(params, grads, avg)
+            kept = save_rows(params, zero_mask([lr]))
+            torch._foreach_addcdiv_(params, grads, avg)
+            restore_rows(kept)
 
 
 class Adagrad(BatchOptimizer):
@@ -472,17 +480,12 @@ class Adagrad(BatchOptimizer):
         super().__init__(params, defaults)
 
     def _init_group_state(self, group: dict[str, Any]) -> None:
-        for p in group["params"]:
-            self._ensure_state(p, group)
+        self._create_group_state(group)
 
     def _init_state(self, p: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
-        if "sum" not in state:
-            init = group["initial_accumulator_value"]
-            if bool((init == init[0]).all()):
-                state["sum"] = torch.full_like(p, float(init[0]), memory_format=torch.preserve_format)
-            else:
-                state["sum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["sum"].add_(init.to(p.device, p.dtype).view(-1, *([1] * (p.dim() - 1))))
+        if "sum" not in state:  # each model's initial value, rounded to p's dtype as torch.full_like would
+            init = group["initial_accumulator_value"].to(p.device, p.dtype).view(-1, *([1] * (p.dim() - 1)))
+            state["sum"] = torch.empty_like(p, memory_format=torch.preserve_format).copy_(init.expand_as(p))
 
     def _step_group(self, group, params, grads, states, counts, skip_mask) -> None:
         n = len(params)
@@ -501,5 +504,6 @@ class Adagrad(BatchOptimizer):
         std = list(torch._foreach_sqrt(sums))
         torch._foreach_add_(std, coefs["eps"])
         torch._foreach_div_(std, coefs["neg_clr"])
-        with frozen_rows(params, zero_rows(clr)):
-            torch._foreach_addcdiv_(params, grads, std)
+        kept = save_rows(params, zero_mask(clr))
+        torch._foreach_addcdiv_(params, grads, std)
+        restore_rows(kept)

@@ -90,3 +90,6 @@ def load_model_state(
         else:
             target = holder[key]
             target.index_copy_(0, dst_index.to(target.device), rows.to(target.device, target.dtype))
+    if hyperparameters:  # a copied momentum may call for state (momentum buffers) that the slots lacked
+        for group in opt.param_groups:
+            opt._init_group_state(group)
