@@ -18,6 +18,7 @@ from ._base import (
     to_grouped,
 )
 from ._conv_triton import grouped_conv2d, input_grad, runs_on_triton
+from ._depthwise_triton import depthwise_weight_grad, runs_depthwise_grad
 
 __all__ = ["Conv1d", "Conv2d", "Conv3d"]
 
@@ -89,31 +90,45 @@ class _GroupedConv(torch.autograd.Function):
         out_channels = weight.shape[1] * groups if transposed else weight.shape[0]
         grouped = to_grouped(x, batch, order, keeps_channels_last(weight, groups, transposed))
         grad = grad.to(x.dtype)
-        own_grad_x = None
-        # the kernel has no derivative of its own: only where this backward is not itself differentiated
-        if mask[0] and not torch.is_grad_enabled() and not transposed and set(stride) == {1} and set(dilation) == {1}:
-            if runs_on_triton(grouped, weight, groups, transposed):
-                own_grad_x = input_grad(grad, weight, grouped.shape, padding, groups)
-        if own_grad_x is not None:
-            mask[0] = False
-        grad_x, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
-            grad,
-            grouped,
-            weight,
-            [out_channels] if has_bias else None,
-            stride,
-            padding,
-            dilation,
-            transposed,
-            output_padding,
-            groups,
-            mask,
+        config = (stride, padding, dilation, groups, transposed)
+        own = _kernel_grads(grad, grouped, weight, *config, mask) if not torch.is_grad_enabled() else {}
+        grads = list(
+            torch.ops.aten.convolution_backward(
+                grad,
+                grouped,
+                weight,
+                [out_channels] if has_bias else None,
+                stride,
+                padding,
+                dilation,
+                transposed,
+                output_padding,
+                groups,
+                [wanted and i not in own for i, wanted in enumerate(mask)],
+            )
         )
-        if own_grad_x is not None:
-            grad_x, mask[0] = own_grad_x, True
+        for i, value in own.items():
+            grads[i] = value
+        grad_x, grad_weight, grad_bias = grads
         grad_x = from_grouped(grad_x, batch, order) if mask[0] else None
         grads = (grad_x, grad_weight if mask[1] else None, grad_bias if mask[2] else None)
         return (*grads, None, None, None, None, None, None, None, None)
+
+
+def _kernel_grads(grad, grouped, weight, stride, padding, dilation, groups, transposed, mask) -> dict[int, Tensor]:
+    """The gradients (0: input, 1: weight) the Triton kernels compute for this convolution, where they beat
+    cuDNN's and ATen's; the rest come from ``aten.convolution_backward``. Only where the backward is not
+    itself differentiated: the kernels have no derivatives of their own."""
+    own = {}
+    if transposed:
+        return own
+    if mask[0] and set(stride) == {1} and set(dilation) == {1} and runs_on_triton(grouped, weight, groups, False):
+        grad_x = input_grad(grad, weight, grouped.shape, padding, groups)
+        if grad_x is not None:
+            own[0] = grad_x
+    if mask[1] and runs_depthwise_grad(grouped, weight, groups):
+        own[1] = depthwise_weight_grad(grad, grouped, list(weight.shape), list(stride), list(padding), list(dilation))
+    return own
 
 
 def grouped_conv(

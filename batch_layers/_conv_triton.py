@@ -16,6 +16,7 @@ whether the products run in TF32.
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import torch
 from torch import Tensor
@@ -29,6 +30,8 @@ __all__ = ["grouped_conv2d", "input_grad", "runs_on_triton"]
 _MAX_OUT_PER_GROUP = 32
 _MAX_PATCH = 512  # in-channels per group x kernel height x kernel width
 _MIN_GROUPS = 128
+# looked up once, without importing Triton: the check below runs inside traced forwards (no imports there)
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 @functools.cache
@@ -79,17 +82,10 @@ def _kernel():
     return conv2d_groups
 
 
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def runs_on_triton(x: Tensor, weight: Tensor, groups: int, transposed: bool) -> bool:
     """Whether a grouped convolution of this shape runs on the Triton kernel: CUDA, 2-D, not transposed,
-    at least 128 groups of at most 32 output channels and 512 patch elements each, Triton installed."""
+    at least 128 groups of 2 to 512 patch elements with 2 or more input channels and at most 32 output
+    channels each, Triton installed."""
     return (
         x.is_cuda
         and x.dim() == 4
@@ -97,8 +93,9 @@ def runs_on_triton(x: Tensor, weight: Tensor, groups: int, transposed: bool) -> 
         and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
         and groups >= _MIN_GROUPS
         and weight.shape[0] // groups <= _MAX_OUT_PER_GROUP
+        and 2 <= weight.shape[1]  # one input channel per group is ATen's depthwise kernel, which keeps up
         and weight[0].numel() <= _MAX_PATCH
-        and _triton_available()
+        and _HAS_TRITON
     )
 
 

@@ -10,14 +10,16 @@ import torch.nn.functional as F
 from torch import nn
 
 import batch_layers
-from batch_layers import ForwardContext, _conv_triton, forward_context
+from batch_layers import ForwardContext, _conv_triton, _depthwise_triton, forward_context
 from batch_layers._conv_triton import runs_on_triton
+from batch_layers._depthwise_triton import runs_depthwise_grad
 
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores for float32 matrix multiplication:UserWarning"),
     # dynamo instantiates autograd Functions while tracing them (torch 2.11)
     pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),  # Inductor's
 ]
 
 BATCH, SAMPLES = 12, 3
@@ -47,7 +49,8 @@ def _exact_fp32(monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     pytest.importorskip("triton")
-    monkeypatch.setattr(_conv_triton, "_MIN_GROUPS", 8)  # the kernel for these few models too (speed decides it)
+    monkeypatch.setattr(_conv_triton, "_MIN_GROUPS", 8)  # the kernels for these few models too (speed decides it)
+    monkeypatch.setattr(_depthwise_triton, "_MIN_CHANNELS", 8)
     before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     yield
@@ -102,6 +105,26 @@ def test_kernel_matches_plain_convolutions(shape, order: str) -> None:
     x = torch.randn(BATCH, SAMPLES, shape[0], size, size, device="cuda")
     weight = batched.weight.reshape(-1, *batched.weight.shape[2:])
     assert runs_on_triton(x[0], weight, BATCH * shape[6], False), "the shape should take the Triton kernel"
+    _check(plain, batched, x, order, atol=1e-4, rtol=1e-4)
+
+
+DEPTHWISE_SHAPES = [  # one input channel per group: the weight gradient's kernel
+    (8, 8, 3, 2, 1, 1, 8, 9),
+    (4, 4, 7, 1, 3, 1, 4, 8),  # ConvNeXt's 7x7
+    (1, 6, 5, 1, 0, 1, 1, 12),  # LeNet's first convolution: a channel multiplier of 6
+    (6, 12, 3, 1, 2, 2, 6, 9),
+]
+
+
+@pytest.mark.parametrize("order", ["models", "samples"])
+@pytest.mark.parametrize("shape", DEPTHWISE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_depthwise_weight_gradient_kernel_matches_plain_convolutions(shape, order: str) -> None:
+    plain, batched = _models(shape)
+    size = shape[-1]
+    x = torch.randn(BATCH, SAMPLES, shape[0], size, size, device="cuda")
+    grouped = x[0].reshape(SAMPLES, shape[0], size, size).repeat(1, BATCH, 1, 1)
+    weight = batched.weight.reshape(-1, *batched.weight.shape[2:])
+    assert runs_depthwise_grad(grouped, weight, BATCH * shape[6]), "the shape should take the kernel"
     _check(plain, batched, x, order, atol=1e-4, rtol=1e-4)
 
 

@@ -1,6 +1,6 @@
 """Formulations of B models' small convolutions, forward + backward (H100/H200, fp32, n=128 per model).
 
-    PYTHONPATH=. python tests/benchmarks/bench_conv_forms.py
+    PYTHONPATH=. python tests/benchmarks/bench_conv_forms.py [--depthwise]
 
 Rows: cuDNN's grouped convolution (NCHW and channels-last, autotuned, and with cuDNN's heuristics), the
 same as a depthwise convolution with a channel multiplier followed by a sum over input channels, the
@@ -9,6 +9,8 @@ batched layer (``batch_layers.Conv2d``, samples-major: the Triton kernel where i
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +35,8 @@ def heuristic(fn):
         return fn()
 
 
-def grouped(x, w, b, batch, padding):
-    return F.conv2d(x, w.flatten(0, 1), b.flatten(), padding=padding, groups=batch)
+def grouped(x, w, b, batch, padding, groups=1):
+    return F.conv2d(x, w.flatten(0, 1), b.flatten(), padding=padding, groups=batch * groups)
 
 
 def depthwise_sum(x, w, b, batch, padding):
@@ -45,21 +47,21 @@ def depthwise_sum(x, w, b, batch, padding):
     return y + b.flatten()[:, None, None]
 
 
-def run(name, cin, cout, k, size, batch, samples=128, padding=0):
+def run(name, cin, cout, k, size, batch, samples=128, padding=0, groups=1):
     dev = torch.device("cuda")
     x = torch.randn(samples, batch * cin, size, size, device=dev, requires_grad=True)
-    w = torch.randn(batch, cout, cin, k, k, device=dev, requires_grad=True)
+    w = torch.randn(batch, cout, cin // groups, k, k, device=dev, requires_grad=True)
     b = torch.randn(batch, cout, device=dev, requires_grad=True)
     xl = x.detach().contiguous(memory_format=torch.channels_last).requires_grad_()
     x1 = torch.randn(batch * samples, cin, size, size, device=dev, requires_grad=True)
-    w1 = torch.randn(cout, cin, k, k, device=dev, requires_grad=True)
+    w1 = torch.randn(cout, cin // groups, k, k, device=dev, requires_grad=True)
     b1 = torch.randn(cout, device=dev, requires_grad=True)
-    ref = grouped(x, w, b, batch, padding)
-    small = cin * cout <= 256  # the multiplier form's intermediate holds cin*cout channels per model
+    ref = grouped(x, w, b, batch, padding, groups)
+    small = cin * cout <= 256 and groups == 1  # the multiplier form's intermediate holds cin*cout channels per model
     if small:
         torch.testing.assert_close(depthwise_sum(x, w, b, batch, padding), ref, rtol=1e-2, atol=0.1)
     gy = torch.randn_like(ref)
-    layer = batch_layers.Conv2d(cin, cout, k, padding=padding, batch=batch, device=dev)
+    layer = batch_layers.Conv2d(cin, cout, k, padding=padding, groups=groups, batch=batch, device=dev)
     layer.merged_order = "samples"
     with torch.no_grad():
         layer.weight.copy_(w)
@@ -70,11 +72,11 @@ def run(name, cin, cout, k, size, batch, samples=128, padding=0):
     gyl = gy.contiguous(memory_format=torch.channels_last)
     gy1 = torch.randn(batch * samples, cout, *ref.shape[2:], device=dev)
     forms = {
-        "grouped": lambda: grouped(x, w, b, batch, padding).backward(gy),
-        "grouped-heuristic": lambda: heuristic(lambda: grouped(x, w, b, batch, padding).backward(gy)),
-        "grouped-cl": lambda: grouped(xl, w, b, batch, padding).backward(gyl),
+        "grouped": lambda: grouped(x, w, b, batch, padding, groups).backward(gy),
+        "grouped-heuristic": lambda: heuristic(lambda: grouped(x, w, b, batch, padding, groups).backward(gy)),
+        "grouped-cl": lambda: grouped(xl, w, b, batch, padding, groups).backward(gyl),
         "layer": lambda: layer(merged).backward(gy_merged),
-        "limit": lambda: F.conv2d(x1, w1, b1, padding=padding).backward(gy1),
+        "limit": lambda: F.conv2d(x1, w1, b1, padding=padding, groups=groups).backward(gy1),
     }
     if small:
         forms["depthwise+sum"] = lambda: depthwise_sum(x, w, b, batch, padding).backward(gy)
@@ -92,6 +94,12 @@ def run(name, cin, cout, k, size, batch, samples=128, padding=0):
 
 def main() -> None:
     torch.backends.cudnn.benchmark = True
+    if "--depthwise" in sys.argv:
+        for batch in (16, 64):
+            run("convnext dw 40 k7 8", 40, 40, 7, 8, batch, padding=3, groups=40)
+            run("effnet dw 96 k3 16", 96, 96, 3, 16, batch, padding=1, groups=96)
+            run("lenet conv1 1->6 k5 28", 1, 6, 5, 28, batch * 4)
+        return
     for batch in (16, 64, 256):
         run("lenet conv1 1->6 k5 28", 1, 6, 5, 28, batch)
         run("lenet conv2 6->16 k5 12", 6, 16, 5, 12, batch)
