@@ -202,10 +202,11 @@ class ScaledStdConv2d(StdConv2d):
     """``batch`` independent ``timm.layers.ScaledStdConv2d``: :class:`StdConv2d` whose standardised weight
     each model scales per output channel by its ``gain`` times ``scale = gamma / sqrt(fan_in)``.
 
+    The other arguments are :class:`StdConv2d`'s, but ``bias`` defaults to True (as in timm).
+
     Args:
         gamma: the activation's gain folded into ``scale``.
         gain_init: every model's initial ``gain``.
-        others: as :class:`StdConv2d` (but with a bias by default, as timm's).
 
     Attributes:
         gain: ``(B, out, 1, 1, 1)``.
