@@ -32,6 +32,7 @@ from ._norm import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, La
 from ._out_of_scope import OUT_OF_SCOPE, LazyLinear, SyncBatchNorm
 from ._recurrent import GRU, LSTM, RNN
 from ._recurrent_cells import GRUCell, LSTMCell, RNNCell
+from ._std_conv import ScaledStdConv2d, ScaledStdConv2dSame, StdConv2d, StdConv2dSame
 from ._subclass import batched_subclass
 
 __all__ = [
@@ -78,6 +79,10 @@ __all__ = [
     "RMSNorm",
     "RNNCell",
     "SamplesOrderError",
+    "ScaledStdConv2d",
+    "ScaledStdConv2dSame",
+    "StdConv2d",
+    "StdConv2dSame",
     "SyncBatchNorm",
     "batched_embedding",
     "batched_subclass",

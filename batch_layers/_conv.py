@@ -278,9 +278,14 @@ class _ConvNd(AbstractBatchModule):
         return conv(x, weight, bias, self.stride, self.padding, self.dilation, groups)
 
     def forward(self, x: Tensor) -> Tensor:
+        return self._conv_forward(x, self.weight, self.bias)
+
+    def _conv_forward(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """The layer's convolution of a merged input with per-model ``(B, out, in/groups, *k)`` weights and
+        ``(B, out)`` biases (the parameters themselves, or weights derived from them, as in ``StdConv2d``)."""
         batch = self.batch
-        weight = self.weight.reshape(batch * self.out_channels, *self.weight.shape[2:])
-        bias = None if self.bias is None else self.bias.reshape(-1)
+        weight = weight.reshape(batch * self.out_channels, *weight.shape[2:])
+        bias = None if bias is None else bias.reshape(-1)
         if self.is_shared(x):
             if self.groups == 1:  # every model reads the same input: one dense conv against all filters
                 return from_grouped(self._conv(x, weight, bias, 1), batch, self.merged_order)

@@ -20,6 +20,8 @@ import batch_layers
 from batch_layers import ForwardContext, forward_context
 from torchmb import lookup_batch_module
 
+from .torchvision_ops import import_torchvision
+
 BATCH, SAMPLES = 3, 4
 # Sums over samples (weight gradients) run in another order than the plain layer's: a few float32 ulps
 # of relative difference on top of each case's absolute tolerance.
@@ -68,6 +70,23 @@ def random_batchnorm(cls: type[nn.Module], **kwargs) -> Callable[[], nn.Module]:
     return make
 
 
+def timm_layer(name: str, *args, **kwargs) -> Callable[[], nn.Module]:
+    """A layer of ``timm.layers`` with every parameter drawn from N(1, 0.5) (timm is imported when the case
+    builds it; it imports torchvision)."""
+
+    def make() -> nn.Module:
+        import_torchvision()
+        import timm.layers
+
+        layer = getattr(timm.layers, name)(*args, **kwargs)
+        with torch.no_grad():
+            for param in layer.parameters():
+                param.normal_(1.0, 0.5)
+        return layer
+
+    return make
+
+
 LAYER_CASES: list[LayerCase] = [
     LayerCase("linear", lambda: nn.Linear(7, 5), (7,)),
     LayerCase("linear-nobias-3d-input", lambda: nn.Linear(7, 5, bias=False), (3, 7)),
@@ -79,6 +98,12 @@ LAYER_CASES: list[LayerCase] = [
     LayerCase("conv2d-reflect", lambda: nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), (3, 6, 6)),
     LayerCase("conv2d-replicate-same", lambda: nn.Conv2d(3, 4, 4, padding="same", padding_mode="replicate"), (3, 6, 6)),
     LayerCase("conv3d", lambda: nn.Conv3d(2, 3, 2, stride=(1, 2, 1)), (2, 4, 5, 4)),
+    LayerCase("timm-stdconv2d-bias-stride", timm_layer("StdConv2d", 4, 6, 3, stride=2, bias=True), (4, 7, 6)),
+    LayerCase(
+        "timm-scaledstdconv2dsame-dynamic-groups",
+        timm_layer("ScaledStdConv2dSame", 4, 6, 3, stride=2, groups=2, gamma=1.7),
+        (4, 7, 6),
+    ),
     LayerCase("batchnorm1d", random_batchnorm(nn.BatchNorm1d), (6,)),
     LayerCase("batchnorm1d-3d-input", random_batchnorm(nn.BatchNorm1d), (6, 5)),
     LayerCase("batchnorm2d", random_batchnorm(nn.BatchNorm2d), (6, 3, 3)),

@@ -398,17 +398,18 @@ TIMM_MODELS: list[ZooModel] = [
     ZooModel("resnet18", _timm("resnet18", layers=(1, 1, 1, 1))),
     ZooModel("resnet10t", _timm("resnet10t")),
     ZooModel("resnetv2_18", _timm("resnetv2_18", layers=(1, 1, 1, 1))),
+    # the builder fixes the depths; the narrowest widths its 32-group norms allow
+    ZooModel("resnetv2_50x1_bit", _timm("resnetv2_50x1_bit", channels=(128, 256, 512, 1024), stem_chs=32)),
     ZooModel("seresnext26d_32x4d", _timm("seresnext26d_32x4d", layers=(1, 1, 1, 1))),
     ZooModel("resnest14d", _timm("resnest14d")),
     ZooModel("skresnet18", _timm("skresnet18", layers=(1, 1, 1, 1))),
     ZooModel("res2net50_14w_8s", _timm("res2net50_14w_8s", layers=(1, 1, 1, 1))),
+    ZooModel("nf_regnet_b0", _timm("nf_regnet_b0")),
     ZooModel(
-        "nf_regnet_b0",
-        _timm("nf_regnet_b0"),
-        generic=54,
-        why_generic="every ScaledStdConv2d standardises its weight in forward (not a listed subclass): whole "
-        "through torch.func",
-        mostly_generic=True,
+        "dm_nfnet_f0",  # timm's test_nfnet widths
+        _timm("dm_nfnet_f0", depths=(1, 1, 1, 1), channels=(32, 64, 96, 128), stem_chs=16, group_size=8),
+        generic=4,
+        why_generic=_own("each NormFreeBlock owns skipinit_gain"),
     ),
     ZooModel("efficientnet_b0", _timm("efficientnet_b0"), samples=8, slow=True),
     ZooModel("tf_efficientnet_b0", _timm("tf_efficientnet_b0"), samples=8),
