@@ -7,7 +7,9 @@ Each module takes one of four paths (:class:`ConversionEntry.path`):
   (parameters, persistent buffers), is parametrized (``torch.nn.utils.parametrize``) or draws one random
   value per batch; the whole subtree runs under one ``vmap``.
 - ``"generic-own"``: it owns parameters and has registered layers below it; only its own state goes
-  through ``vmap``, its children are converted as usual and keep their fast paths.
+  through ``vmap``, its children are converted as usual and keep their fast paths. So does a module
+  without parameters whose code must run per model (``torchmb._calls``): it calls a method other than
+  ``forward`` of a child with per-model state, or such a child on constants alone.
 - ``"passthrough"``: no per-model state of its own; it runs unchanged on the merged model axis (its
   children are converted). Persistent buffers of a module without parameters above registered layers
   are constants kept once; changing one in forward is refused.
@@ -30,6 +32,7 @@ from torch.utils._pytree import tree_map
 
 from batch_layers import AbstractBatchModule
 
+from ._calls import per_model_call
 from ._generic import batch_generically, escape_from_regions, is_generic
 from ._registry import lookup_batch_module, registered_batch_modules
 
@@ -127,14 +130,18 @@ class _Walk:
             self._record(module, name, "generic-whole", whole_reason, module.parameters())
             return batch_generically(module, self.batch, whole=True)
         own = _own_state(module)
-        if own and not _owns_parameters(module):
+        owns_parameters = _owns_parameters(module)
+        call = None if owns_parameters or isinstance(module, _CONTAINERS) else per_model_call(module, _stateful)
+        region = owns_parameters or call is not None
+        if call is not None:
+            self._record(module, name, "generic-own", f"no parameters; its {call}: its code runs per model", ())
+        elif own and not owns_parameters:
             # Registered layers below and buffers only: the buffers are constants (positional tables), kept
             # once rather than sending the module's code through vmap; one changing in forward is refused.
             own_buffers = ", ".join(own)
             reason = f"no parameters; buffers {own_buffers} stay shared constants, changing them in forward is refused"
             self._record(module, name, "passthrough", reason, ())
             _refuse_buffer_changes(module)
-            own = []
         elif own:
             self._record(module, name, "generic-own", f"owns {', '.join(own)}", module.parameters(recurse=False))
         else:
@@ -144,7 +151,7 @@ class _Walk:
             if converted is not child:
                 setattr(module, child_name, converted)
         _adapt_transformer(module)
-        return batch_generically(module, self.batch, whole=False) if own else module
+        return batch_generically(module, self.batch, whole=False) if region else module
 
     def _whole_reason(self, module: nn.Module) -> str | None:
         """Why ``module``'s whole subtree goes through ``vmap``, or None when it should not."""
@@ -194,6 +201,11 @@ def _own_state(module: nn.Module) -> list[str]:
 
 def _owns_parameters(module: nn.Module) -> bool:
     return any(p is not None for p in module._parameters.values())
+
+
+def _stateful(module: nn.Module) -> bool:
+    """Whether ``module``'s subtree holds per-model state (of a registered layer or not)."""
+    return any(_own_state(m) for m in module.modules())
 
 
 def _refuse_buffer_changes(module: nn.Module) -> None:

@@ -16,12 +16,18 @@ path, and a parameter of a child read directly by the region's code (``self.qkv.
 model's slice. Inside a region, tensors created from nothing (``torch.empty``, ``x.new_zeros``) are made
 per model, so in-place randomness on them (``torch.empty(s).bernoulli_(p)``) draws for each model, and
 ``out=`` arguments (which ``vmap`` cannot batch) are written by ``copy_``.
+
+A generic module's methods other than ``forward`` run per model only when called from a region (the
+conversion walk makes a module whose code calls them one, ``torchmb._calls``); called on the merged axis
+of a batched forward, they would read the stacked state as one model's, so they raise instead.
 """
 
 from __future__ import annotations
 
 import contextvars
 import functools
+import inspect
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +54,8 @@ from batch_layers import (
 __all__ = ["batch_generically", "escape_from_regions", "is_generic"]
 
 _GENERIC_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+_MODULE_BASES = frozenset(nn.Module.__mro__)
+_MODULE_API = frozenset(dir(nn.Module))  # torch's machinery calls these (state_dict, _apply, ...): never guarded
 
 
 def is_generic(module: nn.Module) -> bool:
@@ -95,12 +103,44 @@ def batch_generically(module: nn.Module, batch: int, *, whole: bool) -> nn.Modul
 
 def _generic_class(cls: type[nn.Module]) -> type[nn.Module]:
     if cls not in _GENERIC_CLASSES:
-        _GENERIC_CLASSES[cls] = type(
-            f"FuncBatched{cls.__name__}",
-            (cls,),
-            {"forward": _make_forward(cls.forward), "extra_repr": _make_extra_repr(cls.extra_repr)},
-        )
+        namespace = {name: _make_guarded(cls, name, method) for name, method in _other_methods(cls).items()}
+        namespace.update(forward=_make_forward(cls.forward), extra_repr=_make_extra_repr(cls.extra_repr))
+        _GENERIC_CLASSES[cls] = type(f"FuncBatched{cls.__name__}", (cls,), namespace)
     return _GENERIC_CLASSES[cls]
+
+
+def _other_methods(cls: type[nn.Module]) -> dict[str, Callable[..., Any]]:
+    """The methods ``cls`` and its bases below ``nn.Module`` define, other than ``forward`` and dunders."""
+    methods = {}
+    for owner in reversed(cls.__mro__):  # a subclass's definition replaces its base's
+        if owner in _MODULE_BASES:
+            continue
+        for name, value in vars(owner).items():
+            if inspect.isfunction(value) and name != "forward" and name not in _MODULE_API:
+                if not (name.startswith("__") and name.endswith("__")):
+                    methods[name] = value
+    return methods
+
+
+def _make_guarded(cls: type[nn.Module], name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method``, refusing to run on the merged axis of a batched forward: its code would read the stacked
+    ``(B, ...)`` state as one model's (outside a forward, the user's own calls, it runs as it is)."""
+
+    @functools.wraps(method)
+    def guarded(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if _REGION.get() is None and current_forward() is not None:
+            caller = sys._getframe(1)
+            where = f"{getattr(caller.f_code, 'co_qualname', caller.f_code.co_name)} ({caller.f_code.co_filename}:"
+            raise RuntimeError(
+                f"{cls.__qualname__}.{name}() was called by {where}{caller.f_lineno}) on the merged model axis: "
+                f"{cls.__qualname__} is batched through torch.func, its state stacked for all {self._torchmb_batch} "
+                "models, so only its forward, or code that runs per model, may call its other methods. torchmb "
+                "runs a module's code per model where it finds self.<child>.<method>(...) in it; call the method "
+                "that way, from the module that uses its result"
+            )
+        return method(self, *args, **kwargs)
+
+    return guarded
 
 
 def _make_extra_repr(original_extra_repr: Callable[[nn.Module], str]) -> Callable[[nn.Module], str]:

@@ -181,7 +181,8 @@ def assert_isolated(
     saved = {k: v.clone() for k, v in batched.module.state_dict().items()}
     params = dict(batched.module.named_parameters())
     buffers = dict(batched.module.named_buffers())
-    per_model = {name: batched._is_per_model(name, buffer) for name, buffer in buffers.items()}
+    # A non-persistent buffer (not in the state dict) is one constant for all models.
+    per_model = {name: name in saved and batched._is_per_model(name, buffer) for name, buffer in buffers.items()}
 
     def run(run_inputs: tuple[Tensor, ...], poison: bool = False, shift: float = 0.0) -> _Run:
         batched.module.load_state_dict(saved)

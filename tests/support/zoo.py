@@ -91,6 +91,10 @@ _CNBLOCK = f"each CNBlock owns layer_scale: {_OWN}"
 _SWIN = f"each shifted-window attention owns its relative position bias table: {_OWN}"
 _MAXVIT = f"each relative-position attention owns its bias table: {_OWN}"
 _TV_VIT = f"the root owns class_token, the encoder pos_embedding: {_OWN}"
+_RELPOS_MLP = (
+    "each RelPosAttention calls its RelPosMlp's get_bias() rather than its forward, and get_bias runs the "
+    "registered Mlp on a constant coordinate table: both run per model, the layers below them registered"
+)
 
 
 def _own(which: str) -> str:
@@ -460,11 +464,8 @@ TIMM_MODELS: list[ZooModel] = [
     ZooModel(
         "vit_relpos_small_patch16_224",
         _timm("vit_relpos_small_patch16_224", **_VIT_TINY),
-        generic=4,
-        why_generic=_own("LayerScale is made of its own gamma"),
-        xfail="RelPosAttention owns no parameters, so it runs on the merged axis, and its RelPosMlp runs a "
-        "registered Linear on a constant coordinate table: the Linear gets a tensor without the merged model "
-        "axis, and the per-model bias it would make has no sample axis for the merged code that adds it",
+        generic=8,
+        why_generic=_own("LayerScale is made of its own gamma") + f"; {_RELPOS_MLP}",
     ),
     ZooModel(
         "eva02_tiny_patch14_224",
@@ -521,10 +522,10 @@ TIMM_MODELS: list[ZooModel] = [
         "coatnet_nano_rw_224",
         _timm("coatnet_nano_rw_224", img_size=64),
         size=64,
-        generic=9,
-        why_generic=_own("each transformer block's RelPosBias owns relative_position_bias_table"),
-        xfail="the attention calls its RelPosBias's get_bias() method, not its forward: only a generic module's "
-        "forward runs under vmap, so the method indexes the stacked (B, ...) bias table with a plain index",
+        generic=18,
+        why_generic="each transformer block's RelPosBias owns relative_position_bias_table (the whole module "
+        "through torch.func), and its attention, calling the RelPosBias's get_bias() rather than its forward, runs "
+        "per model (the attention's layers registered)",
     ),
     ZooModel(
         "levit_128s",
