@@ -84,8 +84,8 @@ def _kernel():
 
 def runs_on_triton(x: Tensor, weight: Tensor, groups: int, transposed: bool) -> bool:
     """Whether a grouped convolution of this shape runs on the Triton kernel: CUDA, 2-D, not transposed,
-    at least 128 groups of 2 to 512 patch elements with 2 or more input channels and at most 32 output
-    channels each, Triton installed."""
+    at least 128 groups of at most 32 output channels and 512 patch elements each (but not one input
+    and one output channel: ATen's depthwise kernels), Triton installed."""
     return (
         x.is_cuda
         and x.dim() == 4
@@ -93,7 +93,7 @@ def runs_on_triton(x: Tensor, weight: Tensor, groups: int, transposed: bool) -> 
         and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
         and groups >= _MIN_GROUPS
         and weight.shape[0] // groups <= _MAX_OUT_PER_GROUP
-        and 2 <= weight.shape[1]  # one input channel per group is ATen's depthwise kernel, which keeps up
+        and max(weight.shape[1], weight.shape[0] // groups) >= 2  # pure depthwise: ATen's kernels keep up
         and weight[0].numel() <= _MAX_PATCH
         and _HAS_TRITON
     )

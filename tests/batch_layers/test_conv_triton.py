@@ -33,9 +33,12 @@ def test_many_models_take_the_kernel_and_few_do_not(monkeypatch) -> None:
     assert runs_on_triton(x, weight, 256, False)
     assert not runs_on_triton(x[:, : 16 * 6], weight[: 16 * 16], 16, False)  # cuDNN is faster for 16 models
     assert not runs_on_triton(x.cpu(), weight.cpu(), 256, False)
+    depthwise = torch.empty(256 * 6, 1, 3, 3, device="cuda")
+    assert not runs_on_triton(x, depthwise, 256 * 6, False), "pure depthwise stays with ATen's kernels"
 
 SHAPES = [  # in, out, kernel, stride, padding, dilation, groups, image size
     (6, 16, 5, 1, 0, 1, 1, 12),  # LeNet's second convolution
+    (1, 6, 5, 1, 2, 1, 1, 13),  # LeNet's first convolution
     (2, 6, 5, 1, 2, 1, 1, 13),
     (3, 8, 3, 2, 1, 1, 1, 11),
     (4, 12, 3, 1, 2, 2, 1, 9),
