@@ -99,11 +99,18 @@ def runs_on_triton(x: Tensor, weight: Tensor, groups: int, transposed: bool) -> 
     )
 
 
+def _output_size(x: Tensor, weight: Tensor, stride, padding, dilation) -> tuple[int, int]:
+    """The output's height and width, as torch's convolution computes them."""
+    return tuple(
+        (size + 2 * pad - dil * (k - 1) - 1) // step + 1
+        for size, k, step, pad, dil in zip(x.shape[2:], weight.shape[2:], stride, padding, dilation)
+    )
+
+
 def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, stride, padding, dilation, groups: int) -> Tensor:
     n, _, height, width = x.shape
     out_channels, in_per_group, kh, kw = weight.shape
-    out_h = (height + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
-    out_w = (width + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    out_h, out_w = _output_size(x, weight, stride, padding, dilation)
     y = x.new_empty(n, out_channels, out_h, out_w)
     if y.numel() == 0:
         return y
@@ -139,10 +146,7 @@ def grouped_conv2d(
 
 @grouped_conv2d.register_fake
 def _(x, weight, bias, stride, padding, dilation, groups):
-    kh, kw = weight.shape[2:]
-    out_h = (x.shape[2] + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
-    out_w = (x.shape[3] + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
-    return x.new_empty(x.shape[0], weight.shape[0], out_h, out_w)
+    return x.new_empty(x.shape[0], weight.shape[0], *_output_size(x, weight, stride, padding, dilation))
 
 
 def input_grad(grad: Tensor, weight: Tensor, input_shape: torch.Size, padding, groups: int) -> Tensor | None:

@@ -10,14 +10,14 @@ reads its channel's output gradient once and accumulates every tap of the filter
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import torch
 from torch import Tensor
 
+from ._conv_triton import _HAS_TRITON
+
 __all__ = ["depthwise_weight_grad", "runs_depthwise_grad"]
 
-_HAS_TRITON = importlib.util.find_spec("triton") is not None  # no import inside traced code
 _MAX_TAPS = 64  # kernel height x width (7x7 and smaller)
 _MIN_CHANNELS = 128  # fewer channels leave the GPU mostly idle either way
 

@@ -32,13 +32,12 @@ from torch.utils._pytree import tree_map
 
 from batch_layers import AbstractBatchModule
 
-from ._calls import per_model_call
+from ._calls import _CONTAINERS, per_model_call
 from ._generic import batch_generically, escape_from_regions, is_generic
 from ._registry import lookup_batch_module, registered_batch_modules
 
 __all__ = ["ConversionEntry", "convert", "warn_if_mostly_generic"]
 
-_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 ConversionPath = Literal["registered", "generic-whole", "generic-own", "passthrough"]
 

@@ -51,11 +51,12 @@ from batch_layers import (
     is_shared_input,
 )
 
+from ._calls import _MODULE_API  # nn.Module's own names, which torch's machinery calls: never guarded
+
 __all__ = ["batch_generically", "escape_from_regions", "is_generic"]
 
 _GENERIC_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
 _MODULE_BASES = frozenset(nn.Module.__mro__)
-_MODULE_API = frozenset(dir(nn.Module))  # torch's machinery calls these (state_dict, _apply, ...): never guarded
 
 
 def is_generic(module: nn.Module) -> bool:
