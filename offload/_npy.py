@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ._index import _quiet_readonly
 from ._memory import allocate_host
-from .checkpoint_files import DamagedFileError, write_file_atomically
+from .checkpoint_files import DamagedFileError, remove_orphans, write_file_atomically
 
 if TYPE_CHECKING:
     from ._table import HostTable
@@ -33,6 +33,7 @@ def _torch_dtype(np_dtype) -> torch.dtype:
 
 def load_table(cls: type[HostTable], path, *, mmap_mode, dtype, device, pin, engine) -> HostTable:
     """A ``cls`` over the 2-D ``.npy`` file ``path`` (see :meth:`HostTable.from_npy`)."""
+    remove_orphans(path)  # what killed save_npy calls left beside it
     _check_length(os.fspath(path))
     arr = np.load(os.fspath(path), mmap_mode=mmap_mode)
     if arr.ndim != 2:
