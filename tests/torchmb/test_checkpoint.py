@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support.killed_saves import kill_during_saves
 from torch import nn
 
 import torchmb
@@ -169,3 +170,32 @@ def test_a_damaged_file_is_refused_naming_it(tmp_path: Path) -> None:
     (tmp_path / "ckpt" / "checkpoint.json").write_text('{"format": ')
     with pytest.raises(DamagedFileError, match=r"ckpt/checkpoint\.json is damaged"):
         torchmb.load_checkpoint(tmp_path / "ckpt", fresh)
+
+
+def test_save_killed_at_random_moments_leaves_old_or_new(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+
+    def run(seed: int):
+        models = torchmb.BatchModule(nn.Linear(256, 256), 16)  # 4 MB of weights, 8 MB of Adam state
+        with torch.no_grad():
+            models.module.weight.copy_(torch.randn(models.module.weight.shape,
+                                                   generator=torch.Generator().manual_seed(seed)))
+        optimizer = torchmb.optim.Adam(models.parameters(), lr=1e-3)
+        models(torch.randn(16, 2, 256)).sum().backward()
+        optimizer.step()
+        return models, optimizer
+
+    def fingerprint(models, optimizer) -> tuple:
+        state = optimizer.state[models.module.weight]
+        return tuple(t.detach().numpy().tobytes() for t in (models.module.weight, state["exp_avg_sq"]))
+
+    runs = [run(seed) for seed in (0, 1)]
+    fresh = run(2)
+
+    def load() -> tuple:
+        torchmb.load_checkpoint(path, *fresh, rng=False)
+        return fingerprint(*fresh)
+
+    cut_off = kill_during_saves(path, lambda v: torchmb.save_checkpoint(path, *runs[v], rng=False), load,
+                                [fingerprint(*r) for r in runs], seed=3)
+    assert cut_off > 0
