@@ -199,3 +199,32 @@ def test_save_killed_at_random_moments_leaves_old_or_new(tmp_path: Path) -> None
     cut_off = kill_during_saves(path, lambda v: torchmb.save_checkpoint(path, *runs[v], rng=False), load,
                                 [fingerprint(*r) for r in runs], seed=3)
     assert cut_off > 0
+
+
+@pytest.mark.cuda
+def test_resume_on_cuda_brings_back_the_cuda_generator(tmp_path: Path) -> None:
+    """Dropout on the GPU draws from the CUDA generator, which the checkpoint saves and restores."""
+
+    def build_cuda(seed: int):
+        torch.manual_seed(seed)
+        net = nn.Sequential(nn.Linear(6, 32), nn.Dropout(0.5), nn.Linear(32, 3))
+        models = torchmb.BatchModule(net, B, init="independent", seed=seed).cuda()
+        return models, torchmb.optim.SGD(models.parameters(), lr=0.1, momentum=0.9)
+
+    def steps(models, optimizer, count: int) -> None:
+        for _ in range(count):
+            x = torch.randn(B, 8, 6, device="cuda")
+            optimizer.zero_grad()
+            torchmb.batch_loss(models(x), torch.randint(0, 3, (B, 8), device="cuda")).sum().backward()
+            optimizer.step()
+
+    reference = build_cuda(0)
+    steps(*reference, 2)
+    torchmb.save_checkpoint(tmp_path / "ckpt", *reference)
+    steps(*reference, 3)
+    resumed = build_cuda(1)
+    torch.cuda.manual_seed_all(77)
+    torchmb.load_checkpoint(tmp_path / "ckpt", *resumed)
+    steps(*resumed, 3)
+    for a, b in zip(reference[0].parameters(), resumed[0].parameters()):
+        assert torch.equal(a, b)
