@@ -89,3 +89,24 @@ def test_saving_over_a_directory_of_other_files_is_refused(tmp_path: Path) -> No
     with pytest.raises(FileExistsError, match=r"is a directory of other files \(no manifest\.json, index\.json\)"):
         tmd.save_checkpoint(tmp_path, *run(0))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_a_save_that_fails_midway_leaves_the_checkpoint_as_it_was(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                  ) -> None:
+    models, optimizer = run(0)
+    tmd.save_checkpoint(tmp_path / "ckpt", models, optimizer)
+    expected = fingerprint(models, optimizer)
+    other = run(1)
+    calls = []
+
+    def failing(index: int):
+        calls.append(index)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return BatchModule.state_dict_of(other[0], index)
+
+    monkeypatch.setattr(other[0], "state_dict_of", failing)
+    with pytest.raises(OSError, match="No space left on device"):
+        tmd.save_checkpoint(tmp_path / "ckpt", *other)
+    assert loaded(tmp_path / "ckpt") == expected
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
