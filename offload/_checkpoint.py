@@ -103,6 +103,7 @@ def load(emb: OffloadedEmbedding, path: str | os.PathLike, *, mmap_mode: str | N
     old_table, emb.table = emb.table, table
     try:
         loaded = _resumable(emb, files, meta, mmap_mode, pin)
+        files.check_unchanged()  # never the tables of two saves
     except BaseException:
         emb.table = old_table
         table.close()
@@ -131,6 +132,7 @@ def from_checkpoint(cls: type[OffloadedEmbedding], path: str | os.PathLike, *, m
     emb = cls(meta["num_embeddings"], meta["embedding_dim"], device=device, dtype=getattr(torch, meta["dtype"]),
               table=table, pin=pin, engine=engine, **kwargs)
     emb._loaded = _resumable(emb, files, meta, mmap_mode, pin)
+    files.check_unchanged()  # never the tables of two saves
     return emb
 
 

@@ -22,7 +22,9 @@ user's umask gives (``0o777`` / ``0o666`` masked), as ``mkdir`` and ``open`` wou
 Loads (:func:`open_checkpoint`) check each file they use against the manifest before reading it: the size
 always, the CRC-32 unless ``verify_checksums=False``; a missing, truncated or altered file raises
 :class:`DamagedFileError` naming it. Checkpoints written before manifests existed load unverified, their
-damaged JSON or torch files still refused with the file named.
+damaged JSON or torch files still refused with the file named. A load that finds a new version switched
+in before it has read every file raises :class:`CheckpointReplacedError` rather than combine two versions
+(:meth:`CheckpointFiles.check_unchanged`).
 
 Single files (``.npy`` tables) are written the same way by :func:`write_file_atomically`: a temporary
 file beside the target, fsynced, renamed over it.
@@ -51,6 +53,7 @@ import torch
 __all__ = [
     "MANIFEST",
     "CheckpointFiles",
+    "CheckpointReplacedError",
     "CheckpointWriter",
     "DamagedFileError",
     "begin_save",
@@ -69,6 +72,10 @@ _CHUNK = 1 << 20
 
 class DamagedFileError(ValueError):
     """A checkpoint's file is missing, truncated, altered or unreadable; the message names the file."""
+
+
+class CheckpointReplacedError(RuntimeError):
+    """Another process saved a new version of the checkpoint while this one was loading it; load it again."""
 
 
 # ---- names of what a save leaves beside the checkpoint ----------------------------------------------------
@@ -351,14 +358,38 @@ class CheckpointFiles:
         self.manifest = manifest
         self.verify_checksums = verify_checksums
         self._checked: set[str] = set()
+        self._identity = _identity(path)
+
+    def check_unchanged(self) -> None:
+        """Raise :class:`CheckpointReplacedError` if a save has switched a new version in at :attr:`path`
+        since this checkpoint was opened: call it after reading every file and before using what was read,
+        so that files of two versions are never combined."""
+        if _identity(self.path) != self._identity:
+            raise CheckpointReplacedError(f"{self.path} was replaced by another save while it was being loaded; "
+                                          "load it again")
+
+    def file(self, name: str) -> str:
+        """The path of file ``name``, after checking it (size, and CRC-32 unless turned off)."""
+        try:
+            return self._file(name)
+        except DamagedFileError:
+            self.check_unchanged()  # a file of the next version is not damage
+            raise
+
+    def read_bytes(self, name: str) -> bytes:
+        """File ``name``'s content, checked as :meth:`file` checks it (in the same read)."""
+        try:
+            return self._read_bytes(name)
+        except DamagedFileError:
+            self.check_unchanged()
+            raise
 
     @property
     def verified(self) -> bool:
         """Whether the checkpoint has a manifest (those saved before manifests existed have none)."""
         return self.manifest is not None
 
-    def file(self, name: str) -> str:
-        """The path of file ``name``, after checking it (size, and CRC-32 unless turned off)."""
+    def _file(self, name: str) -> str:
         full = os.path.join(self.path, name)
         if name in self._checked:
             return full
@@ -380,8 +411,7 @@ class CheckpointFiles:
         self._checked.add(name)
         return full
 
-    def read_bytes(self, name: str) -> bytes:
-        """File ``name``'s content, checked as :meth:`file` checks it (in the same read)."""
+    def _read_bytes(self, name: str) -> bytes:
         full = os.path.join(self.path, name)
         if self.manifest is None or name in self._checked:
             return _read(full)
@@ -401,6 +431,7 @@ class CheckpointFiles:
         try:
             return json.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            self.check_unchanged()
             raise DamagedFileError(f"{os.path.join(self.path, name)} is damaged: not valid JSON ({err})") from err
 
     def torch_load(self, name: str, **kwargs: Any) -> Any:
@@ -410,6 +441,7 @@ class CheckpointFiles:
         try:
             return torch.load(io.BytesIO(data), weights_only=True, **kwargs)
         except (RuntimeError, EOFError, OSError, ValueError) as err:
+            self.check_unchanged()
             raise DamagedFileError(f"{os.path.join(self.path, name)} is damaged: torch cannot read it "
                                    f"({type(err).__name__}: {err})") from err
 
@@ -440,6 +472,14 @@ class CheckpointFiles:
             raise DamagedFileError(f"{os.path.join(self.path, name)} is damaged: its CRC-32 is {crc:#010x}, the "
                                    f"checkpoint's manifest says {record['crc32']:#010x} (bytes were altered); "
                                    "pass verify_checksums=False to load it anyway")
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _size(path: str) -> int:

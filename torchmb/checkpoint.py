@@ -206,6 +206,7 @@ def load_checkpoint(
         states[name] = files.torch_load(f"{name}.pt", map_location=map_location)
     extra = files.torch_load("extra.pt", map_location=map_location) if contents["extra"] else None
     rng_state = files.torch_load("rng.pt") if rng and contents["rng"] else None
+    files.check_unchanged()  # never the files of two saves
     for name, state in states.items():
         objects[name].load_state_dict(state)
     if rng_state is not None:

@@ -638,6 +638,7 @@ def load_checkpoint(
         if not isinstance(entry, dict) or entry.get("format") != CHECKPOINT_FORMAT or entry.get("index") != i:
             raise ValueError(f"{what}: {index['files'][i]} is not model {i} of this checkpoint")
         entries.append(entry)
+    files.check_unchanged()  # never the files of two saves
     models.load_state_dicts([entry["model"] for entry in entries])
     if optimizer is not None:
         _load_optimizer_rows(optimizer, [entry["optimizer"] for entry in entries], what)

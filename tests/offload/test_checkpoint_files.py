@@ -260,3 +260,17 @@ def test_training_in_place_drops_the_checksums_it_invalidates(tmp_path: Path) ->
     assert "crc32" not in files["weight.npy"] and "crc32" in files["meta.json"]
     again = offload.OffloadedEmbedding.from_checkpoint(tmp_path / "ckpt", mmap_mode=None)
     assert torch.equal(again.table.data, resumed.table.data)
+
+
+def test_a_load_never_combines_files_of_two_saves(tmp_path: Path) -> None:
+    """A reader racing a writer (an evaluation process loading while training saves): the files it reads
+    after a new version was switched in are refused, not mixed with those it read before."""
+    path = tmp_path / "ckpt"
+    write_version(path, "one")
+    files = checkpoint_files.open_checkpoint(path)
+    files.check_unchanged()
+    write_version(path, "two")
+    with pytest.raises(checkpoint_files.CheckpointReplacedError, match=r"ckpt was replaced by another save while"):
+        files.read_bytes("data.txt")
+    with pytest.raises(checkpoint_files.CheckpointReplacedError, match=r"load it again"):
+        files.check_unchanged()

@@ -15,6 +15,7 @@ from support.killed_saves import kill_during_saves
 from torch import nn
 
 import torchmb
+from offload import checkpoint_files
 from offload.checkpoint_files import DamagedFileError
 
 B = 4
@@ -228,3 +229,22 @@ def test_resume_on_cuda_brings_back_the_cuda_generator(tmp_path: Path) -> None:
     steps(*resumed, 3)
     for a, b in zip(reference[0].parameters(), resumed[0].parameters()):
         assert torch.equal(a, b)
+
+
+def test_a_save_switched_in_during_a_load_is_never_mixed_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first, second = build(0), build(1)
+    torchmb.save_checkpoint(tmp_path / "ckpt", first[0], first[1])
+    read = checkpoint_files.CheckpointFiles.torch_load
+
+    def read_then_save(self, name, **kwargs):
+        state = read(self, name, **kwargs)
+        if name == "models.pt":  # another process saves between the two files this load reads
+            torchmb.save_checkpoint(tmp_path / "ckpt", second[0], second[1])
+        return state
+
+    monkeypatch.setattr(checkpoint_files.CheckpointFiles, "torch_load", read_then_save)
+    fresh = build(2)
+    before = [p.detach().clone() for p in fresh[0].parameters()]
+    with pytest.raises(checkpoint_files.CheckpointReplacedError, match=r"ckpt was replaced by another save"):
+        torchmb.load_checkpoint(tmp_path / "ckpt", fresh[0], fresh[1])
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh[0].parameters()))
