@@ -280,13 +280,13 @@ class CheckpointWriter:
             return
         if _exchange(self.directory, self.path):
             _fsync_directory(parent)
-            shutil.rmtree(self.directory)  # the old version, now under the temporary name
+            shutil.rmtree(self.directory, ignore_errors=True)  # the old version, under the temporary name
             return
         aside = _sibling(self.path, "old")
         os.rename(self.path, aside)
         os.rename(self.directory, self.path)
         _fsync_directory(parent)
-        shutil.rmtree(aside)
+        shutil.rmtree(aside, ignore_errors=True)  # what is left, the next save or load removes
 
     def abort(self) -> None:
         """Remove the temporary directory; the checkpoint stays as it was."""
@@ -323,10 +323,10 @@ def saving(path: str | os.PathLike, *, markers: Iterable[str] = ()) -> Iterator[
     writer = begin_save(path, markers=markers)
     try:
         yield writer
+        writer.commit()
     except BaseException:
-        writer.abort()
+        writer.abort()  # the temporary directory, or the old version if the switch happened
         raise
-    writer.commit()
 
 
 def write_file_atomically(path: str | os.PathLike, write: Callable[[IO[bytes]], Any]) -> None:
