@@ -21,6 +21,16 @@ def _leftovers(path: Path) -> list[str]:
     return sorted(p.name for p in path.parent.iterdir() if p.name != path.name)
 
 
+def _wait_until_gone(group: int) -> None:
+    """Until every process of the killed group has been reaped (its other ranks, by init)."""
+    for _ in range(500):
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.01)
+
+
 def kill_during_saves(path: Path, save: Callable[[int], None], load: Callable[[], Any], versions: list[Any], *,
                       seed: int, kills: int = 6) -> int:
     """Save ``versions[0]`` with ``save(0)``; then, ``kills`` times, kill a child process saving the other
@@ -39,12 +49,14 @@ def kill_during_saves(path: Path, save: Callable[[int], None], load: Callable[[]
         pid = os.fork()
         if pid == 0:  # the child: save, and leave without running the parent's exit handlers
             try:
+                os.setpgid(0, 0)  # a group of its own: the processes it starts (other ranks) die with it
                 save(target)
             finally:
                 os._exit(0)
         time.sleep(rng.uniform(0.0, 1.2 * duration))
-        os.kill(pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+        _wait_until_gone(pid)
         cut_off += bool(_leftovers(path))
         got = load()
         matches = [v for v in (current, target) if got == versions[v]]

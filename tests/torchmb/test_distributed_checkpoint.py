@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from support.killed_saves import kill_during_saves
 from torch import nn
 
@@ -110,3 +111,45 @@ def test_a_save_that_fails_midway_leaves_the_checkpoint_as_it_was(tmp_path: Path
         tmd.save_checkpoint(tmp_path / "ckpt", *other)
     assert loaded(tmp_path / "ckpt") == expected
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def two_rank_save(path: Path, runs: list, version: int, store: Path) -> None:
+    """``save_checkpoint`` of ``runs[version]`` (one (models, optimizer) per rank) by two gloo ranks: forked
+    processes, so the test process never joins a process group."""
+    store.unlink(missing_ok=True)
+    ranks = []
+    for rank in range(2):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                dist.init_process_group("gloo", store=dist.FileStore(str(store), 2), rank=rank, world_size=2)
+                tmd.save_checkpoint(path, *runs[version][rank])
+                dist.destroy_process_group()
+                code = 0
+            finally:
+                os._exit(code)
+        ranks.append(pid)
+    for pid in ranks:
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_two_rank_save_killed_at_random_moments_leaves_old_or_new(tmp_path: Path) -> None:
+    path, store = tmp_path / "out" / "ckpt", tmp_path / "store"
+    path.parent.mkdir()
+    runs, versions = [], []
+    for seed in (0, 1):
+        models, optimizer = run(seed, batch=8, width=160)
+        versions.append(fingerprint(models, optimizer))
+        shards = []
+        for owned in tmd.shard_slices(8, 2):
+            local, local_opt = run(0, batch=owned.stop - owned.start, width=160)
+            local.load_state_dicts(models.state_dicts()[owned])
+            local_opt.load_model_state(list(range(owned.stop - owned.start)), optimizer,
+                                       list(range(owned.start, owned.stop)))
+            shards.append((local, local_opt))
+        runs.append(shards)
+    cut_off = kill_during_saves(path, lambda v: two_rank_save(path, runs, v, store),
+                                lambda: loaded(path, batch=8, width=160), versions, seed=4, kills=4)
+    assert cut_off > 0
