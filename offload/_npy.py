@@ -78,10 +78,22 @@ def _check_length(path: str) -> None:
                                f"{expected} (truncated?)")
 
 
+_WRITE_CHUNK = 64 << 20
+
+
 def write_table(table: HostTable, file: IO[bytes]) -> None:
-    """Write ``table`` as ``.npy`` to the binary ``file``."""
+    """Write ``table`` as ``.npy`` to the binary ``file``: the header, then the table's memory as it is
+    (``np.save`` to a file object copies it chunk by chunk first)."""
     table.synchronize()
-    np.save(file, _numpy_view(table._data))
+    arr = np.ascontiguousarray(_numpy_view(table._data))
+    header = np.lib.format.header_data_from_array_1_0(arr)
+    try:
+        np.lib.format.write_array_header_1_0(file, header)
+    except ValueError:  # a header over 64 KiB
+        np.lib.format.write_array_header_2_0(file, header)
+    data = memoryview(arr.reshape(-1)).cast("B")
+    for start in range(0, len(data), _WRITE_CHUNK):
+        file.write(data[start:start + _WRITE_CHUNK])
 
 
 def save_table(table: HostTable, path) -> None:

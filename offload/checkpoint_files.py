@@ -199,9 +199,10 @@ def _exchange(a: str, b: str) -> bool:
 class _CountingWriter(io.RawIOBase):
     """A binary file that counts the bytes written through it and their CRC-32."""
 
-    def __init__(self, file: IO[bytes]) -> None:
+    def __init__(self, file: IO[bytes], checksum: bool) -> None:
         super().__init__()
         self._file = file
+        self._checksum = checksum
         self.size = 0
         self.crc32 = 0
 
@@ -212,7 +213,8 @@ class _CountingWriter(io.RawIOBase):
         view = memoryview(data).cast("B")
         self._file.write(view)
         self.size += len(view)
-        self.crc32 = zlib.crc32(view, self.crc32)
+        if self._checksum:
+            self.crc32 = zlib.crc32(view, self.crc32)
         return len(view)
 
 
@@ -224,9 +226,9 @@ class FileRecord:
     crc32: int
 
 
-def _write_synced(path: str, write: Callable[[IO[bytes]], Any]) -> FileRecord:
+def _write_synced(path: str, write: Callable[[IO[bytes]], Any], checksum: bool = True) -> FileRecord:
     with open(path, "xb") as file:
-        counting = _CountingWriter(file)
+        counting = _CountingWriter(file, checksum)
         write(counting)
         file.flush()
         os.fsync(file.fileno())
@@ -339,7 +341,7 @@ def write_file_atomically(path: str | os.PathLike, write: Callable[[IO[bytes]], 
             _remove(sibling)
     partial = _sibling(path, "tmp")
     try:
-        _write_synced(partial, write)
+        _write_synced(partial, write, checksum=False)  # no manifest keeps it
         os.replace(partial, path)
     except BaseException:
         with contextlib.suppress(OSError):
