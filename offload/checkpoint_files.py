@@ -56,6 +56,7 @@ __all__ = [
     "CheckpointReplacedError",
     "CheckpointWriter",
     "DamagedFileError",
+    "FileRecord",
     "begin_save",
     "open_checkpoint",
     "remove_orphans",
