@@ -343,10 +343,11 @@ class OffloadedBatchEmbedding(Embedding):
         """Save the B tables and their optimizer state; see :meth:`offload.OffloadedEmbedding.save`."""
         self._host.save(path)
 
-    def load(self, path, *, mmap_mode: str | None = "c", pin: bool | None = None) -> None:
+    def load(self, path, *, mmap_mode: str | None = "c", pin: bool | None = None,
+             verify_checksums: bool = True) -> None:
         """Load a checkpoint written by :meth:`save` of a layer of the same B, rows and dim; see
         :meth:`offload.OffloadedEmbedding.load`."""
-        self._host.load(path, mmap_mode=mmap_mode, pin=pin)
+        self._host.load(path, mmap_mode=mmap_mode, pin=pin, verify_checksums=verify_checksums)
 
     # -- state dicts ---------------------------------------------------------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):

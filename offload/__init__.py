@@ -10,6 +10,7 @@ rows a step touches are moved. This package knows nothing of model batching and 
 - :class:`HostArray` + :func:`batches`: dataset rows gathered to GPU batches by index.
 """
 
+from . import checkpoint_files
 from ._attach import attach, detach
 from ._cache_cuda import get_cache_kernels, set_cache_kernels, use_cache_kernels
 from ._choice import engine_choice, get_engine, set_engine, use_engine
@@ -29,6 +30,7 @@ __all__ = [
     "Prefetch",
     "attach",
     "batches",
+    "checkpoint_files",
     "detach",
     "engine_choice",
     "get_cache_kernels",

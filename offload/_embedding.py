@@ -332,27 +332,34 @@ class OffloadedEmbedding(nn.Module):
     # -- checkpoints (offload._checkpoint) -------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> None:
         """Save the table, the per-row optimizer state and the optimizer's scalar state for this table to the
-        directory ``path`` (``.npy`` files plus ``meta.json``), atomically: a complete checkpoint or none.
+        directory ``path`` (``.npy`` files, ``meta.json`` and a ``manifest.json`` of sizes and CRC-32s),
+        atomically: a kill at any moment leaves the old checkpoint or the new one, complete (see
+        :mod:`offload.checkpoint_files`).
 
         Optimizer hyperparameters and other parameters' state are saved the usual way
         (``optimizer.state_dict()``).
         """
         _checkpoint.save(self, path)
 
-    def load(self, path: str | os.PathLike, *, mmap_mode: str | None = "c", pin: bool | None = None) -> None:
+    def load(self, path: str | os.PathLike, *, mmap_mode: str | None = "c", pin: bool | None = None,
+             verify_checksums: bool = True) -> None:
         """Load a checkpoint written by :meth:`save` into this module.
 
         The table (and, at the next :func:`attach`, the optimizer state) is memory-mapped from the ``.npy``
         files: ``mmap_mode="c"`` (copy-on-write, the checkpoint is not modified), ``"r+"`` (train in place in
-        the files) or ``None`` (read into memory). Call :func:`attach` with an optimizer of the saved class
-        afterwards; training then continues exactly where it stopped.
+        the files; their checksums are then dropped from the manifest) or ``None`` (read into memory). Call
+        :func:`attach` with an optimizer of the saved class afterwards; training then continues exactly where
+        it stopped. Every file is checked first against the manifest (sizes, and CRC-32s unless
+        ``verify_checksums=False``: a full read of the files); a missing, truncated or altered file raises
+        :class:`offload.checkpoint_files.DamagedFileError` naming it, and the module stays as it was.
         """
-        _checkpoint.load(self, path, mmap_mode=mmap_mode, pin=pin)
+        _checkpoint.load(self, path, mmap_mode=mmap_mode, pin=pin, verify_checksums=verify_checksums)
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, *, mmap_mode: str | None = "c", device=None,
-                        pin: bool | None = None, engine=None, **kwargs) -> OffloadedEmbedding:
+                        pin: bool | None = None, engine=None, verify_checksums: bool = True,
+                        **kwargs) -> OffloadedEmbedding:
         """A new module over a checkpoint written by :meth:`save` (see :meth:`load`); ``kwargs`` go to
         ``__init__`` (``padding_idx``, ``cache_rows``, ...)."""
         return _checkpoint.from_checkpoint(cls, path, mmap_mode=mmap_mode, device=device, pin=pin, engine=engine,
-                                           **kwargs)
+                                           verify_checksums=verify_checksums, **kwargs)

@@ -1,12 +1,11 @@
-"""``.npy`` files as tables: :meth:`HostTable.from_npy <offload.HostTable.from_npy>` (memory-mapped or read)
-and :meth:`HostTable.save_npy <offload.HostTable.save_npy>` (atomic), with bfloat16 stored as uint16."""
+"""``.npy`` files as tables: :meth:`HostTable.from_npy <offload.HostTable.from_npy>` (memory-mapped or read,
+a truncated file refused) and :meth:`HostTable.save_npy <offload.HostTable.save_npy>` (atomic, through
+:func:`offload.checkpoint_files.write_file_atomically`), with bfloat16 stored as uint16."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import tempfile
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -14,6 +13,7 @@ from torch import Tensor
 
 from ._index import _quiet_readonly
 from ._memory import allocate_host
+from .checkpoint_files import DamagedFileError, remove_orphans, write_file_atomically
 
 if TYPE_CHECKING:
     from ._table import HostTable
@@ -33,6 +33,8 @@ def _torch_dtype(np_dtype) -> torch.dtype:
 
 def load_table(cls: type[HostTable], path, *, mmap_mode, dtype, device, pin, engine) -> HostTable:
     """A ``cls`` over the 2-D ``.npy`` file ``path`` (see :meth:`HostTable.from_npy`)."""
+    remove_orphans(path)  # what killed save_npy calls left beside it
+    _check_length(os.fspath(path))
     arr = np.load(os.fspath(path), mmap_mode=mmap_mode)
     if arr.ndim != 2:
         raise ValueError(f"{os.fspath(path)}: a HostTable needs a 2-D array, got shape {arr.shape}")
@@ -54,16 +56,46 @@ def load_table(cls: type[HostTable], path, *, mmap_mode, dtype, device, pin, eng
     return self
 
 
+def _check_length(path: str) -> None:
+    """Refuse a ``.npy`` file shorter or longer than its header says (a truncated copy or save), naming it,
+    where numpy would fail with ``mmap length is greater than file size`` or read garbage."""
+    with open(path, "rb") as f:
+        try:
+            version = np.lib.format.read_magic(f)
+            if version == (1, 0):
+                shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+            elif version == (2, 0):
+                shape, _, dtype = np.lib.format.read_array_header_2_0(f)
+            else:
+                return  # 3.0: UTF-8 field names, never a numeric table's
+        except (ValueError, EOFError, SyntaxError) as err:
+            raise DamagedFileError(f"{path} is damaged: not a readable .npy file ({err})") from err
+        data_start = f.tell()
+    size = os.stat(path).st_size
+    expected = data_start + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if not dtype.hasobject and size != expected:
+        raise DamagedFileError(f"{path} is damaged: {size} bytes where its header ({shape} {dtype}) needs "
+                               f"{expected} (truncated?)")
+
+
+_WRITE_CHUNK = 64 << 20
+
+
+def write_table(table: HostTable, file: IO[bytes]) -> None:
+    """Write ``table`` as ``.npy`` to the binary ``file``: the header, then the table's memory as it is
+    (``np.save`` to a file object copies it chunk by chunk first)."""
+    table.synchronize()
+    arr = np.ascontiguousarray(_numpy_view(table._data))
+    header = np.lib.format.header_data_from_array_1_0(arr)
+    try:
+        np.lib.format.write_array_header_1_0(file, header)
+    except ValueError:  # a header over 64 KiB
+        np.lib.format.write_array_header_2_0(file, header)
+    data = memoryview(arr.reshape(-1)).cast("B")
+    for start in range(0, len(data), _WRITE_CHUNK):
+        file.write(data[start:start + _WRITE_CHUNK])
+
+
 def save_table(table: HostTable, path) -> None:
     """Write ``table`` to ``path`` as ``.npy``, atomically (see :meth:`HostTable.save_npy`)."""
-    table.synchronize()
-    path = os.fspath(path)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".npy.tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, _numpy_view(table._data))
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_file_atomically(path, lambda f: write_table(table, f))

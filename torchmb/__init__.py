@@ -11,6 +11,7 @@ from ._convert import ConversionEntry
 from ._module import BatchModule
 from ._registry import lookup_batch_module, register_batch_module, registered_batch_modules
 from ._tracking import PooledDecisionError, allow_pooled_decisions
+from .checkpoint import load_checkpoint, save_checkpoint
 from .functional import batch_accuracy, batch_loss, batch_topk, merge_batch, split_batch
 
 __version__ = "0.3.0"
@@ -28,6 +29,7 @@ __all__ = [
     "clip",
     "distributed",
     "graphs",
+    "load_checkpoint",
     "lookup_batch_module",
     "lr_scheduler",
     "memory",
@@ -35,6 +37,7 @@ __all__ = [
     "optim",
     "register_batch_module",
     "registered_batch_modules",
+    "save_checkpoint",
     "split_batch",
     "sweep",
     "testing",

@@ -25,16 +25,16 @@ Typical script::
 
 from __future__ import annotations
 
-import json
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from offload import checkpoint_files
 
 from ._module import BatchModule
 from .lr_scheduler import BatchLRScheduler
@@ -483,8 +483,13 @@ def save_checkpoint(
     per model in global model order (rank 0's models first), each a dict with the model's plain state
     dict (CPU tensors) under ``"model"`` (``torch.load(f)["model"]`` loads into the original ``nn.Module``), and, when
     given, its optimizer state (its hyperparameters as numbers and its state rows) and its scheduler
-    state; plus ``index.json`` naming the files. Each rank writes the files of its own models; rank 0
-    writes the index last. Call it from every rank (it is a collective).
+    state; plus ``index.json`` naming the files and ``manifest.json`` (every file's size and CRC-32). Each
+    rank writes the files of its own models into a temporary directory beside ``path``; rank 0 then writes
+    the index and the manifest and switches the new version in with one atomic step
+    (:mod:`offload.checkpoint_files`), so a process killed at any moment leaves the old checkpoint or the
+    new one at ``path``, complete, never a mix. An existing ``path`` that is not a checkpoint is refused.
+    Call it from every rank (it is a collective); an error on any rank raises on every rank and leaves
+    the checkpoint as it was.
 
     Returns:
         B, the number of models in the checkpoint.
@@ -499,36 +504,65 @@ def save_checkpoint(
     rank, _ = rank_and_world_size(group)
     sizes = _all_gather_object(models.batch, group)
     start, total = sum(sizes[:rank]), sum(sizes)
-    directory = Path(path)
-    directory.mkdir(parents=True, exist_ok=True)
-    optimizer_rows = _optimizer_rows(optimizer) if optimizer is not None else None
-    scheduler_rows = _scheduler_rows(scheduler) if scheduler is not None else None
-    for j in range(models.batch):
-        plain = OrderedDict((key, value.cpu()) for key, value in models.state_dict_of(j).items())
-        entry: dict[str, Any] = {"format": CHECKPOINT_FORMAT, "index": start + j, "model": plain}
-        if optimizer_rows is not None:
-            entry["optimizer"] = optimizer_rows[j]
-        if scheduler_rows is not None:
-            entry["scheduler"] = scheduler_rows[j]
-        target = directory / _file_name(start + j)
-        partial = target.with_suffix(f".rank{rank}.tmp")
-        torch.save(entry, partial)
-        os.replace(partial, target)
-    _barrier(group)
+    failure: BaseException | None = None
+    writer = None
     if rank == 0:
-        index = {
-            "format": CHECKPOINT_FORMAT,
-            "batch": total,
-            "files": [_file_name(i) for i in range(total)],
-            "optimizer": optimizer is not None,
-            "scheduler": scheduler is not None,
-            "saved_by_world_size": len(sizes),
-        }
-        partial = directory / f"{_INDEX}.tmp"
-        partial.write_text(json.dumps(index, indent=1))
-        os.replace(partial, directory / _INDEX)
-    _barrier(group)
+        try:
+            writer = checkpoint_files.begin_save(path, markers=(_INDEX,))
+        except Exception as err:
+            failure = err
+    directory, error = _all_gather_object(
+        (None if writer is None else writer.directory, None if failure is None else repr(failure)), group)[0]
+    _raise_first_failure(failure, [error], None)
+    if writer is None:  # every rank writes its files into rank 0's temporary directory
+        writer = checkpoint_files.CheckpointWriter(os.path.abspath(path), directory)
+    try:
+        optimizer_rows = _optimizer_rows(optimizer) if optimizer is not None else None
+        scheduler_rows = _scheduler_rows(scheduler) if scheduler is not None else None
+        for j in range(models.batch):
+            plain = OrderedDict((key, value.cpu()) for key, value in models.state_dict_of(j).items())
+            entry: dict[str, Any] = {"format": CHECKPOINT_FORMAT, "index": start + j, "model": plain}
+            if optimizer_rows is not None:
+                entry["optimizer"] = optimizer_rows[j]
+            if scheduler_rows is not None:
+                entry["scheduler"] = scheduler_rows[j]
+            writer.torch_save(_file_name(start + j), entry)
+    except Exception as err:  # the others must hear of it, or they would wait for this rank forever
+        failure = err
+    written = _all_gather_object((writer.records, None if failure is None else repr(failure)), group)
+    _raise_first_failure(failure, [error for _, error in written], writer if rank == 0 else None)
+    if rank == 0:
+        try:
+            records = {name: record for part, _ in written for name, record in part.items()}
+            index = {
+                "format": CHECKPOINT_FORMAT,
+                "batch": total,
+                "files": [_file_name(i) for i in range(total)],
+                "optimizer": optimizer is not None,
+                "scheduler": scheduler is not None,
+                "saved_by_world_size": len(sizes),
+            }
+            records[_INDEX] = writer.write_json(_INDEX, index)
+            writer.commit(records)
+        except Exception as err:
+            failure = err
+    committed = _all_gather_object(None if failure is None else repr(failure), group)[0]
+    _raise_first_failure(failure, [committed], writer if rank == 0 else None)
     return total
+
+
+def _raise_first_failure(own: BaseException | None, errors: list[str | None],
+                         writer: checkpoint_files.CheckpointWriter | None) -> None:
+    """After a save's collective: raise this rank's error, or another rank's; the temporary directory goes."""
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if not failed:
+        return
+    if writer is not None:
+        writer.abort()
+    if own is not None:
+        raise own
+    rank, error = failed[0]
+    raise RuntimeError(f"save_checkpoint failed on rank {rank} ({error}); the checkpoint was left as it was")
 
 
 def _file_name(index: int) -> str:
@@ -540,19 +574,22 @@ def _barrier(group: Any) -> None:
         dist.barrier(group=group)
 
 
-def _read_index(path: str | os.PathLike[str]) -> dict[str, Any]:
-    file = Path(path) / _INDEX
-    if not file.is_file():
+def _read_index(path: str | os.PathLike[str], verify_checksums: bool = True
+                ) -> tuple[checkpoint_files.CheckpointFiles, dict[str, Any]]:
+    files = checkpoint_files.open_checkpoint(path, verify_checksums=verify_checksums)
+    file = os.path.join(files.path, _INDEX)
+    if not files.verified and not os.path.isfile(file):
         raise FileNotFoundError(f"{file} does not exist: not a torchmb.distributed checkpoint directory")
-    index = json.loads(file.read_text())
-    if index.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{file}: expected format {CHECKPOINT_FORMAT!r}, got {index.get('format')!r}")
-    return index
+    index = files.read_json(_INDEX)
+    if not isinstance(index, dict) or index.get("format") != CHECKPOINT_FORMAT:
+        got = index.get("format") if isinstance(index, dict) else index
+        raise ValueError(f"{file}: expected format {CHECKPOINT_FORMAT!r}, got {got!r}")
+    return files, index
 
 
 def checkpoint_batch(path: str | os.PathLike[str]) -> int:
     """The number of models B in the checkpoint at ``path`` (to build this rank's ``BatchModule``)."""
-    return int(_read_index(path)["batch"])
+    return int(_read_index(path)[1]["batch"])
 
 
 def load_checkpoint(
@@ -562,6 +599,7 @@ def load_checkpoint(
     scheduler: BatchLRScheduler | None = None,
     *,
     group: Any = None,
+    verify_checksums: bool = True,
 ) -> slice:
     """Load this rank's models (``shard_slice(B)`` of the current world) from a :func:`save_checkpoint` directory.
 
@@ -570,13 +608,16 @@ def load_checkpoint(
     ``owned = shard_slice(checkpoint_batch(path))``, build them with ``batch = owned.stop - owned.start``
     (or with :func:`local_batch_module`).
     Parameters keep their identity; the optimizer gets back every model's hyperparameters and state.
+    Each rank checks the files it reads against the checkpoint's manifest first (sizes, and CRC-32s unless
+    ``verify_checksums=False``): a missing, truncated or altered file raises
+    :class:`offload.checkpoint_files.DamagedFileError` naming it, before anything is loaded.
 
     Returns:
         The slice of the global model indices loaded on this rank.
     """
     if not isinstance(models, BatchModule):
         raise TypeError(f"load_checkpoint expects a torchmb.BatchModule, got {type(models).__name__}")
-    index = _read_index(path)
+    files, index = _read_index(path, verify_checksums)
     total = int(index["batch"])
     rank, world = rank_and_world_size(group)
     owned = shard_slice(total, group=group)
@@ -593,10 +634,11 @@ def load_checkpoint(
         raise ValueError(f"{what}: the checkpoint holds no scheduler state")
     entries = []
     for i in range(owned.start, owned.stop):
-        entry = torch.load(Path(path) / index["files"][i], map_location="cpu", weights_only=True)
-        if entry.get("format") != CHECKPOINT_FORMAT or entry.get("index") != i:
+        entry = files.torch_load(index["files"][i], map_location="cpu")
+        if not isinstance(entry, dict) or entry.get("format") != CHECKPOINT_FORMAT or entry.get("index") != i:
             raise ValueError(f"{what}: {index['files'][i]} is not model {i} of this checkpoint")
         entries.append(entry)
+    files.check_unchanged()  # never the files of two saves
     models.load_state_dicts([entry["model"] for entry in entries])
     if optimizer is not None:
         _load_optimizer_rows(optimizer, [entry["optimizer"] for entry in entries], what)
