@@ -100,7 +100,7 @@ __all__ = [
     "use_torch",
 ]
 
-# The batched layers torchmb registers for their ``base_class``.
+#: The batched layers torchmb registers for their ``base_class``.
 LAYERS: tuple[type[AbstractBatchModule], ...] = (
     Linear,
     Conv1d,

@@ -73,6 +73,7 @@ class PReLU(AbstractBatchModule):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        """Every model's slopes to ``init``, as ``torch.nn.PReLU`` does."""
         nn.init.constant_(self.weight, self.init)
 
     @classmethod

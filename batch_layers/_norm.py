@@ -116,6 +116,7 @@ class LayerNorm(_AffineNorm):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        """Every model's weight to ones and bias to zeros, as ``torch.nn.LayerNorm`` does."""
         if self.elementwise_affine:
             nn.init.ones_(self.weight)
             if self.bias is not None:
@@ -266,6 +267,7 @@ class GroupNorm(_AffineNorm):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        """Every model's weight to ones and bias to zeros, as ``torch.nn.GroupNorm`` does."""
         if self.affine:
             nn.init.ones_(self.weight)
             nn.init.zeros_(self.bias)

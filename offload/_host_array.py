@@ -75,10 +75,12 @@ class HostArray:
 
     @property
     def device(self) -> torch.device:
+        """The compute device that indexing returns rows on."""
         return self.table.device
 
     @property
     def shape(self) -> torch.Size:
+        """``(rows, *row_shape)``, as the array was made."""
         return torch.Size((self.table.num_rows, *self.row_shape))
 
     def __getitem__(self, idx) -> Tensor:

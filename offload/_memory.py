@@ -13,6 +13,7 @@ import os
 import resource
 import threading
 
+import psutil
 import torch
 
 __all__ = ["HostMemoryError", "host_memory_available", "pin_tensor", "unpin_tensor"]
@@ -35,19 +36,16 @@ def _fmt_bytes(n: int | float) -> str:
 
 
 def host_memory_available() -> dict[str, int | None]:
-    """What the machine reports: ``MemAvailable`` (bytes, from /proc/meminfo) and ``RLIMIT_MEMLOCK``.
+    """What the machine reports: the memory available without swapping (bytes; ``MemAvailable`` of
+    /proc/meminfo on Linux, as :func:`psutil.virtual_memory` reads it) and ``RLIMIT_MEMLOCK``.
 
     Values are ``None`` where the platform does not report them; ``memlock`` is ``None`` when unlimited.
     """
-    avail = None
+    avail: int | None
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass
+        avail = int(psutil.virtual_memory().available)
+    except (OSError, RuntimeError):  # no /proc in a sandbox
+        avail = None
     memlock: int | None
     try:
         soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)

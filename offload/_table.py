@@ -179,10 +179,12 @@ class HostTable:
     # -- plain accessors ----------------------------------------------------------------------------------
     @property
     def shape(self) -> torch.Size:
+        """``(num_rows, dim)``."""
         return torch.Size((self.num_rows, self.dim))
 
     @property
     def nbytes(self) -> int:
+        """The table's size in host memory, in bytes."""
         return self.num_rows * self.dim * self._data.element_size()
 
     @property

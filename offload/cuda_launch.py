@@ -86,6 +86,7 @@ class _StreamProtocol:
 
 
 def _stream_ptr_slow(index: int) -> int:
+    """The raw ``cudaStream_t`` of torch's current stream on device ``index`` (through torch's Python API)."""
     return torch.cuda.current_stream(index).cuda_stream
 
 
@@ -94,6 +95,7 @@ stream_ptr = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _stream_ptr
 
 
 def _current_device_slow() -> int:
+    """The calling thread's current CUDA device index (through torch's Python API)."""
     return torch.cuda.current_device()
 
 

@@ -35,6 +35,14 @@ logger = logging.getLogger("torchmb")
 StateDict = Mapping[str, Any]
 
 
+def _constant_under_compile(method: Callable) -> Callable:
+    """``torch.compiler.assume_constant_result`` without importing the compiler with torchmb (``torch._dynamo``
+    and Inductor take about as long to import as torch itself): the mark dynamo reads when it traces a call,
+    set as that decorator sets it (tests/torchmb/test_import.py checks that the two agree)."""
+    method._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return method
+
+
 class BatchModule(nn.Module):
     """``batch`` independent copies of ``model`` trained as one module.
 
@@ -239,7 +247,7 @@ class BatchModule(nn.Module):
         self._order_on_trial = False
         return out
 
-    @torch._dynamo.assume_constant_result
+    @_constant_under_compile
     def _settled_order(self, shared_input: bool, *args: Any, **kwargs: Any) -> str:
         """The merged order, its trial decided first. Dynamo calls this while tracing, with the module and
         the real inputs (a method, and the tensors as arguments of their own: what every torch >= 2.5

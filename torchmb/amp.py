@@ -73,6 +73,7 @@ class GradScaler:
 
     # ---- set-up -------------------------------------------------------------------------------
     def is_enabled(self) -> bool:
+        """Whether the scaler scales (``enabled=True`` and a device with gradient scaling), as torch's."""
         return self._enabled
 
     def _lazy_init(self, batch: int, device: torch.device) -> None:
@@ -273,6 +274,8 @@ class GradScaler:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` returned: the per-model scales and growth trackers (their B becomes this
+        scaler's) and the growth settings. A disabled scaler ignores it, as torch's does."""
         if not self._enabled:
             return
         if len(state_dict) == 0:

@@ -97,6 +97,7 @@ class TrialBatch:
 
     @property
     def batch(self) -> int:
+        """The number of trials, one per model."""
         return len(self.trials)
 
     @property

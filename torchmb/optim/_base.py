@@ -28,6 +28,8 @@ from torch import Tensor
 
 from . import _population
 from ._population import _as_index
+from ._values import per_model_values
+from ._written import TorchHabits
 
 __all__ = ["BatchOptimizer", "per_model_values"]
 
@@ -35,39 +37,6 @@ NO_MODEL_AXIS = (
     "an offloaded embedding's working rows have no model axis; optimise them with a torch.optim optimizer "
     "through offload.attach (see the offload tutorial)"
 )
-
-
-def per_model_values(value: Any, batch: int, name: str) -> Tensor:
-    """One float64 value per model, as a new ``(batch,)`` CPU tensor.
-
-    Args:
-        value: a number (every model gets it), or a length-``batch`` sequence, array or tensor.
-        batch: the number of models B.
-        name: the hyperparameter's name, for error messages.
-    """
-    if isinstance(value, bool) or (isinstance(value, Tensor) and value.dtype == torch.bool):
-        raise TypeError(f"{name}: expected a number or {batch} numbers (one per model), got a bool")
-    if isinstance(value, Tensor):
-        values = value.detach().to("cpu", torch.float64)
-    elif isinstance(value, (int, float)):
-        values = torch.tensor(float(value), dtype=torch.float64)
-    else:
-        try:
-            values = torch.as_tensor(value, dtype=torch.float64)
-        except (TypeError, ValueError, RuntimeError) as error:
-            raise TypeError(
-                f"{name}: expected a number or {batch} numbers (one per model), got {type(value).__name__}"
-            ) from error
-    if values.dim() == 0:
-        values = values.expand(batch)
-    if values.shape != (batch,):
-        raise ValueError(
-            f"{name}: expected a number or {batch} values (one per model), got shape {tuple(values.shape)}"
-        )
-    if not bool(torch.isfinite(values).all()):
-        bad = (~torch.isfinite(values)).nonzero().flatten().tolist()
-        raise ValueError(f"{name}: values must be finite, got non-finite values for models {bad}")
-    return values.clone()
 
 
 def check_range(
@@ -119,7 +88,7 @@ def axpy(xs: list[Tensor], ys: list[Tensor], cs: list[Tensor]) -> list[Tensor]:
     return [torch.addcmul(x, y, c) for x, y, c in zip(xs, ys, cs)]
 
 
-class BatchOptimizer(torch.optim.Optimizer):
+class BatchOptimizer(TorchHabits, torch.optim.Optimizer):
     """Base class of batched optimizers: one independent optimizer per model, stepped as one.
 
     Subclasses set ``per_model`` (the names of the hyperparameters that may differ between models; a
