@@ -24,6 +24,7 @@ from batch_layers import (
 from ._convert import ConversionEntry, convert, warn_if_mostly_generic
 from ._generic import is_generic
 from ._init import build_with_seed, random_state_kept, reset_uncovered, reset_with_seed
+from ._late_parameters import watch_late_parameters
 from ._select import commit_survivors, gather_survivors, survivor_index
 from ._state_dicts import is_per_model, load_plain_states, loading_plan, model_index, plain_model
 from ._tracking import Kind, ModelDataTracker, checking_decisions
@@ -111,6 +112,7 @@ class BatchModule(nn.Module):
         # A pristine copy to build plain models from (unbatch); kept out of the module tree on purpose.
         object.__setattr__(self, "_template", copy.deepcopy(model))
         self.module, self._conversion = convert(copy.deepcopy(model), batch)  # first: refuses what can't batch
+        watch_late_parameters(self.module)
         self.generic_modules: list[str] = [e.name or e.type for e in self._conversion if e.generic]
         self.merged_order = self._choose_order(merged_order)
         self._order_on_trial = merged_order == "auto" and self.merged_order == "samples"

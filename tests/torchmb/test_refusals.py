@@ -224,6 +224,37 @@ def test_schedulers_refuse_a_negative_decay(make) -> None:
     assert torch.equal(optimizer.get_hyperparameter("lr"), lrs)
 
 
+class CreatesAParameterInForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "scale"):
+            self.scale = nn.Parameter(torch.ones(2))
+        return self.fc(x) * self.scale
+
+
+def test_a_parameter_created_in_forward_after_conversion_is_refused_there() -> None:
+    models = BatchModule(nn.Sequential(CreatesAParameterInForward()), 3)
+    with pytest.raises(RuntimeError, match=r"parameter 'scale' of 0 \(CreatesAParameterInForward\) was created in"):
+        models(torch.randn(3, 4, 3))
+    assert [name for name, _ in models.named_parameters()] == ["module.0.fc.weight", "module.0.fc.bias"]
+
+
+def test_a_parameter_created_by_a_forward_before_conversion_is_per_model() -> None:
+    plain = CreatesAParameterInForward()
+    plain(torch.randn(4, 3))
+    references = [copy.deepcopy(plain) for _ in range(3)]
+    models = BatchModule(plain, 3)
+    x = torch.randn(3, 4, 3)
+    models(x).square().sum().backward()
+    for i, reference in enumerate(references):
+        reference(x[i]).square().sum().backward()
+        assert torch.allclose(models.module.scale.grad[i], reference.scale.grad)
+    models.module.fc.scale = nn.Parameter(torch.ones(3, 2))  # outside forward: the user's own batched parameter
+
+
 @pytest.fixture
 def optuna():
     optuna = pytest.importorskip("optuna", reason="the [sweep] extra (Optuna) is not installed")
