@@ -169,6 +169,37 @@ def test_load_state_dicts_refuses_a_slot_named_twice_and_bad_counts() -> None:
     _assert_same(models.state_dicts(), before)
 
 
+class AddsATable(nn.Module):
+    """No parameters of its own above a registered layer: its buffer is one constant for all models."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.register_buffer("table", torch.arange(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + self.table
+
+
+def test_load_state_dicts_checks_entries_stored_once_before_writing_any() -> None:
+    plain = nn.Sequential(nn.Linear(3, 2), AddsATable())
+    models = BatchModule(plain, 2, init="independent", seed=0)
+    before = models.state_dicts()
+    other = copy.deepcopy(plain)
+    other[1].table += 1
+    with pytest.raises(ValueError, match=r"'1\.table' is stored once for all models; the state dicts disagree"):
+        models.load_state_dicts([nn.Sequential(nn.Linear(3, 2), AddsATable()).state_dict(), other.state_dict()])
+    _assert_same(models.state_dicts(), before)
+
+
+def test_grad_scaler_copies_refuse_a_destination_named_twice() -> None:
+    scaler = GradScaler("cpu", init_scale=[1.0, 2.0, 4.0])
+    scaler.scale(torch.ones(3))
+    with pytest.raises(ValueError, match=r"dst: each model may be named once, got \[1, 1\]"):
+        scaler.load_model_state([1, 1], src=[0, 2])
+    assert scaler.get_scale().tolist() == [1.0, 2.0, 4.0]
+
+
 def test_load_model_state_refuses_a_destination_named_twice() -> None:
     models, optimizer = _trained(4)
     before = copy.deepcopy((models, optimizer))
