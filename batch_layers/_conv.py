@@ -17,6 +17,7 @@ from ._base import (
     is_channels_last,
     to_grouped,
 )
+from ._checks import check_conv_input, check_input_dtype
 from ._conv_triton import grouped_conv2d, input_grad, runs_on_triton
 from ._depthwise_triton import depthwise_weight_grad, runs_depthwise_grad
 
@@ -31,6 +32,12 @@ _INDEX_LIMIT = 2**31 - 1  # elements one convolution kernel may address (cuDNN a
 # a layer norm's permute leaves a timm ConvNeXt's activations channels-last. From 64 on NHWC was 4% faster
 # (tests/benchmarks/bench_conv_forms.py).
 _NHWC_GROUP_CHANNELS = 64
+
+
+def _check_input(layer: _ConvNd, x: Tensor, weight: Tensor) -> None:
+    owner = f"{type(layer).__name__}({layer.in_channels}, {layer.out_channels}, batch={layer.batch})"
+    check_conv_input(owner, x, layer.dims, layer.in_channels, layer.batch)
+    check_input_dtype(owner, x, weight)
 
 
 def keeps_channels_last(weight: Tensor, groups: int, transposed: bool) -> bool:
@@ -284,6 +291,7 @@ class _ConvNd(AbstractBatchModule):
         """The layer's convolution of a merged input with per-model ``(B, out, in/groups, *k)`` weights and
         ``(B, out)`` biases (the parameters themselves, or weights derived from them, as in ``StdConv2d``)."""
         batch = self.batch
+        _check_input(self, x, weight)
         weight = weight.reshape(batch * self.out_channels, *weight.shape[2:])
         bias = None if bias is None else bias.reshape(-1)
         if self.is_shared(x):

@@ -22,6 +22,25 @@ from ._embedding import (
 __all__ = ["EmbeddingBag"]
 
 
+def _check_offsets(offsets: Tensor, length: int) -> None:
+    """Refuse what torch's EmbeddingBag refuses, per model (row of ``offsets``, local to its ``length`` indices):
+    a first offset other than 0, a decreasing offset, one beyond the model's indices. On the host for CPU
+    tensors; on the device otherwise (no synchronisation: a device-side assert, as torch's own)."""
+    if offsets.shape[1] == 0:
+        return
+    first, steps = offsets[:, 0], offsets.diff(dim=1)
+    bad = (first != 0) | (steps < 0).any(1) | (offsets > length).any(1)
+    rule = (
+        f"each model's offsets index its own {length} indices: they start at 0 (offsets[0] has to be 0, as in "
+        f"torch), never decrease and do not exceed {length}"
+    )
+    if offsets.is_cuda or torch.compiler.is_compiling():
+        torch._assert_async(~bad.any(), f"EmbeddingBag: {rule}")
+    elif bool(bad.any()):
+        model = int(bad.nonzero()[0])
+        raise RuntimeError(f"EmbeddingBag: {rule}; model {model}'s offsets are {offsets[model].tolist()}")
+
+
 class EmbeddingBag(AbstractBatchModule):
     r"""``batch`` independent :class:`torch.nn.EmbeddingBag` tables: sums, means or maxima of bags of rows.
 
@@ -198,6 +217,7 @@ class EmbeddingBag(AbstractBatchModule):
                 )
             per = input.numel() // groups
             starts = offsets.long().view(groups, -1)
+            _check_offsets(starts, per)
             if self.include_last_offset:
                 if starts.shape[1] < 1:
                     raise ValueError("include_last_offset=True needs at least one offset per model")

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._base import AbstractBatchModule, autocast_dtype, copy_into_every_model
+from ._checks import check_input_dtype, check_input_size
 
 __all__ = ["Linear"]
 
@@ -22,6 +23,18 @@ def _product(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         # fuses into the next element-wise kernel (as it unfuses the plain Linear's addmm).
         return torch.bmm(rows, weight_t) + bias.unsqueeze(1)
     return torch.baddbmm(bias.unsqueeze(1), rows, weight_t)
+
+
+def _check_linear_input(layer: Linear, x: Tensor, weight: Tensor) -> None:
+    owner = f"Linear(in_features={weight.shape[-1]}, out_features={weight.shape[-2]}, batch={layer.batch})"
+    if x.dim() < 2:
+        raise RuntimeError(
+            f"{owner}: expected an input (B*n, *, in_features), got shape {tuple(x.shape)}; every model's input "
+            f"needs a sample axis n and the feature axis of size {weight.shape[-1]}, so a BatchModule's input is "
+            f"(B, n, *, {weight.shape[-1]})"
+        )
+    check_input_size(owner, x, -1, weight.shape[-1], "in_features", layer.batch)
+    check_input_dtype(owner, x, weight)
 
 
 class _BatchedLinear(torch.autograd.Function):
@@ -137,6 +150,7 @@ class Linear(AbstractBatchModule):
 
     def linear_form(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         """``F.linear`` of a merged input with per-model ``(B, out, in)`` weights and ``(B, out)`` bias."""
+        _check_linear_input(self, x, weight)
         if self.is_shared(x):
             return self._shared_forward(x, weight, bias)
         dim = self.merged_dim(x)

@@ -24,8 +24,9 @@ from batch_layers import (
 from ._convert import ConversionEntry, convert, warn_if_mostly_generic
 from ._generic import is_generic
 from ._init import build_with_seed, random_state_kept, reset_uncovered, reset_with_seed
+from ._late_parameters import watch_late_parameters
 from ._select import commit_survivors, gather_survivors, survivor_index
-from ._state_dicts import is_per_model, load_plain_states
+from ._state_dicts import is_per_model, load_plain_states, loading_plan, model_index, plain_model
 from ._tracking import Kind, ModelDataTracker, checking_decisions
 
 __all__ = ["BatchModule"]
@@ -119,6 +120,7 @@ class BatchModule(nn.Module):
         # A pristine copy to build plain models from (unbatch); kept out of the module tree on purpose.
         object.__setattr__(self, "_template", copy.deepcopy(model))
         self.module, self._conversion = convert(copy.deepcopy(model), batch)  # first: refuses what can't batch
+        watch_late_parameters(self.module)
         self.generic_modules: list[str] = [e.name or e.type for e in self._conversion if e.generic]
         self.merged_order = self._choose_order(merged_order)
         self._order_on_trial = merged_order == "auto" and self.merged_order == "samples"
@@ -374,16 +376,13 @@ class BatchModule(nn.Module):
             slots: which models to load into, in order; all B models when ``None``. Parameters keep their
                 identity, so optimizers holding them stay valid.
         """
-        slots = list(range(self.batch)) if slots is None else [self._check_index(s) for s in slots]
-        if isinstance(state_dicts, Mapping):
-            state_dicts = [state_dicts] * len(slots)
+        slots, state_dicts = loading_plan(state_dicts, slots, self.batch)
         targets = self.module.state_dict(keep_vars=True)
         load_plain_states(targets, list(state_dicts), slots, self.batch, self._plain_shapes)
 
     def unbatch(self, index: int) -> nn.Module:
         """A fresh instance of the original model class holding model ``index``'s parameters and buffers."""
-        model = copy.deepcopy(self._template)
-        model.load_state_dict(self.state_dict_of(index))
+        model = plain_model(copy.deepcopy(self._template), self.state_dict_of(index))
         devices = [p.device for p in self.module.parameters()]
         # An offloaded embedding's table lives on the host while the model computes on the GPU.
         device = next((d for d in devices if d.type != "cpu"), devices[0] if devices else None)
@@ -421,9 +420,7 @@ class BatchModule(nn.Module):
                 )
 
     def _check_index(self, index: int) -> int:
-        if not -self.batch <= index < self.batch:
-            raise IndexError(f"model index {index} is out of range for batch={self.batch}")
-        return index % self.batch
+        return model_index(index, self.batch)
 
     def extra_repr(self) -> str:
         names = self.generic_modules

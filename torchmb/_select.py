@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .optim._population import select_index
+
 __all__ = ["Survivors", "commit_survivors", "gather_survivors", "survivor_index"]
 
 
@@ -25,20 +27,10 @@ class Survivors:
 
 
 def survivor_index(keep: Sequence[int] | Tensor, batch: int) -> Tensor:
-    """``keep`` (model indices, negative ones counting from the end, or a boolean mask of length ``batch``)
-    as a CPU index tensor of the survivors, in ``keep``'s order."""
-    keep = torch.as_tensor(keep)
-    if keep.dtype == torch.bool:
-        if keep.shape != (batch,):
-            raise ValueError(f"a boolean keep mask must have shape ({batch},), got {tuple(keep.shape)}")
-        keep = keep.nonzero().flatten()
-    keep = keep.long().flatten().cpu()
-    if keep.numel() == 0:
-        raise ValueError("select() must keep at least one model")
-    out_of_range = [i for i in keep.tolist() if not -batch <= i < batch]
-    if out_of_range:
-        raise IndexError(f"model index {out_of_range[0]} is out of range for batch={batch}")
-    return keep % batch
+    """``keep`` (distinct model indices, negative ones counting from the end, or a boolean mask of length
+    ``batch``) as a CPU index tensor of the survivors, in ``keep``'s order; read exactly as the optimizers'
+    ``select`` reads it."""
+    return select_index(keep, batch)
 
 
 def gather_survivors(

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from .optim._base import BatchOptimizer, _as_index, per_model_values
+from .optim._population import select_index
 
 __all__ = ["GradScaler"]
 
@@ -75,6 +76,11 @@ class GradScaler:
     def is_enabled(self) -> bool:
         """Whether the scaler scales (``enabled=True`` and a device with gradient scaling), as torch's."""
         return self._enabled
+
+    @property
+    def batch(self) -> int | None:
+        """The number of models B (``None`` until the first :meth:`scale` when not given)."""
+        return self._batch
 
     def _lazy_init(self, batch: int, device: torch.device) -> None:
         if self._batch is not None and self._batch != batch:
@@ -223,19 +229,15 @@ class GradScaler:
     def select(self, keep: Any) -> None:
         """Keep only the models ``keep`` (indices in the new order, or a bool mask of length B)."""
         if self._scale is None:  # before the first scale(): only B and a per-model init_scale change
-            if self._batch is None:
-                raise RuntimeError("GradScaler.select: B is not known before the first scale() call")
-            index = _as_index(keep, self._batch)
-            if index.numel() == 0:
-                raise ValueError("select: keep at least one model")
+            if self._batch is None:  # nothing per model yet: the first scale() learns the survivors' B
+                return
+            index = select_index(keep, self._batch)
             if not isinstance(self._init_scale, (int, float)):
                 self._init_scale = per_model_values(self._init_scale, self._batch, "init_scale")[index]
             self._batch = int(index.numel())
             return
         assert self._growth_tracker is not None
-        index = _as_index(keep, self._scale.shape[0])
-        if index.numel() == 0:
-            raise ValueError("select: keep at least one model")
+        index = select_index(keep, self._scale.shape[0])
         self._scale = self._scale[index.to(self._scale.device)]
         self._growth_tracker = self._growth_tracker[index.to(self._growth_tracker.device)]
         self._batch = int(index.numel())
@@ -250,7 +252,7 @@ class GradScaler:
         assert source._scale is not None and source._growth_tracker is not None
         if src is None:
             raise ValueError("load_model_state: give the source model index src")
-        dst_index = _as_index([dst] if isinstance(dst, int) else dst, self._scale.shape[0], "dst")
+        dst_index = _as_index([dst] if isinstance(dst, int) else dst, self._scale.shape[0], "dst", distinct=True)
         src_index = _as_index([src] if isinstance(src, int) else src, source._scale.shape[0], "src")
         if dst_index.numel() != src_index.numel():
             raise ValueError("load_model_state: dst and src must name as many models")
@@ -274,22 +276,37 @@ class GradScaler:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load what :meth:`state_dict` returned: the per-model scales and growth trackers (their B becomes this
-        scaler's) and the growth settings. A disabled scaler ignores it, as torch's does."""
+        """Load what :meth:`state_dict` returned: the per-model scales and growth trackers and the growth
+        settings. A state of another number of models is refused, with nothing changed; a disabled scaler
+        ignores it, as torch's does."""
         if not self._enabled:
             return
         if len(state_dict) == 0:
             raise RuntimeError(
                 "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler."
             )
-        scale = state_dict["scale"]
+        keys = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
+        missing = sorted(keys - set(state_dict))
+        if missing:
+            raise KeyError(f"GradScaler.load_state_dict: the state lacks {missing}")
+        scale, tracker = state_dict["scale"], state_dict["_growth_tracker"]
+        batch = int(scale.shape[0]) if isinstance(scale, Tensor) and scale.dim() == 1 else None
+        if batch is None or (tracker is not None and tuple(tracker.shape) != (batch,)):
+            shapes = (getattr(scale, "shape", scale), getattr(tracker, "shape", tracker))
+            raise ValueError(
+                f"GradScaler.load_state_dict: expected a per-model scale and growth tracker of shape (B,), got {shapes}"
+            )
+        if self._batch is not None and batch != self._batch:
+            raise ValueError(
+                f"GradScaler.load_state_dict: the state holds B = {batch} models, this scaler B = {self._batch}; "
+                "select the models first so that both hold the same number"
+            )
         self._growth_factor = float(state_dict["growth_factor"])
         self._backoff_factor = float(state_dict["backoff_factor"])
         self._growth_interval = int(state_dict["growth_interval"])
-        self._batch = int(scale.shape[0])
+        self._batch = batch
         device = self._scale.device if self._scale is not None else self._device
         self._scale = scale.to(device, torch.float32).clone()
-        tracker = state_dict["_growth_tracker"]
         self._growth_tracker = (
             torch.zeros(self._batch, dtype=torch.int32, device=device)
             if tracker is None

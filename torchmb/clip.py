@@ -46,6 +46,18 @@ def _per_model(value: Any, batch: int, name: str, like: Tensor) -> float | Tenso
     return per_model_values(value, batch, name).to(like.device, like.dtype)
 
 
+def _refuse_negative(value: Any, batch: int, name: str) -> None:
+    """A negative bound would flip or zero gradients (torch's own functions do so silently): refused."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"{name}: expected a non-negative number, got {value}")
+        return
+    values = per_model_values(value, batch, name)
+    if bool((values < 0).any()):
+        models = (values < 0).nonzero().flatten().tolist()
+        raise ValueError(f"{name}: expected non-negative values, got {values[values < 0].tolist()} for models {models}")
+
+
 def _rows(value: float | Tensor, like: Tensor) -> float | Tensor:
     if isinstance(value, float):
         return value
@@ -73,6 +85,7 @@ def clip_grad_norm_(
     """
     params = _as_list(parameters)
     batch = _batch_of(params, "clip_grad_norm_")
+    _refuse_negative(max_norm, batch, "max_norm")
     grads = [p.grad for p in params if p.grad is not None]
     norm_type = float(norm_type)
     if not grads:
@@ -107,14 +120,13 @@ def clip_grad_value_(parameters: Tensor | Iterable[Tensor], clip_value: Any) -> 
     params = _as_list(parameters)
     batch = _batch_of(params, "clip_grad_value_")
     grads = [p.grad for p in params if p.grad is not None]
+    _refuse_negative(clip_value, batch, "clip_value")
     if isinstance(clip_value, (int, float)) and not isinstance(clip_value, bool):
         value = float(clip_value)
         for g in grads:
             g.clamp_(min=-value, max=value)
         return
     values = per_model_values(clip_value, batch, "clip_value")
-    if bool((values < 0).any()):
-        raise ValueError(f"clip_value: expected non-negative values, got {values.tolist()}")
     for g in grads:
         bound = _rows(values, g)
         g.clamp_(min=-bound, max=bound)

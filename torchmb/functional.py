@@ -54,6 +54,46 @@ def _check_targets(outputs: Tensor, targets: Tensor, name: str) -> int | None:
     )
 
 
+_CLASS_INDEX_LOSSES = (F.cross_entropy, F.nll_loss, F.multi_margin_loss)
+
+
+def _check_class_target_shape(outputs: Tensor, targets: Tensor, name: str) -> None:
+    """Class-index targets are the outputs' shape without the class dim 2: ``(B, n, ...)`` or shared ``(n, ...)``."""
+    per_model = (*outputs.shape[:2], *outputs.shape[3:])
+    if tuple(targets.shape) not in (per_model, per_model[1:]):
+        raise ValueError(
+            f"{name}: class-index targets must be (B, n, ...) = {per_model} (one row of n per model, the model axis "
+            f"B first) or (n, ...) = {per_model[1:]} shared by all models, for outputs (B, n, C, ...) = "
+            f"{tuple(outputs.shape)}; got {tuple(targets.shape)}"
+        )
+
+
+def _check_class_range(outputs: Tensor, targets: Tensor, name: str, ignore_index: int, error: Exception) -> None:
+    """Raise naming the models whose class-index targets leave ``[0, C)`` (after ``error`` said something)."""
+    classes = outputs.shape[2]
+    bad = ((targets < 0) | (targets >= classes)) & (targets != ignore_index)
+    if not bool(bad.any()):
+        return
+    per_model = bad.reshape(bad.shape[0], -1).any(1) if targets.dim() == outputs.dim() - 1 else bad.any().view(1)
+    models = per_model.nonzero().flatten().tolist() if targets.dim() == outputs.dim() - 1 else "all (shared targets)"
+    raise ValueError(
+        f"{name}: class targets must lie in [0, C) = [0, {classes}) (outputs {tuple(outputs.shape)} have C = {classes} "
+        f"classes in dim 2), got {targets[bad].unique().tolist()} for models {models}"
+    ) from error
+
+
+def _assert_classes_in_range(targets: Tensor, classes: int) -> None:
+    """Refuse class targets outside ``[0, classes)``: on the host for CPU tensors; on the device otherwise (no
+    synchronisation: a device-side assert, as torch's own indexing gives)."""
+    in_range = ((targets >= 0) & (targets < classes)).all()
+    message = f"batch_topk: class targets must lie in [0, C) = [0, {classes}) (C: the outputs' dim 2)"
+    if targets.is_cuda or torch.compiler.is_compiling():
+        torch._assert_async(in_range, message)
+    elif not bool(in_range):
+        bad = targets[(targets < 0) | (targets >= classes)].unique().tolist()
+        raise ValueError(f"{message}, got {bad}")
+
+
 def batch_loss(
     outputs: Tensor,
     targets: Tensor,
@@ -87,9 +127,17 @@ def batch_loss(
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     target_dim = _check_targets(outputs, targets, "batch_loss")
-    return vmap(lambda o, t: loss_fn(o, t, reduction=reduction, **loss_kwargs), in_dims=(0, target_dim))(
-        outputs, targets
-    )
+    class_indices = loss_fn in _CLASS_INDEX_LOSSES and not targets.is_floating_point()
+    if class_indices:
+        _check_class_target_shape(outputs, targets, "batch_loss")
+    try:
+        return vmap(lambda o, t: loss_fn(o, t, reduction=reduction, **loss_kwargs), in_dims=(0, target_dim))(
+            outputs, targets
+        )
+    except (RuntimeError, IndexError) as error:  # only on failure: say which targets are out of range
+        if class_indices:
+            _check_class_range(outputs, targets, "batch_loss", loss_kwargs.get("ignore_index", -100), error)
+        raise
 
 
 def batch_topk(outputs: Tensor, targets: Tensor, *args: Any, k: Sequence[int] | None = None) -> Tensor:
@@ -120,6 +168,7 @@ def batch_topk(outputs: Tensor, targets: Tensor, *args: Any, k: Sequence[int] | 
         raise ValueError(
             f"batch_topk: targets {tuple(targets.shape)} must be outputs {tuple(outputs.shape)} without the class dim"
         )
+    _assert_classes_in_range(targets, classes)
     predicted = outputs.topk(max(ks), dim=2).indices
     hits = (predicted == targets.unsqueeze(2)).cumsum(2)
     index = torch.tensor([kk - 1 for kk in ks], device=outputs.device)

@@ -18,7 +18,8 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
-from .optim._base import BatchOptimizer, _as_index, check_range, per_model_values
+from .optim._base import BatchOptimizer, check_range, per_model_values
+from .optim._population import select_index
 
 __all__ = [
     "BatchLRScheduler",
@@ -38,6 +39,13 @@ def _per_model_ints(value: Any, batch: int, name: str, minimum: int = 1) -> Tens
         raise ValueError(f"{name}: expected integers, got {values.tolist()}")
     check_range(name, values, low=minimum)
     return values.to(torch.int64)
+
+
+def _decay(gamma: Any, batch: int) -> Tensor:
+    """Per-model multiplicative decays: non-negative, since a negative one would make learning rates negative."""
+    values = per_model_values(gamma, batch, "gamma")
+    check_range("gamma", values, low=0.0)
+    return values
 
 
 def _batch(optimizer: Any, who: str) -> int:
@@ -111,17 +119,41 @@ class BatchLRScheduler:
         return {key: _copy(value) for key, value in self.__dict__.items() if key != "optimizer"}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state from :meth:`state_dict`."""
+        """Load a state from :meth:`state_dict`; one of another scheduler or number of models is refused, with
+        nothing changed."""
+        self._check_loadable(state_dict)
         self.__dict__.update({key: _copy(value) for key, value in state_dict.items()})
+
+    def _check_loadable(self, state_dict: dict[str, Any]) -> None:
+        name = type(self).__name__
+        own = self.state_dict()
+        missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
+        if missing or unexpected:
+            raise KeyError(
+                f"{name}.load_state_dict: not a {name} state (missing {missing}, unexpected {unexpected})"
+            )
+        base_lrs = state_dict["base_lrs"]
+        if len(base_lrs) != len(own["base_lrs"]):
+            raise ValueError(
+                f"{name}.load_state_dict: the state has {len(base_lrs)} parameter groups, the optimizer "
+                f"{len(own['base_lrs'])}"
+            )
+        for key in ("base_lrs", "_last_lr", *self._per_model_attrs()):
+            values = state_dict[key] if key in ("base_lrs", "_last_lr") else [state_dict[key]]
+            for value in values:
+                held = len(value) if isinstance(value, (Tensor, list)) else self.batch
+                if held != self.batch:
+                    raise ValueError(
+                        f"{name}.load_state_dict: the state holds B = {held} models ({key}), this scheduler "
+                        f"B = {self.batch}; select the models first so that both hold the same number"
+                    )
 
     def select(self, keep: Any) -> None:
         """Keep only the models ``keep`` (indices in the new order, or a bool mask of length B).
 
         Call it with the same ``keep`` as ``optimizer.select`` (which re-indexes the learning rates).
         """
-        index = _as_index(keep, self.batch)
-        if index.numel() == 0:
-            raise ValueError("select: keep at least one model")
+        index = select_index(keep, self.batch)
         for name in ("base_lrs", "_last_lr", *self._per_model_attrs()):
             value = getattr(self, name)
             if isinstance(value, Tensor):
@@ -162,7 +194,7 @@ class StepLR(BatchLRScheduler):
     def __init__(self, optimizer: BatchOptimizer, step_size: Any, gamma: Any = 0.1, last_epoch: int = -1) -> None:
         batch = _batch(optimizer, "StepLR")
         self.step_size = _per_model_ints(step_size, batch, "step_size")
-        self.gamma = per_model_values(gamma, batch, "gamma")
+        self.gamma = _decay(gamma, batch)
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> list[Tensor]:
@@ -210,7 +242,7 @@ class MultiStepLR(BatchLRScheduler):
                 raise ValueError(f"milestones: expected non-negative epochs, got {m} for model {i}")
             table[i, : len(m)] = torch.tensor(m, dtype=torch.int64)
         self.milestones = table
-        self.gamma = per_model_values(gamma, batch, "gamma")
+        self.gamma = _decay(gamma, batch)
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> list[Tensor]:
@@ -225,7 +257,7 @@ class ExponentialLR(BatchLRScheduler):
     per_model_args = ("gamma",)
 
     def __init__(self, optimizer: BatchOptimizer, gamma: Any, last_epoch: int = -1) -> None:
-        self.gamma = per_model_values(gamma, _batch(optimizer, "ExponentialLR"), "gamma")
+        self.gamma = _decay(gamma, _batch(optimizer, "ExponentialLR"))
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> list[Tensor]:
@@ -353,13 +385,14 @@ class LambdaLR(BatchLRScheduler):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._check_loadable(state_dict)
         state = dict(state_dict)
         lambdas = state.pop("lr_lambdas")
-        self.__dict__.update({key: _copy(value) for key, value in state.items()})
         if len(lambdas) != len(self.lr_lambdas):
             raise ValueError(
                 f"load_state_dict: the state holds {len(lambdas)} lr_lambdas, this scheduler {len(self.lr_lambdas)}"
             )
+        self.__dict__.update({key: _copy(value) for key, value in state.items()})
         for f, saved in zip(self.lr_lambdas, lambdas):
             if saved is not None:
                 f.__dict__.update(saved)

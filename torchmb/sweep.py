@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import Tensor
 
+from .optim._population import select_index
+
 if TYPE_CHECKING:
     import optuna
 
@@ -109,7 +111,15 @@ class TrialBatch:
         """Hyperparameter ``name`` of every model, ``(B,)`` float64 (pass it to a batched optimizer)."""
         if name not in self.trials[0].params:
             raise KeyError(f"no hyperparameter {name!r}; the search space has {sorted(self.trials[0].params)}")
-        return torch.tensor([float(trial.params[name]) for trial in self.trials], dtype=torch.float64, device=device)
+        values = [trial.params[name] for trial in self.trials]
+        words = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float))]
+        if words:
+            raise TypeError(
+                f"hyperparameter {name!r} is categorical with non-numeric choices (such as {words[0]!r}), which "
+                f"values() cannot give as numbers; read each model's choice as trial.params[{name!r}] for trial in "
+                "the TrialBatch's trials"
+            )
+        return torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
 
     def _floats(self, values: Tensor | Sequence[float], what: str) -> list[float]:
         values = torch.as_tensor(values).detach().double().cpu().flatten().tolist()
@@ -152,10 +162,21 @@ class TrialBatch:
 
 
 def select(keep: Tensor | Sequence[int], *objects: Selectable) -> None:
-    """Shrink every object (``BatchModule``, batched optimizer, scheduler, loss scaler) to the models ``keep``."""
+    """Shrink every object (``BatchModule``, batched optimizer, scheduler, loss scaler) to the models ``keep``.
+
+    All or nothing: ``keep`` and the objects' numbers of models are checked before any object changes, and
+    modules (whose ``select`` may refuse what the others cannot, such as an offloaded embedding) go first.
+    """
     if not objects:
         raise ValueError("select needs at least one object with a select(keep) method")
     for obj in objects:
         if not callable(getattr(obj, "select", None)):
             raise TypeError(f"{type(obj).__name__} has no select(keep) method")
+    batches = [(type(obj).__name__, obj.batch) for obj in objects if getattr(obj, "batch", None) is not None]
+    if len({batch for _, batch in batches}) > 1:
+        held = ", ".join(f"{name} B = {batch}" for name, batch in batches)
+        raise ValueError(f"select: the objects hold different numbers of models ({held}); select them separately")
+    if batches:
+        select_index(keep, batches[0][1])  # refuses a bad keep before anything changes
+    for obj in sorted(objects, key=lambda obj: not isinstance(obj, torch.nn.Module)):
         obj.select(keep)

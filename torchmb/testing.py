@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ._init import random_state_kept
 from ._module import BatchModule
 from ._tracking import PooledDecisionError, check_every_forward
 
@@ -155,21 +156,25 @@ def assert_isolated(
     batched: BatchModule,
     inputs: Inputs,
     *,
-    model: int = -1,
+    model: int | Sequence[int] | None = None,
     loss_fn: LossFn = default_loss,
     shared_input: bool = False,
     seed: int = 0,
 ) -> None:
-    """Check that disturbing model ``model`` leaves every other model bit-identical.
+    """Check that disturbing a model leaves every other model bit-identical.
 
-    Each disturbance is compared with an undisturbed run from the same state: model ``model``'s input
+    The disturbed models are ``model`` (an index or several), by default the first and the last: a leak
+    along the merged model axis that reaches only later models (a cumulative sum over dim 0) shows when the
+    first is disturbed, one that reaches only earlier models when the last is.
+
+    Each disturbance is compared with an undisturbed run from the same state: the disturbed model's input
     replaced by other values, and scaled by ``1e3`` and by ``-1e3`` (not with ``shared_input``; the scaled
     inputs flip the sign of any statistic pooled over the models, so that a decision taken on it by tensor
     ops, ``torch.where(h.mean() > 0, ...)``, changes for the other models), its parameters shifted, and its
     loss made NaN. Every other model's outputs, gradients and buffers (after the forward and backward)
     must not change by a single bit, and a buffer stored once for all models must not change at all; the
     disturbed model's outputs or gradients must change (otherwise the check would prove nothing).
-    ``batched``'s state is restored afterwards.
+    ``batched``'s state and torch's random state are restored afterwards.
 
     Raises:
         AssertionError: naming the disturbance, the model and the tensor that changed, or the Python
@@ -177,8 +182,28 @@ def assert_isolated(
     """
     inputs = _as_tuple(inputs)
     batch = batched.batch
-    victim = model % batch
+    victims = [0, batch - 1] if model is None else [model] if isinstance(model, int) else list(model)
     saved = {k: v.clone() for k, v in batched.module.state_dict().items()}
+    try:
+        with _checking(), random_state_kept():
+            for victim in dict.fromkeys(v % batch for v in victims):
+                _disturb_one(batched, inputs, victim, saved, loss_fn, shared_input, seed)
+    finally:
+        batched.module.load_state_dict(saved)
+        batched.zero_grad(set_to_none=True)
+
+
+def _disturb_one(
+    batched: BatchModule,
+    inputs: tuple[Tensor, ...],
+    victim: int,
+    saved: dict[str, Tensor],
+    loss_fn: LossFn,
+    shared_input: bool,
+    seed: int,
+) -> None:
+    """:func:`assert_isolated`'s disturbances of model ``victim``."""
+    batch = batched.batch
     params = dict(batched.module.named_parameters())
     buffers = dict(batched.module.named_buffers())
     # A non-persistent buffer (not in the state dict) is one constant for all models.
@@ -240,20 +265,15 @@ def assert_isolated(
     def non_finite(_: Tensor, b: Tensor) -> bool:
         return bool((~torch.isfinite(b)).any())
 
-    try:
-        with _checking():
-            base = run(inputs)
-            if not shared_input:
-                check("input replaced", base, run(tuple(_replace(x, victim) for x in inputs)), differs)
-                for scale in (1e3, -1e3):
-                    scaled = tuple(_scale(x, victim, scale) for x in inputs)
-                    if any(s is not x for s, x in zip(scaled, inputs)):
-                        check(f"input scaled by {scale:g}", base, run(scaled), differs)
-            check("parameters", base, run(inputs, shift=0.5), differs)
-            check("NaN loss", base, run(inputs, poison=True), non_finite)
-    finally:
-        batched.module.load_state_dict(saved)
-        batched.zero_grad(set_to_none=True)
+    base = run(inputs)
+    if not shared_input:
+        check("input replaced", base, run(tuple(_replace(x, victim) for x in inputs)), differs)
+        for scale in (1e3, -1e3):
+            scaled = tuple(_scale(x, victim, scale) for x in inputs)
+            if any(s is not x for s, x in zip(scaled, inputs)):
+                check(f"input scaled by {scale:g}", base, run(scaled), differs)
+    check("parameters", base, run(inputs, shift=0.5), differs)
+    check("NaN loss", base, run(inputs, poison=True), non_finite)
 
 
 @dataclasses.dataclass

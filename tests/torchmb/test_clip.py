@@ -65,6 +65,18 @@ def test_clip_grad_value_per_model() -> None:
         clip_grad_value_(params, [0.1, -1.0, 0.1, 0.1])
 
 
+def test_negative_bounds_are_refused_with_the_gradients_unchanged() -> None:
+    params, _ = batched_and_separate([1.0, 2.0, 3.0, 4.0])
+    grads = [p.grad.clone() for p in params]
+    with pytest.raises(ValueError, match=r"max_norm: expected non-negative values, got \[-1.0\] for models \[1\]"):
+        clip_grad_norm_(params, [1.0, -1.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match=r"max_norm: expected a non-negative number, got -1"):
+        clip_grad_norm_(params, -1)
+    with pytest.raises(ValueError, match=r"clip_value: expected a non-negative number, got -0.5"):
+        clip_grad_value_(params, -0.5)
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, grads))
+
+
 def test_diverged_reports_models_with_non_finite_losses_or_parameters() -> None:
     params, _ = batched_and_separate([1.0] * B)
     losses = torch.tensor([0.5, float("inf"), 0.1, 0.2])

@@ -98,3 +98,33 @@ def test_merge_and_split_are_inverse() -> None:
     assert torch.equal(split_batch(merged, B), x)
     with pytest.raises(ValueError, match="not a multiple of batch=5"):
         split_batch(merged, 5)
+
+
+def test_batch_loss_names_class_targets_out_of_range(data) -> None:
+    outputs, targets = data
+    with pytest.raises(IndexError):
+        F.cross_entropy(outputs[0].detach(), targets[0] + C)  # torch refuses one model's too
+    bad = targets.clone()
+    bad[2, 1] = C + 1
+    bad[0, 0] = -100  # ignore_index stays allowed
+    with pytest.raises(ValueError, match=r"class targets must lie in \[0, C\) = \[0, 6\).*got \[7\] for models \[2\]"):
+        batch_loss(outputs, bad)
+    with pytest.raises(ValueError, match=r"got \[-1\] for models all \(shared targets\)"):
+        batch_loss(outputs, torch.full((N,), -1))
+
+
+def test_batch_loss_names_transposed_targets(data) -> None:
+    outputs, targets = data
+    expected = r"must be \(B, n, ...\) = \(4, 9\) .* or \(n, ...\) = \(9,\) shared .*got \(9, 4\)"
+    with pytest.raises(ValueError, match=expected):
+        batch_loss(outputs, targets.T.contiguous())
+
+
+def test_batch_accuracy_refuses_targets_out_of_range(data) -> None:
+    outputs, targets = data
+    with pytest.raises(ValueError, match=r"class targets must lie in \[0, C\) = \[0, 6\).*got \[9, 10, 11\]"):
+        batch_accuracy(outputs, torch.where(targets > 2, targets + C, targets))
+    torch.testing.assert_close(
+        batch_accuracy(outputs, targets),
+        torch.stack([(outputs[i].argmax(1) == targets[i]).float().mean() for i in range(B)]),
+    )

@@ -353,7 +353,7 @@ def test_select_refuses_bad_keep() -> None:
         batched.select([])
     with pytest.raises(IndexError, match="out of range"):
         batched.select([0, 5])
-    with pytest.raises(ValueError, match=r"boolean keep mask must have shape \(3,\)"):
+    with pytest.raises(ValueError, match=r"boolean mask must have shape \(3,\)"):
         batched.select(torch.tensor([True, False]))
 
 

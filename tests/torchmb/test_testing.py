@@ -207,3 +207,55 @@ def test_assert_equivalent_fails_a_model_whose_outputs_differ() -> None:
 def test_assert_equivalent_fails_a_model_whose_gradients_differ() -> None:
     with pytest.raises(AssertionError, match=r"step 0 model 0 grad fc\.(weight|bias): batched and plain differ"):
         assert_equivalent(GradientDiffersWhenBatched, B, torch.randn(B, N, 5), steps=1)
+
+
+class LeaksIntoLaterModels(nn.Module):
+    """A cumulative sum over dim 0, the merged model axis: each model's output holds every earlier model's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return y + 0.1 * y.detach().cumsum(0)
+
+
+class LeaksIntoEarlierModels(LeaksIntoLaterModels):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return y + 0.1 * y.detach().flip(0).cumsum(0).flip(0)
+
+
+class LeaksIntoModelZero(LeaksIntoLaterModels):
+    """The last model's rows are added to the first model's, and to no other's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        rows = y.shape[0] // B
+        return torch.cat([y[:rows] + 0.1 * y[-rows:].detach(), y[rows:]])
+
+
+def test_a_leak_into_later_models_only_is_caught_by_default() -> None:
+    with pytest.raises(AssertionError, match=r"output 0 of model [123] changed when model 0 was disturbed"):
+        _isolated(LeaksIntoLaterModels)
+
+
+def test_a_leak_into_earlier_models_only_is_caught_by_default() -> None:
+    with pytest.raises(AssertionError, match=r"output 0 of model [012] changed when model 3 was disturbed"):
+        _isolated(LeaksIntoEarlierModels)
+
+
+def test_model_zero_is_compared_too() -> None:
+    with pytest.raises(AssertionError, match=r"output 0 of model 0 changed when model 3 was disturbed"):
+        _isolated(LeaksIntoModelZero, model=-1)
+
+
+def test_assert_isolated_leaves_the_random_state_as_it_found_it() -> None:
+    batched = BatchModule.from_factory(_independent_mlp, B, seed=0)
+    x = torch.randn(B, N, 5)
+    torch.manual_seed(123)
+    expected = torch.rand(5)
+    torch.manual_seed(123)
+    assert_isolated(batched, x, seed=7)
+    assert torch.equal(torch.rand(5), expected)

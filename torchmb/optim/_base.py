@@ -27,7 +27,8 @@ import torch
 from torch import Tensor
 
 from . import _population
-from ._population import _as_index
+from ._loading import check_state_layout
+from ._population import _as_index, select_index
 from ._values import per_model_values
 from ._written import TorchHabits
 
@@ -114,6 +115,10 @@ class BatchOptimizer(TorchHabits, torch.optim.Optimizer):
         self.fused_steps = 0
         """How many parameter-group steps the fused CUDA kernels took (the rest took the reference path)."""
         super().__init__(params, defaults)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # torch pickles (and deep-copies) only defaults, state and param_groups; B and the fused switch too
+        return {**super().__getstate__(), "_batch": self._batch, "fused": self.fused, "fused_steps": self.fused_steps}
 
     def _use_fused(self, params: list[Tensor], tensors: list[Tensor]) -> bool:
         """Whether this step runs the fused kernels: ``fused=None`` takes them where they apply (and the
@@ -277,16 +282,14 @@ class BatchOptimizer(TorchHabits, torch.optim.Optimizer):
         return names
 
     def select(self, keep: Any) -> None:
-        """Keep only the models ``keep`` (indices, in the new order, or a bool mask of length B).
+        """Keep only the models ``keep`` (distinct indices, in the new order, or a bool mask of length B).
 
         Re-indexes every per-model hyperparameter (including those a scheduler stored in the groups,
         such as ``initial_lr``) and every state tensor along the model axis. Call it with the same
         ``keep`` as ``BatchModule.select``, before or after it; the survivors then continue exactly as
         they would have.
         """
-        index = _as_index(keep, self.batch)
-        if index.numel() == 0:
-            raise ValueError("select: keep at least one model")
+        index = select_index(keep, self.batch)
         self.__dict__.pop("_fused_plans", None)
         for group in self.param_groups:
             for key in self._per_model_entries(group):
@@ -337,35 +340,27 @@ class BatchOptimizer(TorchHabits, torch.optim.Optimizer):
         raise NotImplementedError
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        groups = state_dict["param_groups"]
-        batch = None
-        for group in groups:
-            for key, value in group.items():
-                if isinstance(value, Tensor) and value.dim() == 1 and key in self.per_model:
-                    batch = int(value.shape[0])
-                    break
-            if batch is not None:
-                break
+        """As in ``torch.optim``; the whole state is checked first (its number of models, hyperparameter
+        values, state shapes), and a state that does not fit changes nothing."""
+        self._check_loadable(state_dict)
         super().load_state_dict(state_dict)
         self.__dict__.pop("_fused_plans", None)
-        if batch is not None:
-            self._batch = batch
         for group in self.param_groups:
             for name in self.per_model:
                 group[name] = self._normalize(name, group[name])
-            self._check_group(group)
-            for p in group["params"]:
-                if p.shape[0] != self.batch:
-                    raise ValueError(
-                        f"load_state_dict: the state holds B = {self.batch} models but a parameter has "
-                        f"shape {tuple(p.shape)}"
-                    )
         for state in self.state.values():
             for key in self.cpu_state:
                 if key in state:
                     state[key] = state[key].to("cpu", torch.float64)
         for group in self.param_groups:
             self._init_group_state(group)
+
+    def _check_loadable(self, state_dict: dict[str, Any]) -> None:
+        """Raise where ``state_dict`` does not fit this optimizer, before anything is loaded."""
+        owner = type(self).__name__
+        check_state_layout(state_dict, self.param_groups, self.batch, self.per_model, self.cpu_state, owner)
+        for saved in state_dict["param_groups"]:
+            self._check_group({**saved, **{name: self._normalize(name, saved[name]) for name in self.per_model}})
 
     # ---- stepping -----------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -12,8 +12,9 @@ if TYPE_CHECKING:
     from ._base import BatchOptimizer
 
 
-def _as_index(keep: Any, batch: int, what: str = "keep") -> Tensor:
-    """``keep`` (bool mask of length B, or a sequence/tensor of model indices) as a CPU int64 index."""
+def _as_index(keep: Any, batch: int, what: str = "keep", *, distinct: bool = False) -> Tensor:
+    """``keep`` (bool mask of length B, or a sequence/tensor of model indices) as a CPU int64 index; with
+    ``distinct``, a model named twice is refused."""
     if isinstance(keep, Tensor):
         index = keep.detach().to("cpu")
     else:
@@ -33,8 +34,32 @@ def _as_index(keep: Any, batch: int, what: str = "keep") -> Tensor:
         )
     index = index.to(torch.int64)
     if index.numel() and (int(index.min()) < -batch or int(index.max()) >= batch):
-        raise IndexError(f"{what}: model indices must lie in [0, {batch}), got {index.tolist()}")
-    return index.remainder(batch)
+        raise IndexError(
+            f"{what}: model indices must lie in [0, {batch}) (or [-{batch}, 0) from the end), got {index.tolist()}: "
+            f"out of range for batch={batch}"
+        )
+    index = index.remainder(batch)
+    if distinct and index.unique().numel() != index.numel():
+        _refuse_repeats(index, batch, what)
+    return index
+
+
+def _refuse_repeats(index: Tensor, batch: int, what: str) -> None:
+    values = index.tolist()
+    repeated = sorted({i for i in values if values.count(i) > 1})
+    mask_hint = ""
+    if len(values) == batch and set(values) <= {0, 1}:
+        mask_hint = f"; for a 0/1 mask pass booleans: torch.tensor({values}, dtype=torch.bool)"
+    raise ValueError(f"{what}: each model may be named once, got {values} (models {repeated} repeated){mask_hint}")
+
+
+def select_index(keep: Any, batch: int) -> Tensor:
+    """The survivors ``keep`` of a ``select`` (distinct model indices in their new order, or a bool mask of
+    length B) as a CPU int64 index; what every ``select`` of torchmb accepts."""
+    index = _as_index(keep, batch, "select", distinct=True)
+    if index.numel() == 0:
+        raise ValueError("select: keep at least one model")
+    return index
 
 
 def load_model_state(
@@ -46,7 +71,7 @@ def load_model_state(
         raise TypeError(f"load_model_state: source must be a {type(opt).__name__}, got {type(source).__name__}")
     if src is None:
         raise ValueError("load_model_state: give the source model index src")
-    dst_index = _as_index([dst] if isinstance(dst, int) else dst, opt.batch, "dst")
+    dst_index = _as_index([dst] if isinstance(dst, int) else dst, opt.batch, "dst", distinct=True)
     src_index = _as_index([src] if isinstance(src, int) else src, source.batch, "src")
     if dst_index.numel() != src_index.numel():
         raise ValueError(
