@@ -259,12 +259,15 @@ class CheckpointWriter:
         return record
 
     def write_bytes(self, name: str, data: bytes) -> FileRecord:
+        """Write ``data`` as the file ``name`` of the new version (see :meth:`write`)."""
         return self.write(name, lambda f: f.write(data))
 
     def write_json(self, name: str, value: Any) -> FileRecord:
+        """Write ``value`` as the JSON file ``name`` of the new version (see :meth:`write`)."""
         return self.write_bytes(name, json.dumps(value, indent=1).encode())
 
     def torch_save(self, name: str, value: Any) -> FileRecord:
+        """Write ``value`` with :func:`torch.save` as the file ``name`` of the new version (see :meth:`write`)."""
         return self.write(name, lambda f: torch.save(value, f))
 
     def commit(self, records: dict[str, FileRecord] | None = None) -> None:

@@ -38,9 +38,13 @@ _OBJECTS = ("models", "optimizer", "scheduler", "scaler", "sweep")
 class Stateful(Protocol):
     """What :func:`save_checkpoint` saves: an object with ``state_dict()`` and ``load_state_dict(state)``."""
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any]:
+        """The object's whole state, as ``torch.load(weights_only=True)`` can read it back."""
+        ...
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any:
+        """Restore what :meth:`state_dict` returned."""
+        ...
 
 
 def _stateful(name: str, obj: Any) -> None:
