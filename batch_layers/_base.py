@@ -34,6 +34,8 @@ __all__ = [
     "current_forward",
     "forward_context",
     "is_shared_input",
+    "is_shared_parameter",
+    "mark_shared_parameter",
     "recognise_shared_by",
 ]
 
@@ -101,6 +103,17 @@ class _ForwardScope:
 def forward_context(context: ForwardContext) -> _ForwardScope:
     """Run a block as a batched forward described by ``context`` (nests; restores the outer one)."""
     return _ForwardScope(context)
+
+
+def mark_shared_parameter(parameter: Tensor) -> None:
+    """Mark ``parameter`` as shared by all models: stored once, without a model axis, and frozen (a
+    ``BatchModule``'s frozen backbone). Optimizers of per-model parameters skip it."""
+    parameter.shared_across_models = True
+
+
+def is_shared_parameter(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is a parameter shared by all models (see :func:`mark_shared_parameter`)."""
+    return getattr(tensor, "shared_across_models", False)
 
 
 _SHARED_TENSORS: contextvars.ContextVar[Callable[[Tensor], bool] | None] = contextvars.ContextVar(
