@@ -194,6 +194,9 @@ class AbstractBatchModule(nn.Module):
     merged_orders: ClassVar[tuple[MergedOrder, ...]] = ()  # () means (merged_order,)
     grouped_layout: ClassVar[bool] = False
     shared_buffers: ClassVar[tuple[str, ...]] = ()
+    # Whether ``from_module`` keeps the module's parameters shared by all models (``mark_shared_parameter``)
+    # once, as they are; otherwise a layer holding some is batched per model by its plain code.
+    keeps_shared_parameters: ClassVar[bool] = False
     # The torch functionals (``F.linear``, ``F.layer_norm``, ...) this class computes for per-model weights,
     # each with the name of its method of the functional's signature: a plain subclass's own ``forward``
     # runs with them swapped in (batch_layers._subclass).

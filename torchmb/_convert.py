@@ -131,7 +131,8 @@ class _Walk:
                 self._record(sub, sub_name, "shared", reason, sub.parameters(recurse=False))
             return module
         batch_class = lookup_batch_module(type(module))
-        if batch_class is not None and any(map(is_shared_parameter, module.parameters())):
+        mixed = batch_class is not None and not batch_class.keeps_shared_parameters
+        if mixed and any(map(is_shared_parameter, module.parameters())):
             # A registered layer mixing shared and per-model parameters (a frozen weight, a trained bias): its
             # plain code under vmap, reading the shared ones unbatched (one matrix product for all models).
             shared = ", ".join(n for n, p in module.named_parameters() if is_shared_parameter(p))
