@@ -92,7 +92,7 @@ class LoraLinear(AbstractBatchModule):
             [module.scaling[adapter]] * batch,
             [dropout.p if isinstance(dropout, nn.Dropout) else 0.0] * batch,
         )
-        return layer
+        return layer.train(module.training)
 
     def set_models(self, ranks: Sequence[int], scaling: Sequence[float], dropout: Sequence[float]) -> None:
         """Give model ``i`` rank ``ranks[i]`` (at most ``r``), the factor ``scaling[i]`` and the dropout

@@ -76,7 +76,7 @@ def batch_lora(
 
         >>> from transformers import GPT2Config, GPT2LMHeadModel
         >>> base = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64))
-        >>> adapters = batch_lora(base, 4, ranks=[1, 2, 4, 8], alphas=16, target_modules=["c_attn"], seed=0)
+        >>> adapters = batch_lora(base, 4, ranks=[1, 2, 4, 8], target_modules=["c_attn"], fan_in_fan_out=True)
         >>> adapters(input_ids=torch.randint(0, 64, (4, 3, 10))).logits.shape
         torch.Size([4, 3, 10, 64])
     """
@@ -151,14 +151,15 @@ class BatchLora(BatchModule):
         _check_config(config)
         with _quiet_peft():
             adapted = peft.get_peft_model(copy.deepcopy(model), config).get_base_model()
-        plain_layers = sum(isinstance(m, peft.tuners.lora.LoraLayer) for m in adapted.modules())
-        super().__init__(adapted, batch)
-        layers = self._lora_layers()
-        if not layers or len(layers) != plain_layers:
+        adapted_layers = [type(m) for m in adapted.modules() if isinstance(m, peft.tuners.lora.LoraLayer)]
+        linear = sum(cls is peft.tuners.lora.Linear for cls in adapted_layers)
+        if linear != len(adapted_layers):
             raise ValueError(
                 f"batch_lora adapts nn.Linear layers (and transformers' Conv1D); target_modules={target_modules!r} "
-                f"matched {plain_layers} layers of which {len(layers)} are Linear"
+                f"matched {len(adapted_layers)} layers of which {linear} are Linear"
             )
+        super().__init__(adapted, batch)
+        layers = self._lora_layers()
         self.lora_configs = [
             dataclasses.replace(config, r=r, lora_alpha=a, lora_dropout=p)
             for r, a, p in zip(rank_list, alpha_list, dropout_list)
