@@ -1,6 +1,6 @@
 """The conversion walk: which path each module of a plain model takes, and the report of it.
 
-Each module takes one of four paths (:class:`ConversionEntry.path`):
+Each module takes one of five paths (:class:`ConversionEntry.path`):
 
 - ``"registered"``: its type (or a parent type whose ``forward`` it keeps) has a batched class.
 - ``"generic-whole"``: nothing below it is registered, but it or a module below it holds per-model state
