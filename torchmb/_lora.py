@@ -22,7 +22,43 @@ from torch import Tensor, nn
 
 from batch_layers import AbstractBatchModule, Linear, is_shared_parameter
 
-__all__ = ["LoraLinear"]
+__all__ = ["LoraDropout", "LoraLinear"]
+
+
+class LoraDropout(AbstractBatchModule):
+    """Dropout with model ``i``'s probability ``p[i]`` on its rows: independent masks, kept values scaled
+    by ``1 / (1 - p[i])`` as ``nn.Dropout`` does; a shared input is expanded to every model's copy first.
+    Identity in evaluation mode and where every ``p`` is zero.
+
+    Attributes:
+        p: ``(B,)`` float64, each model's probability.
+    """
+
+    merged_order: ClassVar[str] = "models"
+    merged_orders: ClassVar[tuple[str, ...]] = ("models",)
+
+    def __init__(self, *, batch: int, device: torch.device | str | None = None) -> None:
+        super().__init__(batch)
+        self.register_buffer("p", torch.zeros(batch, dtype=torch.float64, device=device), False)
+        self.dropping = False  # host-side: whether any model drops (checked once, where p is set)
+
+    def set_probabilities(self, p: Tensor) -> None:
+        with torch.no_grad():
+            self.p = p.to(self.p.device, torch.float64).clone()
+        self.batch = len(p)
+        self.dropping = bool((p > 0).any())
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not (self.training and self.dropping):
+            return x
+        rows = self.split(x)  # a shared input: an expanded view, each model's mask drawn on its own copy
+        shape = (self.batch,) + (1,) * (rows.dim() - 1)
+        probability = self.p.to(rows.device).view(shape)
+        kept = torch.rand(rows.shape, device=rows.device, dtype=torch.float64) >= probability
+        return self.merge(rows * kept / (1 - probability).to(rows.dtype))
+
+    def extra_repr(self) -> str:
+        return f"p={sorted(set(self.p.tolist()))}, batch={self.batch}"
 
 
 class LoraLinear(AbstractBatchModule):
@@ -37,7 +73,8 @@ class LoraLinear(AbstractBatchModule):
         lora_A, lora_B: ``{adapter: batch_layers.Linear}``, weights ``(B, r, in)`` and ``(B, out, r)``
             (keys as in peft, so state dicts keep peft's names).
         ranks: ``(B,)`` each model's rank (at most ``r``); scaling: ``(B,)`` each model's
-            ``lora_alpha / r_i`` (or ``/ sqrt(r_i)`` with rsLoRA); dropout: ``(B,)`` each model's probability.
+            ``lora_alpha / r_i`` (or ``/ sqrt(r_i)`` with rsLoRA).
+        lora_dropout: ``{adapter: LoraDropout}``, each model's dropout probability.
     """
 
     merged_order: ClassVar[str] = "models"
@@ -50,12 +87,12 @@ class LoraLinear(AbstractBatchModule):
         self.adapter = adapter
         self.lora_A = nn.ModuleDict({adapter: lora_A})
         self.lora_B = nn.ModuleDict({adapter: lora_B})
+        self.lora_dropout = nn.ModuleDict({adapter: LoraDropout(batch=batch, device=lora_A.weight.device)})
         self.max_rank = lora_A.out_features
         factory = {"device": lora_A.weight.device}
         self.register_buffer("ranks", torch.full((batch,), self.max_rank, dtype=torch.long, **factory), False)
         self.register_buffer("scaling", torch.ones(batch, dtype=torch.float64, **factory), False)
-        self.register_buffer("dropout", torch.zeros(batch, dtype=torch.float64, **factory), False)
-        self.padded = self.dropping = False  # host-side flags: skip the mask and the dropout where no model needs them
+        self.padded = False  # host-side: whether any model's rank is below the largest (the mask is needed)
 
     @classmethod
     def from_module(cls, module: nn.Module, batch: int) -> LoraLinear:
@@ -106,21 +143,22 @@ class LoraLinear(AbstractBatchModule):
         with torch.no_grad():
             self.ranks.copy_(ranks_)
             self.scaling.copy_(torch.as_tensor(list(scaling), dtype=torch.float64))
-            self.dropout.copy_(dropout_)
+            self.lora_dropout[self.adapter].set_probabilities(dropout_)
             self._refresh()
             self.lora_A[self.adapter].weight.mul_(self.rank_mask().unsqueeze(2))
             self.lora_B[self.adapter].weight.mul_(self.rank_mask().unsqueeze(1))
 
     def keep_models(self, index: Tensor) -> None:
         """Keep the per-model settings of models ``index`` (``BatchModule.select`` shrinks the weights)."""
-        for name in ("ranks", "scaling", "dropout"):
+        for name in ("ranks", "scaling"):
             setattr(self, name, getattr(self, name)[index.to(self.ranks.device)])
+        dropout = self.lora_dropout[self.adapter]
+        dropout.set_probabilities(dropout.p[index.to(dropout.p.device)])
         self.batch = len(index)
         self._refresh()
 
     def _refresh(self) -> None:
         self.padded = bool((self.ranks < self.max_rank).any())
-        self.dropping = bool((self.dropout > 0).any())
 
     def rank_mask(self, dtype: torch.dtype = torch.float64) -> Tensor:
         """``(B, r)``: 1 where a row of ``lora_A`` (a column of ``lora_B``) is within the model's rank."""
@@ -138,18 +176,9 @@ class LoraLinear(AbstractBatchModule):
             weight_A, weight_B = weight_A * mask.unsqueeze(2), weight_B * mask.unsqueeze(1)
         if x.dtype != weight_A.dtype and not torch.is_autocast_enabled(x.device.type):
             x = x.to(weight_A.dtype)  # as peft's _cast_input_dtype
-        if self.dropping and self.training:
-            x = self._dropout(x)
+        x = self.lora_dropout[self.adapter](x)  # a module: its per-model output is known as such
         y = lora_B.linear_form(lora_A.linear_form(x, weight_A), weight_B, lora_B.bias)
         return (result + self._scaled(y)).to(result.dtype)
-
-    def _dropout(self, x: Tensor) -> Tensor:
-        """Dropout with model ``i``'s probability on its rows (independent masks, scaled by ``1 / (1 - p)``)."""
-        rows = self.split(x)  # a shared input: an expanded view, each model's mask drawn on its own copy
-        shape = (self.batch,) + (1,) * (rows.dim() - 1)
-        probability = self.dropout.to(rows.device).view(shape)
-        kept = torch.rand(rows.shape, device=rows.device, dtype=torch.float64) >= probability
-        return self.merge(rows * kept / (1 - probability).to(rows.dtype))
 
     def _scaled(self, y: Tensor) -> Tensor:
         """Model ``i``'s rows times its scaling, computed as peft's ``tensor * float`` is (in at least float32)."""

@@ -26,11 +26,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._lora import LoraLinear
+from ._lora import LoraDropout, LoraLinear
 from ._module import BatchModule
 from ._select import survivor_index
 
-__all__ = ["BatchLora", "LoraLinear", "batch_lora"]
+__all__ = ["BatchLora", "LoraDropout", "LoraLinear", "batch_lora"]
 
 StateDict = Mapping[str, Any]
 PEFT_PREFIX = "base_model.model."  # peft's keys: the PeftModel's, whose base_model.model is the model batched here

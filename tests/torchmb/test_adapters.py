@@ -264,3 +264,27 @@ def test_a_peft_model_batched_as_it_is_keeps_its_adapter() -> None:
     ids = batch_data(0)[0][:2]
     expected = torch.stack([model(input_ids=ids[i]).logits for i in range(2)])
     torch.testing.assert_close(bm(input_ids=ids).logits, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_adapters_of_a_plain_torch_model_on_a_shared_input() -> None:
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double()
+    bm = batch_lora(mlp, 3, ranks=[1, 4, 2], dropouts=[0.0, 0.3, 0.0], target_modules=["0", "2"])
+    with torch.no_grad():
+        for name, p in bm.named_parameters():
+            if "lora_B" in name:
+                p.normal_(generator=torch.Generator().manual_seed(3))
+        for _, layer in bm.named_modules():
+            if isinstance(layer, LoraLinear):
+                layer.set_models([1, 4, 2], [8 / 1, 8 / 4, 8 / 2], [0.0, 0.3, 0.0])  # re-zero the padding
+    x = torch.randn(5, 6, dtype=torch.float64)
+    bm.eval()
+    out = bm(x, shared_input=True)
+    torch.testing.assert_close(out, bm(x.expand(3, 5, 6)), rtol=1e-12, atol=1e-12)
+    for i in range(3):
+        torch.testing.assert_close(out[i], bm.unbatch(i).eval()(x), rtol=1e-10, atol=1e-12)
+    bm.train()  # per-model dropout on the shared input: model 1 draws its own mask, the others none
+    trained = bm(x, shared_input=True)
+    for i in (0, 2):  # (the expanded input takes the per-model product, the shared one a single GEMM)
+        torch.testing.assert_close(trained[i], out[i], rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(trained[1], out[1])
