@@ -21,6 +21,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from batch_layers import is_shared_parameter
+
 from ._module import BatchModule
 from ._tracking import PooledDecisionError, check_every_forward
 
@@ -179,7 +181,8 @@ def assert_isolated(
     batch = batched.batch
     victim = model % batch
     saved = {k: v.clone() for k, v in batched.module.state_dict().items()}
-    params = dict(batched.module.named_parameters())
+    # parameters shared by all models (a frozen backbone) have no model's slice to disturb
+    params = {name: p for name, p in batched.module.named_parameters() if not is_shared_parameter(p)}
     buffers = dict(batched.module.named_buffers())
     # A non-persistent buffer (not in the state dict) is one constant for all models.
     per_model = {name: name in saved and batched._is_per_model(name, buffer) for name, buffer in buffers.items()}

@@ -237,3 +237,10 @@ def test_copies_keep_the_backbone_shared(how: str) -> None:
     assert len(opt.param_groups[0]["params"]) == 2
     x, _ = data(0)
     torch.testing.assert_close(copied(x), bm(x))
+
+
+def test_isolation_check_leaves_the_shared_backbone_alone() -> None:
+    from torchmb.testing import assert_isolated
+
+    bm = torchmb.BatchModule(plain_probes()[0], B)
+    assert_isolated(bm, data(0)[0])  # would fail, were a shared weight's row "model 3's" to disturb
