@@ -15,6 +15,8 @@ from ._base import (
     current_forward,
     forward_context,
     is_shared_input,
+    is_shared_parameter,
+    mark_shared_parameter,
     recognise_shared_by,
 )
 from ._batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d
@@ -92,6 +94,8 @@ __all__ = [
     "forward_context",
     "get_backend",
     "is_shared_input",
+    "is_shared_parameter",
+    "mark_shared_parameter",
     "offload_embeddings",
     "recognise_shared_by",
     "set_backend",

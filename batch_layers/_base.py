@@ -34,6 +34,8 @@ __all__ = [
     "current_forward",
     "forward_context",
     "is_shared_input",
+    "is_shared_parameter",
+    "mark_shared_parameter",
     "recognise_shared_by",
 ]
 
@@ -101,6 +103,17 @@ class _ForwardScope:
 def forward_context(context: ForwardContext) -> _ForwardScope:
     """Run a block as a batched forward described by ``context`` (nests; restores the outer one)."""
     return _ForwardScope(context)
+
+
+def mark_shared_parameter(parameter: Tensor) -> None:
+    """Mark ``parameter`` as shared by all models: stored once, without a model axis, and frozen (a
+    ``BatchModule``'s frozen backbone). Optimizers of per-model parameters skip it."""
+    parameter.shared_across_models = True
+
+
+def is_shared_parameter(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is a parameter shared by all models (see :func:`mark_shared_parameter`)."""
+    return getattr(tensor, "shared_across_models", False)
 
 
 _SHARED_TENSORS: contextvars.ContextVar[Callable[[Tensor], bool] | None] = contextvars.ContextVar(
@@ -181,6 +194,9 @@ class AbstractBatchModule(nn.Module):
     merged_orders: ClassVar[tuple[MergedOrder, ...]] = ()  # () means (merged_order,)
     grouped_layout: ClassVar[bool] = False
     shared_buffers: ClassVar[tuple[str, ...]] = ()
+    # Whether ``from_module`` keeps the module's parameters shared by all models (``mark_shared_parameter``)
+    # once, as they are; otherwise a layer holding some is batched per model by its plain code.
+    keeps_shared_parameters: ClassVar[bool] = False
     # The torch functionals (``F.linear``, ``F.layer_norm``, ...) this class computes for per-model weights,
     # each with the name of its method of the functional's signature: a plain subclass's own ``forward``
     # runs with them swapped in (batch_layers._subclass).

@@ -6,7 +6,7 @@ hyperparameter sweeps, seed studies and ensembles in the time one model used to 
 
 from batch_layers import AbstractBatchModule
 
-from . import amp, clip, distributed, graphs, lr_scheduler, memory, optim, sweep, testing
+from . import adapters, amp, clip, distributed, graphs, lr_scheduler, memory, optim, sweep, testing
 from ._convert import ConversionEntry
 from ._module import BatchModule
 from ._registry import lookup_batch_module, register_batch_module, registered_batch_modules
@@ -21,6 +21,7 @@ __all__ = [
     "BatchModule",
     "ConversionEntry",
     "PooledDecisionError",
+    "adapters",
     "allow_pooled_decisions",
     "amp",
     "batch_accuracy",

@@ -34,6 +34,7 @@ from collections.abc import Callable
 import torch
 from torch.func import functional_call, vmap
 
+from ._bench_lora import LORA_WORKLOADS
 from ._bench_steps import (
     COMPILED,
     IMPLEMENTATIONS,
@@ -60,6 +61,8 @@ def default_implementations(workload: Workload, batch: int) -> tuple[str, ...]:
     one GPU, where compiling takes most of the time: for the small models eager and compiled torchmb,
     vmap and the limit (the compiled limit from B=64, where issue 17 compares with it); for the larger
     ones torchmb eager and compiled and eager vmap (ResNet-18's compiled vmap took 38 s on the H100)."""
+    if workload.implementations:
+        return workload.implementations
     if not workload.compile_all:
         return ("torchmb", "torchmb+compile", "vmap")
     if batch < 64:
@@ -161,10 +164,10 @@ def run(
     out_of_memory: dict[tuple[str, str], int] = {}
     began = time.perf_counter()
     for name in workloads:
-        workload = WORKLOADS[name]
+        workload = WORKLOADS.get(name) or LORA_WORKLOADS[name]
         for batch in batches or workload.batches:
             torch.manual_seed(0)
-            steps = Steps(workload, batch, samples, device, precision, channels_last)
+            steps = (workload.steps or Steps)(workload, batch, samples, device, precision, channels_last)
             builders = steps.builders()
             for impl in implementations or default_implementations(workload, batch):
                 if impl not in builders:
@@ -332,7 +335,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workloads",
         default=",".join(DEFAULT_WORKLOADS),
-        help=f"comma-separated, from {', '.join(WORKLOADS)} (default {','.join(DEFAULT_WORKLOADS)})",
+        help=f"comma-separated, from {', '.join([*WORKLOADS, *LORA_WORKLOADS])} "
+        f"(default {','.join(DEFAULT_WORKLOADS)})",
     )
     parser.add_argument(
         "--batches",
@@ -373,7 +377,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> list[dict]:
     device = torch.device(args.device)
     workloads = list(ZOO_MODELS) if args.zoo else [w for w in args.workloads.split(",") if w]
-    unknown = sorted(set(workloads) - set(WORKLOADS))
+    unknown = sorted(set(workloads) - set(WORKLOADS) - set(LORA_WORKLOADS))
     impls = tuple(i for i in args.impls.split(",") if i) if args.impls else None
     if args.zoo and impls is None:
         impls = ZOO_IMPLEMENTATIONS

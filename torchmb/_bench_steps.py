@@ -36,6 +36,8 @@ class Workload:
     classes: int = 10
     attention: bool = False
     compile_all: bool = False  # whether the default run compiles vmap and the limit too (small models: it is quick)
+    steps: Callable[..., Steps] | None = None  # builds the implementations' steps (``Steps`` when None)
+    implementations: tuple[str, ...] = ()  # what the default run times (``default_implementations`` when empty)
 
 
 def _images(channels: int, size: int) -> Callable[[tuple[int, ...], torch.device], torch.Tensor]:

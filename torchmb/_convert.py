@@ -1,6 +1,6 @@
 """The conversion walk: which path each module of a plain model takes, and the report of it.
 
-Each module takes one of four paths (:class:`ConversionEntry.path`):
+Each module takes one of five paths (:class:`ConversionEntry.path`):
 
 - ``"registered"``: its type (or a parent type whose ``forward`` it keeps) has a batched class.
 - ``"generic-whole"``: nothing below it is registered, but it or a module below it holds per-model state
@@ -10,6 +10,9 @@ Each module takes one of four paths (:class:`ConversionEntry.path`):
   through ``vmap``, its children are converted as usual and keep their fast paths. So does a module
   without parameters whose code must run per model (``torchmb._calls``): it calls a method other than
   ``forward`` of a child with per-model state, or such a child on constants alone.
+- ``"shared"``: every parameter in its subtree is shared by all models (frozen, stored once: see
+  ``BatchModule``'s ``shared``) and it holds no persistent buffer; the plain module runs unchanged on all
+  B*n samples of the merged axis, with the plain layer's own kernels.
 - ``"passthrough"``: no per-model state of its own; it runs unchanged on the merged model axis (its
   children are converted). Persistent buffers of a module without parameters above registered layers
   are constants kept once; changing one in forward is refused.
@@ -30,7 +33,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_map
 
-from batch_layers import AbstractBatchModule
+from batch_layers import AbstractBatchModule, is_shared_parameter
 
 from ._calls import _CONTAINERS, per_model_call
 from ._generic import batch_generically, escape_from_regions, is_generic
@@ -39,7 +42,7 @@ from ._registry import lookup_batch_module, registered_batch_modules
 __all__ = ["ConversionEntry", "convert", "warn_if_mostly_generic"]
 
 
-ConversionPath = Literal["registered", "generic-whole", "generic-own", "passthrough"]
+ConversionPath = Literal["registered", "generic-whole", "generic-own", "passthrough", "shared"]
 
 
 @dataclass(frozen=True)
@@ -49,11 +52,13 @@ class ConversionEntry:
     Attributes:
         name: its qualified name in the model (``""`` for the root).
         type: its plain class name.
-        path: ``"registered"``, ``"generic-whole"``, ``"generic-own"`` or ``"passthrough"``.
+        path: ``"registered"``, ``"generic-whole"``, ``"generic-own"``, ``"passthrough"`` or ``"shared"``.
         reason: why it took that path.
         parameters: parameter elements per model that this path batches (the subtree's for
             ``"registered"`` and ``"generic-whole"``, the module's own for ``"generic-own"``); a tied
             parameter counts once.
+        shared: parameter elements that the same modules hold once for all models (frozen, shared
+            parameters; see ``BatchModule``'s ``shared``).
     """
 
     name: str
@@ -61,6 +66,7 @@ class ConversionEntry:
     path: ConversionPath
     reason: str
     parameters: int
+    shared: int = 0
 
     @property
     def generic(self) -> bool:
@@ -119,7 +125,20 @@ class _Walk:
         return self.converted[id(module)]
 
     def _convert_new(self, module: nn.Module, name: str) -> nn.Module:
+        if _all_shared(module):
+            for sub_name, sub in module.named_modules(prefix=name):
+                reason = "every parameter shared by all models: the plain module runs on all B*n samples"
+                self._record(sub, sub_name, "shared", reason, sub.parameters(recurse=False))
+            return module
         batch_class = lookup_batch_module(type(module))
+        mixed = batch_class is not None and not batch_class.keeps_shared_parameters
+        if mixed and any(map(is_shared_parameter, module.parameters())):
+            # A registered layer mixing shared and per-model parameters (a frozen weight, a trained bias): its
+            # plain code under vmap, reading the shared ones unbatched (one matrix product for all models).
+            shared = ", ".join(n for n, p in module.named_parameters() if is_shared_parameter(p))
+            reason = f"mixes parameters shared by all models ({shared}) with per-model ones: the plain code per model"
+            self._record(module, name, "generic-whole", reason, module.parameters())
+            return batch_generically(module, self.batch, whole=True)
         if batch_class is not None and not parametrize.is_parametrized(module):
             batched = batch_class.from_module(module, self.batch)  # first: refuses what it cannot batch
             self._record(module, name, "registered", f"registered: {batch_class.__qualname__}", module.parameters())
@@ -185,13 +204,15 @@ class _Walk:
     ) -> None:
         fresh = [p for p in params if id(p) not in self.counted]
         self.counted.update(id(p) for p in fresh)
-        count = sum(p.numel() for p in fresh)
-        self.entries.append(ConversionEntry(name, type(module).__qualname__, path, reason, count))
+        count = sum(p.numel() for p in fresh if not is_shared_parameter(p))
+        shared = sum(p.numel() for p in fresh if is_shared_parameter(p))
+        self.entries.append(ConversionEntry(name, type(module).__qualname__, path, reason, count, shared))
 
 
 def _own_state(module: nn.Module) -> list[str]:
-    """The names of ``module``'s own parameters and persistent buffers."""
-    params = [name for name, p in module._parameters.items() if p is not None]
+    """The names of ``module``'s own per-model parameters (those not shared by all models) and persistent
+    buffers."""
+    params = [name for name, p in module._parameters.items() if p is not None and not is_shared_parameter(p)]
     buffers = [
         name for name, b in module._buffers.items() if b is not None and name not in module._non_persistent_buffers_set
     ]
@@ -199,7 +220,17 @@ def _own_state(module: nn.Module) -> list[str]:
 
 
 def _owns_parameters(module: nn.Module) -> bool:
-    return any(p is not None for p in module._parameters.values())
+    return any(p is not None and not is_shared_parameter(p) for p in module._parameters.values())
+
+
+def _all_shared(module: nn.Module) -> bool:
+    """Whether ``module``'s subtree holds parameters, all shared by all models, and nothing per model (no
+    persistent buffer, no once-per-batch random draw): the plain module then computes every model's."""
+    return (
+        any(map(is_shared_parameter, module.parameters()))
+        and not any(_own_state(m) for m in module.modules())
+        and not any(_draws_once_per_batch(m) for m in module.modules())
+    )
 
 
 def _stateful(module: nn.Module) -> bool:

@@ -49,6 +49,7 @@ from batch_layers import (
     current_forward,
     forward_context,
     is_shared_input,
+    is_shared_parameter,
 )
 
 from ._calls import _MODULE_API  # nn.Module's own names, which torch's machinery calls: never guarded
@@ -66,6 +67,8 @@ def is_generic(module: nn.Module) -> bool:
 
 def is_per_model(module: nn.Module, name: str, tensor: Tensor, batch: int) -> bool:
     """Whether ``module``'s parameter or buffer ``name`` holds one slice per model in its dim 0."""
+    if is_shared_parameter(tensor):
+        return False
     if name in module._buffers:
         shared = module.shared_buffers if isinstance(module, AbstractBatchModule) else ()
         if name in shared or name in module._non_persistent_buffers_set:
@@ -89,7 +92,7 @@ def batch_generically(module: nn.Module, batch: int, *, whole: bool) -> nn.Modul
     stacked: dict[int, Tensor] = {}
     for owner in module.modules() if whole else (module,):
         for name, param in owner._parameters.items():
-            if param is not None:
+            if param is not None and not is_shared_parameter(param):  # a shared one is read unbatched
                 if id(param) not in stacked:
                     stacked[id(param)] = nn.Parameter(_stack(param, batch), requires_grad=param.requires_grad)
                 owner._parameters[name] = stacked[id(param)]

@@ -26,6 +26,7 @@ from ._generic import is_generic
 from ._init import build_with_seed, random_state_kept, reset_uncovered, reset_with_seed
 from ._late_parameters import watch_late_parameters
 from ._select import commit_survivors, gather_survivors, survivor_index
+from ._shared import SharedMarksKept, SharedSpec, copy_sharing, shared_keys, shared_names, shared_summary
 from ._state_dicts import is_per_model, load_plain_states, loading_plan, model_index, plain_model
 from ._tracking import Kind, ModelDataTracker, checking_decisions
 
@@ -44,7 +45,7 @@ def _constant_under_compile(method: Callable) -> Callable:
     return method
 
 
-class BatchModule(nn.Module):
+class BatchModule(SharedMarksKept, nn.Module):
     """``batch`` independent copies of ``model`` trained as one module.
 
     Every submodule whose type is registered (see :func:`register_batch_module`) is swapped for its
@@ -78,6 +79,11 @@ class BatchModule(nn.Module):
             forward then meet such an input, it is undone (buffers and random state restored) and rerun
             models-major, which the module keeps from then on. The order is internal: inputs and outputs
             are ``(B, n, ...)`` either way.
+        shared: the frozen parameters all models share, stored once without a model axis (a pretrained
+            backbone): ``None`` (default) those with ``requires_grad=False``; or a function ``(name,
+            parameter) -> bool``, or their names; ``()`` shares none. A module whose parameters are all
+            shared runs as the plain module over all B*n samples; :mod:`torchmb.optim` skips shared ones;
+            ``load_state_dicts`` refuses other values for them (the fine-tuning tutorial has the details).
 
     Shape:
         - Input: every tensor argument ``(B, n, *)``; with ``shared_input=True`` every tensor argument is
@@ -104,6 +110,7 @@ class BatchModule(nn.Module):
         init: Literal["copy", "independent"] = "copy",
         seed: int | None = None,
         merged_order: Literal["auto", "models", "samples"] = "auto",
+        shared: SharedSpec = None,
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
@@ -117,10 +124,13 @@ class BatchModule(nn.Module):
             raise ValueError(f"merged_order must be 'auto', 'models' or 'samples', got {merged_order!r}")
         self.batch = batch
         self._first_forward = True  # checked for Python decisions on several models' data
-        # A pristine copy to build plain models from (unbatch); kept out of the module tree on purpose.
-        object.__setattr__(self, "_template", copy.deepcopy(model))
-        self.module, self._conversion = convert(copy.deepcopy(model), batch)  # first: refuses what can't batch
+        # A pristine copy to build plain models from (unbatch), kept out of the module tree on purpose; it and
+        # the batched module hold the shared parameters as one tensor each, so a backbone is held once.
+        template, model_copy = copy_sharing(model, shared_names(model, shared))
+        object.__setattr__(self, "_template", template)
+        self.module, self._conversion = convert(model_copy, batch)  # first: refuses what can't batch
         watch_late_parameters(self.module)
+        self.shared_keys = shared_keys(self.module)
         self.generic_modules: list[str] = [e.name or e.type for e in self._conversion if e.generic]
         self.merged_order = self._choose_order(merged_order)
         self._order_on_trial = merged_order == "auto" and self.merged_order == "samples"
@@ -176,6 +186,7 @@ class BatchModule(nn.Module):
         *,
         seed: int | None = None,
         merged_order: Literal["auto", "models", "samples"] = "auto",
+        shared: SharedSpec = None,
     ) -> BatchModule:
         """``batch`` models, model ``i`` built by ``make_model()`` after ``torch.manual_seed(seed + i)``.
 
@@ -188,7 +199,7 @@ class BatchModule(nn.Module):
             make_model: builds one plain model (a class or any function of no arguments).
             batch: number of models B.
             seed: model ``i``'s seed is ``seed + i``; drawn from torch's generator when ``None``.
-            merged_order: as in :class:`BatchModule`.
+            merged_order, shared: as in :class:`BatchModule` (every model's shared parameters must be equal).
 
         Examples::
 
@@ -205,7 +216,7 @@ class BatchModule(nn.Module):
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()))
         with random_state_kept():  # conversion initialises batched layers before copying weights into them
-            batched = cls(build_with_seed(make_model, seed), batch, merged_order=merged_order)
+            batched = cls(build_with_seed(make_model, seed), batch, merged_order=merged_order, shared=shared)
         for i in range(1, batch):
             batched.load_state_dicts(build_with_seed(make_model, seed + i).state_dict(), slots=[i])
         return batched
@@ -221,9 +232,10 @@ class BatchModule(nn.Module):
                 "(make_model, batch, seed=...) initialises each model as its own construction would",
                 stacklevel=3,
             )
+        shared = {key: value for key, value in self.module.state_dict().items() if key in self.shared_keys}
         for i in range(self.batch):
             model = reset_with_seed(copy.deepcopy(self._template), seed + i)
-            self.load_state_dicts(model.state_dict(), slots=[i])
+            self.load_state_dicts({**model.state_dict(), **shared}, slots=[i])  # shared parameters stay as given
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, *args: Any, shared_input: bool = False, **kwargs: Any) -> Any:
@@ -378,7 +390,7 @@ class BatchModule(nn.Module):
         """
         slots, state_dicts = loading_plan(state_dicts, slots, self.batch)
         targets = self.module.state_dict(keep_vars=True)
-        load_plain_states(targets, list(state_dicts), slots, self.batch, self._plain_shapes)
+        load_plain_states(targets, list(state_dicts), slots, self.batch, self._plain_shapes, self.shared_keys)
 
     def unbatch(self, index: int) -> nn.Module:
         """A fresh instance of the original model class holding model ``index``'s parameters and buffers."""
@@ -426,7 +438,10 @@ class BatchModule(nn.Module):
         names = self.generic_modules
         listed = ", ".join(names[:5]) + (f", ... ({len(names)} in all, see conversion_report())" if names[5:] else "")
         generic = f", torch.func path: {listed}" if names else ""
-        return f"batch={self.batch}, merged_order={self.merged_order!r}{generic}"
+        shared = f", {shared_summary(self.module)}" if self.shared_keys else ""
+        return f"batch={self.batch}, merged_order={self.merged_order!r}{shared}{generic}"
+
+
 
 
 def _reorder_around(module: AbstractBatchModule) -> None:

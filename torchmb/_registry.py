@@ -9,6 +9,8 @@ from torch import nn
 import batch_layers
 from batch_layers import AbstractBatchModule
 
+from ._lora import LoraLinear
+
 __all__ = ["lookup_batch_module", "register_batch_module", "registered_batch_modules"]
 
 _REGISTRY: dict[type[nn.Module], type[AbstractBatchModule]] = {}
@@ -79,14 +81,15 @@ def register_batch_module(batch_class, *, overwrite=False):
     return given
 
 
-# Layers of optional libraries with a batched class, by the plain class's qualified name (torchmb imports
-# neither library; a model holding one has imported it).
+# Layers of optional libraries (timm, torchvision, peft) with a batched class, by the plain class's
+# qualified name (torchmb imports none of them; a model holding one has imported it).
 _BY_NAME: dict[str, type[AbstractBatchModule]] = {
     "torchvision.ops.misc.FrozenBatchNorm2d": batch_layers.FrozenBatchNorm2d,
     "timm.layers.std_conv.StdConv2d": batch_layers.StdConv2d,
     "timm.layers.std_conv.StdConv2dSame": batch_layers.StdConv2dSame,
     "timm.layers.std_conv.ScaledStdConv2d": batch_layers.ScaledStdConv2d,
     "timm.layers.std_conv.ScaledStdConv2dSame": batch_layers.ScaledStdConv2dSame,
+    "peft.tuners.lora.layer.Linear": LoraLinear,
 }
 
 # Subclasses of registered torch layers whose ``forward`` (checked for each name) reaches the layer's

@@ -7,7 +7,7 @@ tensor at ``[i]``, or stored once for all models with the plain shape (a constan
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -36,10 +36,12 @@ def load_plain_states(
     slots: list[int],
     batch: int,
     plain_shapes: PlainShapes,
+    shared_keys: Collection[str] = (),
 ) -> None:
     """Copy ``state_dicts[j]`` into model ``slots[j]`` of the batched state ``targets`` (keep_vars tensors,
     written in place so that parameters keep their identity). Everything is checked before anything is
-    written: keys, shapes, and that entries stored once agree."""
+    written: keys, shapes, that entries stored once agree, and that the parameters all models share
+    (``shared_keys``, frozen) keep their stored values."""
     if len(state_dicts) != len(slots):
         raise ValueError(f"expected {len(slots)} state dicts (one per model), got {len(state_dicts)}")
     for i, state in enumerate(state_dicts):
@@ -51,6 +53,12 @@ def load_plain_states(
             if tuple(value.shape) != plain_shapes[key]:
                 raise ValueError(
                     f"state dict {i}: {key!r} expected shape {plain_shapes[key]}, got {tuple(value.shape)}"
+                )
+            if key in shared_keys and not torch.equal(value.to(targets[key].device, targets[key].dtype), targets[key]):
+                raise ValueError(
+                    f"state dict {i}: {key!r} is a parameter shared by all models (frozen, stored once) and the "
+                    "state holds a different value; shared parameters cannot change by loading (build the "
+                    "BatchModule with shared=... leaving it out to give every model its own)"
                 )
     shared = {key for key, target in targets.items() if not is_per_model(key, target, batch, plain_shapes)}
     for key in shared:  # checked before any entry is written

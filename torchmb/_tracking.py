@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_flatten
 
 import batch_layers
 import offload
-from batch_layers import AbstractBatchModule
+from batch_layers import AbstractBatchModule, is_shared_parameter
 
 from ._generic import is_generic
 
@@ -144,7 +144,8 @@ class ModelDataTracker(TorchFunctionMode):
     def kind(self, tensor: Tensor) -> Kind | None:
         """``tensor``'s label: per-model, shared, or ``None`` for a constant."""
         if type(tensor) is not Tensor and (
-            isinstance(tensor, nn.Parameter) or torch._C._functorch.is_batchedtensor(tensor)
+            (isinstance(tensor, nn.Parameter) and not is_shared_parameter(tensor))  # a shared one: a constant
+            or torch._C._functorch.is_batchedtensor(tensor)
         ):
             return Kind.PER_MODEL
         entry = self._kinds.get(id(tensor))

@@ -13,13 +13,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from batch_layers import is_shared_parameter
+
 from .optim._base import NO_MODEL_AXIS, per_model_values
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_", "diverged", "diverged_indices"]
 
 
 def _as_list(parameters: Tensor | Iterable[Tensor]) -> list[Tensor]:
-    return [parameters] if isinstance(parameters, Tensor) else list(parameters)
+    """The tensors given, less the frozen parameters shared by all models (no model axis, no gradient)."""
+    tensors = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+    return [t for t in tensors if not is_shared_parameter(t)]
 
 
 def _batch_of(tensors: list[Tensor], what: str) -> int:

@@ -21,6 +21,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from batch_layers import is_shared_parameter
+
 from ._init import random_state_kept
 from ._module import BatchModule
 from ._tracking import PooledDecisionError, check_every_forward
@@ -204,7 +206,8 @@ def _disturb_one(
 ) -> None:
     """:func:`assert_isolated`'s disturbances of model ``victim``."""
     batch = batched.batch
-    params = dict(batched.module.named_parameters())
+    # parameters shared by all models (a frozen backbone) have no model's slice to disturb
+    params = {name: p for name, p in batched.module.named_parameters() if not is_shared_parameter(p)}
     buffers = dict(batched.module.named_buffers())
     # A non-persistent buffer (not in the state dict) is one constant for all models.
     per_model = {name: name in saved and batched._is_per_model(name, buffer) for name, buffer in buffers.items()}

@@ -26,6 +26,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from batch_layers import is_shared_parameter
+
 from . import _population
 from ._loading import check_state_layout
 from ._population import _as_index, select_index
@@ -165,7 +167,7 @@ class BatchOptimizer(TorchHabits, torch.optim.Optimizer):
         return self._batch
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
+        super().add_param_group(_without_shared(type(self).__name__, param_group, self._batch is None))
         group = self.param_groups[-1]
         try:
             for p in group["params"]:
@@ -483,6 +485,28 @@ class BatchOptimizer(TorchHabits, torch.optim.Optimizer):
         skip_mask: Tensor | None,
     ) -> None:
         raise NotImplementedError
+
+
+def _without_shared(optimizer: str, group: dict[str, Any], first: bool) -> dict[str, Any]:
+    """``group`` less the frozen parameters that all models share (stored once, without a model axis: a
+    ``BatchModule``'s frozen backbone, which ``bm.parameters()`` lists). One that requires grad is refused."""
+    params = group["params"]
+    params = [params] if isinstance(params, Tensor) else list(params)
+    trainable_shared = [tuple(p.shape) for p in params if is_shared_parameter(p) and p.requires_grad]
+    if trainable_shared:
+        raise ValueError(
+            f"{optimizer}: parameters of shapes {trainable_shared} are shared by all models (stored once, without "
+            "a model axis) and require grad; one tensor trained from every model's gradient would tie the models "
+            "together: freeze them again (requires_grad_(False)), or build the BatchModule with shared=... leaving "
+            "them out, so that each model trains its own"
+        )
+    kept = [p for p in params if not is_shared_parameter(p)]
+    if first and params and not kept:
+        raise ValueError(
+            f"{optimizer}: no per-model parameter to optimise: every one given is shared by all models (frozen, "
+            "stored once)"
+        )
+    return {**group, "params": kept}
 
 
 def shared_values(tensors: list[Tensor]) -> list[Tensor]:
