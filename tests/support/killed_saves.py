@@ -8,6 +8,7 @@ process killed as ``kill -9`` kills one, with no chance to clean up.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -53,6 +54,9 @@ def kill_during_saves(path: Path, save: Callable[[int], None], load: Callable[[]
                 save(target)
             finally:
                 os._exit(0)
+        # the parent sets the group too, so that it exists when the kill comes however early the child is
+        with contextlib.suppress(PermissionError, ProcessLookupError):
+            os.setpgid(pid, pid)
         time.sleep(rng.uniform(0.0, 1.2 * duration))
         os.killpg(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
