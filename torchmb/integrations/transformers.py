@@ -89,6 +89,11 @@ class BatchTrainer(transformers.Trainer):
             )
         if kwargs.get("compute_loss_func") is not None:
             raise TypeError("BatchTrainer takes loss_fn(logits, labels) -> (B,) losses instead of compute_loss_func")
+        if kwargs.get("compute_metrics") is not None:
+            raise TypeError(
+                "BatchTrainer evaluates each model's loss (eval_loss/model_i); for other metrics, evaluate "
+                "models.unbatch(i) or compute them per model from the (B, n, ...) outputs in your own loop"
+            )
         batch = model.batch
         self.learning_rates = per_model_values(
             args.learning_rate if learning_rates is None else learning_rates, batch, "learning_rates"
@@ -111,6 +116,9 @@ class BatchTrainer(transformers.Trainer):
         # of all accumulated micro-batches), so the Trainer counts them as it would for the model alone.
         self.model_accepts_loss_kwargs = self._hf_loss is not None
         self._loss_shifts_labels = self._hf_loss is ForCausalLMLoss
+        if args.label_names is None:  # found on the Hugging Face model's forward, not BatchModule's
+            self.label_names = transformers.utils.find_labels(type(model.module))
+        self._evaluated: dict[str, Any] = {}
 
     @property
     def batch(self) -> int:
@@ -206,13 +214,28 @@ class BatchTrainer(transformers.Trainer):
         losses = self.per_model_loss(logits, labels, num_items_in_batch)
         if losses.shape != (self.batch,):
             raise ValueError(f"the per-model loss must have shape ({self.batch},), got {tuple(losses.shape)}")
-        self._accumulate("loss" if model.training else "eval_loss", losses.detach())
+        self._accumulate("loss" if model.training else "eval", losses.detach())
         loss = losses.sum()
         return (loss, outputs) if return_outputs else loss
 
     def _accumulate(self, name: str, losses: Tensor) -> None:
         self._sums[name] = self._sums.get(name, 0) + losses.double()
         self._counts[name] = self._counts.get(name, 0) + 1
+
+    def prediction_step(
+        self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys: Any = None
+    ) -> tuple[Tensor | None, None, None]:
+        """The evaluation loss (each model's kept for the logs); no predictions, whose model axis the
+        ``Trainer``'s gathering would take for samples."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach() / self.batch, None, None
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """``Trainer.evaluate``, its metrics with the loss of each model (``eval_loss/model_i``)."""
+        metrics = super().evaluate(*args, **kwargs)
+        return {**metrics, **self._evaluated}
 
     # ---- clipping ------------------------------------------------------------------------------
     def _clip_grad_norm(self, model: Any) -> list[float]:
@@ -240,8 +263,9 @@ class BatchTrainer(transformers.Trainer):
         """
         out: dict[str, Any] = {}
         for name, value in logs.items():
-            if name in self._counts:
-                value = self._sums.pop(name) / self._counts.pop(name)
+            kept = "loss" if name == "loss" else "eval" if name.endswith("_loss") else None
+            if kept in self._counts:
+                value = self._sums.pop(kept) / self._counts.pop(kept)
                 out[name] = float(value.mean())
             if isinstance(value, list):
                 value = torch.tensor(value, dtype=torch.float64)
@@ -249,4 +273,6 @@ class BatchTrainer(transformers.Trainer):
                 out.update({key: float(v) for key, v in per_model_metrics(name, value.reshape(-1)).items()})
             elif name not in out:
                 out[name] = value
+        if any(name.endswith("_loss") and name != "loss" for name in logs):
+            self._evaluated = out
         super().log(out, start_time)

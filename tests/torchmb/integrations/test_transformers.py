@@ -99,6 +99,14 @@ def test_a_sweep_of_gpt2s_trains_each_as_plain_torch_would(tmp_path) -> None:
         assert [entry[f"learning_rate/model_{i}"] for i in range(B)] == pytest.approx((LRS * lr_factor).tolist())
         assert all(entry[f"grad_norm/model_{i}"] > 0 for i in range(B))
     json.dumps(trainer.state.log_history)  # the logs stay plain numbers
+    metrics = trainer.evaluate(Tokens())
+    with torch.no_grad():
+        for i, state in enumerate(states):
+            model = GPT2LMHeadModel(CONFIG).double()
+            model.load_state_dict(state)
+            plain = [model(input_ids=TOKENS[r : r + SAMPLES], labels=LABELS[r : r + SAMPLES]).loss.item()
+                     for r in range(0, len(TOKENS), SAMPLES)]
+            assert metrics[f"eval_loss/model_{i}"] == pytest.approx(sum(plain) / len(plain), rel=1e-5)
 
 
 @pytest.mark.filterwarnings("ignore:torchmb. .* batched through torch.func:UserWarning")
