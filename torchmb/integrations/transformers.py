@@ -16,7 +16,9 @@ of those per model:
 - the schedule: ``lr_scheduler_type`` with its warm-up, the ``Trainer``'s own schedule function applied
   to each model's learning rate (``torchmb.lr_scheduler.LambdaLR``);
 - the logs: ``loss``, ``eval_loss``, ``grad_norm`` and ``learning_rate`` as one column per model
-  (``loss/model_3``), beside ``loss`` and ``eval_loss`` averaged over the models.
+  (``loss/model_3``), beside ``loss`` and ``eval_loss`` averaged over the models;
+- checkpoints: ``save_strategy`` and ``train(resume_from_checkpoint=...)`` save and restore every model's
+  weights (a tied weight stored once), optimizer state and schedule.
 
 Every model sees the same batches (a sweep): the data collator's ``(n, ...)`` tensors are the shared
 input of all B models.
@@ -53,6 +55,11 @@ _OPTIMIZERS: dict[str, Callable[..., optim.BatchOptimizer]] = {
     "rmsprop": lambda params, args: optim.RMSprop(params, lr=0.0),
 }
 _HF_LOSSES = (ForCausalLMLoss, ForMaskedLMLoss)
+
+
+def _tensor_key(tensor: Tensor) -> tuple:
+    """Equal for two names of one tensor (a tied weight)."""
+    return tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape)
 
 
 class BatchTrainer(transformers.Trainer):
@@ -236,6 +243,28 @@ class BatchTrainer(transformers.Trainer):
         """``Trainer.evaluate``, its metrics with the loss of each model (``eval_loss/model_i``)."""
         metrics = super().evaluate(*args, **kwargs)
         return {**metrics, **self._evaluated}
+
+    def _save(self, output_dir: str | None = None, state_dict: dict[str, Tensor] | None = None) -> None:
+        """The ``Trainer``'s save, each tied weight stored once (safetensors refuses two names for one tensor;
+        loading the one fills the other, as it is the same parameter)."""
+        if state_dict is None:
+            state_dict, seen = {}, set()
+            for name, tensor in self.model.state_dict().items():
+                if _tensor_key(tensor) not in seen:
+                    seen.add(_tensor_key(tensor))
+                    state_dict[name] = tensor
+        super()._save(output_dir, state_dict)
+
+    def _issue_warnings_after_load(self, load_result: Any) -> None:
+        """Missing tied copies are expected (see ``_save``); other missing or unexpected keys are refused."""
+        state = self.model.state_dict()
+        loaded = {_tensor_key(t) for name, t in state.items() if name not in load_result.missing_keys}
+        missing = [name for name in load_result.missing_keys if _tensor_key(state[name]) not in loaded]
+        if missing or load_result.unexpected_keys:
+            raise RuntimeError(
+                f"the checkpoint does not fit this BatchModule: missing {missing}, "
+                f"unexpected {list(load_result.unexpected_keys)}"
+            )
 
     # ---- clipping ------------------------------------------------------------------------------
     def _clip_grad_norm(self, model: Any) -> list[float]:

@@ -135,3 +135,16 @@ def test_what_has_no_per_model_version_is_refused(tmp_path) -> None:
     trainer = BatchTrainer(models, arguments(tmp_path, optim="adafactor"), train_dataset=Tokens())
     with pytest.raises(ValueError, match="optim='adafactor' has no per-model version"):
         trainer.train()
+
+
+@pytest.mark.filterwarnings("ignore:torchmb. .* batched through torch.func:UserWarning")
+def test_checkpoint_and_resume_reproduce_an_uninterrupted_run(tmp_path) -> None:
+    whole = batch_of_gpt2s()
+    BatchTrainer(whole, arguments(tmp_path / "whole"), learning_rates=LRS, train_dataset=Tokens()).train()
+    saving = arguments(tmp_path / "run", save_strategy="steps", save_steps=2)
+    BatchTrainer(batch_of_gpt2s(), saving, learning_rates=LRS, train_dataset=Tokens()).train()
+    resumed = batch_of_gpt2s(seed=1)  # the checkpoint's weights, optimizer state and schedule replace these
+    trainer = BatchTrainer(resumed, saving, learning_rates=LRS, train_dataset=Tokens())
+    trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    for i, state in enumerate(whole.state_dicts()):
+        assert all(torch.equal(resumed.state_dict_of(i)[k], v) for k, v in state.items()), f"model {i}"
