@@ -187,3 +187,22 @@ def test_what_would_couple_the_models_is_refused(tmp_path) -> None:
         trainer(tmp_path, plugins=[scaler]).fit(Sweep([0.1, 0.2]), loader())
     with pytest.raises(ValueError, match=r"reduction must be None .* one of"):
         Sweep([0.1, 0.2]).log_per_model("loss", torch.ones(2), "average")
+
+
+@pytest.mark.cuda
+@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty:UserWarning")
+def test_resume_on_a_gpu_keeps_the_optimizers_step_counts_on_the_host(tmp_path) -> None:
+    # Lightning moves a restored optimizer's state to the GPU (all but "step"); SGD's momentum_started too
+    options = dict(accelerator="gpu", devices=1, enable_checkpointing=True)
+    whole = Sweep([0.3, 0.1, 0.03, 0.01])
+    trainer(tmp_path, max_epochs=3, accelerator="gpu", devices=1).fit(whole, loader())
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    trainer(tmp_path, max_epochs=1, callbacks=[checkpoint], **options).fit(Sweep([0.3, 0.1, 0.03, 0.01]), loader())
+    resumed = Sweep([1.0, 1.0, 1.0, 1.0])
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    resuming = trainer(tmp_path, max_epochs=3, callbacks=[checkpoint], **options)
+    resuming.fit(resumed, loader(), ckpt_path=tmp_path / "ckpt" / "last.ckpt")
+    for state in resuming.optimizers[0].state.values():
+        assert all(state[key].device.type == "cpu" for key in ("step", "momentum_started") if key in state)
+    for i, state in enumerate(whole.models.state_dicts()):
+        assert all(torch.equal(resumed.models.state_dict_of(i)[k], v) for k, v in state.items()), f"model {i}"
