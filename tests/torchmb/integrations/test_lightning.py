@@ -187,6 +187,10 @@ def test_what_would_couple_the_models_is_refused(tmp_path) -> None:
         trainer(tmp_path, plugins=[scaler]).fit(Sweep([0.1, 0.2]), loader())
     with pytest.raises(ValueError, match=r"reduction must be None .* one of"):
         Sweep([0.1, 0.2]).log_per_model("loss", torch.ones(2), "average")
+    module = Sweep([0.1, 0.2])
+    scheduler = module.configure_optimizers()["lr_scheduler"]["scheduler"]
+    with pytest.raises(ValueError, match="StepLR takes no metric; remove 'monitor'"):
+        module.lr_scheduler_step(scheduler, torch.tensor(0.5))
 
 
 @pytest.mark.cuda
