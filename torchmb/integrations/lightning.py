@@ -35,6 +35,12 @@ from ._metrics import Reduction, is_per_model, per_model_metrics
 
 __all__ = ["BatchLightningModule", "LearningRateMonitor"]
 
+if not hasattr(_LightningLRMonitor, "_get_optimizer_stats"):  # the method LearningRateMonitor below extends
+    raise ImportError(
+        f"torchmb.integrations.lightning needs lightning >= 2.4 (found {pl.__version__}): "
+        "pip install 'torchmb[lightning]'"
+    )
+
 
 class BatchLightningModule(pl.LightningModule):
     """A ``LightningModule`` whose parameters carry a model axis (it holds a ``BatchModule``).

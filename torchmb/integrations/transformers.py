@@ -43,6 +43,15 @@ from ._metrics import is_per_model, per_model_metrics
 
 __all__ = ["BatchTrainer"]
 
+# The Trainer methods BatchTrainer overrides: where one is missing (transformers before 5.0 clipped inside its
+# loop), the Trainer would silently clip, schedule or log all models as one
+_OVERRIDDEN = ("_clip_grad_norm", "_get_grad_norm", "_get_learning_rate", "_save", "_issue_warnings_after_load")
+if not all(hasattr(transformers.Trainer, name) for name in _OVERRIDDEN):
+    raise ImportError(
+        f"torchmb.integrations.transformers needs transformers >= 5.0 (found {transformers.__version__}): "
+        "pip install 'torchmb[transformers]'"
+    )
+
 _OPTIMIZERS: dict[str, Callable[..., optim.BatchOptimizer]] = {
     "adamw_torch": lambda params, args: optim.AdamW(
         params, lr=0.0, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon
