@@ -281,8 +281,8 @@ class TrialBatch:
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in params):
             choices = self.trials[0].distributions[name]
             raise TypeError(
-                f"hyperparameter {name!r} is not numeric ({choices}); values() gives numbers for an "
-                f"optimizer, read its choices with params({name!r})"
+                f"hyperparameter {name!r} is categorical with non-numeric choices ({choices}); values() gives "
+                f"numbers for an optimizer, read each model's choice with params({name!r})"
             )
         return torch.tensor([float(v) for v in params], dtype=torch.float64, device=device)
 

@@ -116,9 +116,9 @@ def test_categorical_hyperparameters(tmp_path) -> None:
     assert trials.params("act") == [t.params["act"] for t in trials.trials]
     assert set(trials.params("act")) <= {"relu", "gelu"}
     assert trials.values("width").tolist() == [float(t.params["width"]) for t in trials.trials]
-    with pytest.raises(TypeError, match=r"'act' is not numeric .* params\('act'\)"):
+    with pytest.raises(TypeError, match=r"'act' is categorical with non-numeric choices .* params\('act'\)"):
         trials.values("act")
-    with pytest.raises(TypeError, match="'nesterov' is not numeric"):
+    with pytest.raises(TypeError, match="'nesterov' is categorical with non-numeric choices"):
         trials.values("nesterov")
 
 
