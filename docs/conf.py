@@ -7,6 +7,8 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")
 project = "torchmb"
 author = "the torchmb developers"
 extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon", "sphinx.ext.viewcode"]
+# The integrations subclass classes of these optional extras; their reference is read without them
+autodoc_mock_imports = ["lightning", "transformers"]
 source_suffix = {".md": "markdown"}
 myst_enable_extensions = ["colon_fence"]
 exclude_patterns = ["_build"]

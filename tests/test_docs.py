@@ -26,11 +26,27 @@ PEFT = {"finetuning.md"}
 PEFT_WARNINGS = [pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")]
 
 
+# Lightning's own warnings: a hint about data-loader workers, its use of a pytree name torch deprecated, and
+# the directory a resumed run saves into again
+LIGHTNING_WARNINGS = [
+    pytest.mark.filterwarnings("ignore:.*does not have many workers:UserWarning"),
+    pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty:UserWarning"),  # resuming
+]
+# GPT-2's Conv1D has no registered batched layer yet: torchmb warns that it runs on the generic path
+GENERIC_PATH_WARNING = [pytest.mark.filterwarnings("ignore:torchmb. .* batched through torch.func:UserWarning")]
+# Imports that import torchvision: timm, torchvision, Lightning (through torchmetrics), transformers' Trainer
+IMPORTING_TORCHVISION = ("import timm", "import torchvision", "lightning", "from transformers", "import transformers")
+
+
 PARAMS = [
     pytest.param(
         page,
         id=page.relative_to(ROOT).as_posix(),
-        marks=TORCH_COMPILE_WARNINGS * (page.name in COMPILING) + PEFT_WARNINGS * (page.name in PEFT),
+        marks=TORCH_COMPILE_WARNINGS * (page.name in COMPILING)
+        + PEFT_WARNINGS * (page.name in PEFT)
+        + LIGHTNING_WARNINGS * (page.name == "lightning.md")
+        + GENERIC_PATH_WARNING * (page.name == "transformers_trainer.md"),
     )
     for page in PAGES
 ]
@@ -40,7 +56,7 @@ PARAMS = [
 def test_page_code_runs(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     blocks = BLOCK.findall(page.read_text())
     assert blocks, f"{page.name} has no python block to run"
-    if any("import timm" in block or "import torchvision" in block for block in blocks):
+    if any(name in block for block in blocks for name in IMPORTING_TORCHVISION):
         import_torchvision()  # this machine's torch may be the CPU build (see tests/support/torchvision_ops.py)
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": f"docs_{page.stem}"}

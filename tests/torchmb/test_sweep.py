@@ -85,3 +85,60 @@ def test_bad_input(tmp_path) -> None:
         trials.values("lr")
     with pytest.raises(TypeError, match="has no select"):
         sweep.select([0], object())
+
+
+def test_a_rung_that_prunes_every_model_ends_the_loop(tmp_path) -> None:
+    # The tutorial's loop: the values are indexed with report's keep before the loop can end
+    study = make_study(tmp_path, optuna.pruners.ThresholdPruner(lower=0.5))
+    trials = sweep.TrialBatch(study, 4, {"x": FloatDistribution(0, 1)})
+    models = BatchModule(MLP(), trials.batch)
+    optimizer = torchmb.optim.SGD(models.parameters(), lr=0.1)
+    accuracy = torch.full((4,), 0.25)
+    for rung in range(3):
+        keep = trials.report(accuracy, step=rung)
+        accuracy = accuracy[keep]
+        if len(keep) == 0:
+            break
+        sweep.select(keep, models, optimizer)
+    trials.tell(accuracy)
+    assert [t.state for t in study.get_trials()] == [optuna.trial.TrialState.PRUNED] * 4
+    with pytest.raises(ValueError, match=r"already finished .* index the values with report's keep"):
+        trials.tell(torch.full((4,), 0.25))
+
+
+def test_categorical_hyperparameters(tmp_path) -> None:
+    space = {
+        "act": CategoricalDistribution(["relu", "gelu"]),
+        "nesterov": CategoricalDistribution([True, False]),
+        "width": CategoricalDistribution([16, 32]),
+    }
+    trials = sweep.TrialBatch(make_study(tmp_path), 5, space)
+    assert trials.params("act") == [t.params["act"] for t in trials.trials]
+    assert set(trials.params("act")) <= {"relu", "gelu"}
+    assert trials.values("width").tolist() == [float(t.params["width"]) for t in trials.trials]
+    with pytest.raises(TypeError, match=r"'act' is categorical with non-numeric choices .* params\('act'\)"):
+        trials.values("act")
+    with pytest.raises(TypeError, match="'nesterov' is categorical with non-numeric choices"):
+        trials.values("nesterov")
+
+
+@pytest.mark.parametrize(
+    ("pruner", "acts"),
+    [
+        (optuna.pruners.MedianPruner(), False),
+        (optuna.pruners.MedianPruner(n_startup_trials=0, n_warmup_steps=0), False),
+        (optuna.pruners.PercentilePruner(25.0, n_startup_trials=0), False),
+        (optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=2), True),
+        (optuna.pruners.HyperbandPruner(min_resource=1, max_resource=4, reduction_factor=2), True),
+        (optuna.pruners.ThresholdPruner(lower=0.5), True),
+    ],
+    ids=["median", "median-no-startup", "percentile", "successive-halving", "hyperband", "threshold"],
+)
+def test_which_pruners_act_on_a_studys_first_batch(pruner, acts: bool) -> None:
+    # What docs/tutorials/optuna.md says: pruners comparing with completed trials wait for a finished batch
+    study = sweep.create_study("first", storage=None, pruner=pruner)
+    trials = sweep.TrialBatch(study, 8, {"x": FloatDistribution(0, 1)})
+    kept = 8
+    for step in range(4):
+        kept = len(trials.report(torch.linspace(1, 0, trials.batch), step))
+    assert (kept < 8) == acts
