@@ -33,6 +33,8 @@ def _check_linear_input(layer: Linear, x: Tensor, weight: Tensor) -> None:
             f"needs a sample axis n and the feature axis of size {weight.shape[-1]}, so a BatchModule's input is "
             f"(B, n, *, {weight.shape[-1]})"
         )
+    if x.shape[-1] != weight.shape[-1] and not layer.is_shared(x):
+        layer.check_merged(x)  # a reshape that mixed models' rows is the cause to name, not the feature size
     check_input_size(owner, x, -1, weight.shape[-1], "in_features", layer.batch)
     check_input_dtype(owner, x, weight)
 

@@ -64,10 +64,13 @@ def _bags(offsets: list[int], length: int = 4) -> tuple[torch.Tensor, torch.Tens
     return torch.arange(length).repeat(B), torch.tensor(offsets * B)
 
 
-@pytest.mark.parametrize("offsets", [[2, 4], [0, 9], [0, 3, 1]])
-def test_embedding_bag_refuses_the_offsets_torch_refuses(offsets: list[int]) -> None:
-    with pytest.raises(RuntimeError):
-        nn.EmbeddingBag(10, 3, mode="sum")(torch.arange(4), torch.tensor(offsets))
+# torch refuses the first two always; decreasing offsets only when its CPU kernel's bound check happens to
+# meet them (seen both ways on torch 2.13), so for those the batched refusal is checked alone.
+@pytest.mark.parametrize(("offsets", "torch_refuses"), [([2, 4], True), ([0, 9], True), ([0, 3, 1], False)])
+def test_embedding_bag_refuses_the_offsets_torch_refuses(offsets: list[int], torch_refuses: bool) -> None:
+    if torch_refuses:
+        with pytest.raises(RuntimeError):
+            nn.EmbeddingBag(10, 3, mode="sum")(torch.arange(4), torch.tensor(offsets))
     layer = batch_layers.EmbeddingBag(10, 3, mode="sum", batch=B)
     refusal = rf"start at 0 \(offsets\[0\] has to be 0.*model 0's offsets are \[{offsets[0]}"
     with pytest.raises(RuntimeError, match=refusal):
