@@ -71,17 +71,13 @@ class _HostRows(_offload.OffloadedEmbedding):
             )
         super()._attach(optimizer)
 
-    def _pre_step(self, optimizer: torch.optim.Optimizer) -> None:
-        super()._pre_step(optimizer)
-        work = self._work
-        if work is None or self._pad is None or not work.folded:
-            return
+    def _padding_rows(self, ids: Tensor) -> Tensor | None:
         # Every model's padding row among the working rows keeps its pre-step weight and state (what
         # OffloadedEmbedding does for its single padding row): nn.Embedding gives it no gradient, and lazy
         # optimizers no update (no weight decay either).
-        pos = torch.nonzero(self.working_ids.remainder(self._rows) == self._pad).squeeze(1)
-        if pos.numel():
-            work.pad = (pos, self.weight.data[pos].clone(), {k: v[pos].clone() for k, v in work.state_rows.items()})
+        if self._pad is None:
+            return None
+        return torch.nonzero(ids.remainder(self._rows) == self._pad).squeeze(1)
 
 
 class OffloadedBatchEmbedding(Embedding):
@@ -355,8 +351,7 @@ class OffloadedBatchEmbedding(Embedding):
         if keep_vars:
             # The caller may write through this view (BatchModule.load_state_dicts does): cached copies
             # of rows would then be stale, so the (clean, just flushed) cache is dropped.
-            host._require_idle("state_dict(keep_vars=True)")
-            host._cache = None
+            host.release_cache()
         view = host.table.data.view(self.batch, self.num_embeddings, self.embedding_dim)
         destination[prefix + "weight"] = view if keep_vars else view.detach()
 
@@ -379,7 +374,7 @@ class OffloadedBatchEmbedding(Embedding):
     def extra_repr(self) -> str:
         s = nn.Embedding.extra_repr(self) + f", batch={self.batch}, offload=True"
         if self._host.cache_rows or self._host.cache_bytes:
-            s += f", cache_rows={self._host._cache_capacity()}"
+            s += f", cache_rows={self._host.cache_stats()['capacity']}"
         return s
 
 

@@ -298,6 +298,17 @@ class HostTable:
         eng.scatter(self, uniq, uniq_cpu, rows, pos)
         if self._prefetches:
             self._patch_prefetches(uniq, rows if pos is None else rows.index_select(0, pos))
+    def gather_distinct(self, ids: Tensor, out: Tensor, *, engine: str | None = None) -> None:
+        """``out[:] = rows[ids]`` for indices already checked and deduplicated (as :meth:`prepare` returns
+        them: distinct, in range, on :attr:`device`), without checking them again; ``out`` a contiguous
+        ``(len(ids), dim)`` tensor on :attr:`device`. ``engine``: one of :func:`get_engine`'s names
+        (default: :meth:`resolved_engine`)."""
+        self._gather_unique(ids, None, out, engine or self.resolved_engine("gather"))
+
+    def scatter_distinct(self, ids: Tensor, rows: Tensor, *, engine: str | None = None) -> None:
+        """``table[ids] = rows`` for indices already checked and deduplicated (see :meth:`gather_distinct`)."""
+        self._scatter_unique(ids, None, rows, engine or self.resolved_engine("scatter"))
+
     # -- public gather / scatter -------------------------------------------------------------------------
     def prepare(self, idx, *, unique: bool = False) -> tuple[Tensor, Tensor | None]:
         """Check and deduplicate indices: returns ``(rows, inverse)`` with ``rows`` the distinct indices,
