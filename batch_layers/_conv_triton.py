@@ -21,6 +21,8 @@ import importlib.util
 import torch
 from torch import Tensor
 
+import torchmb_config
+
 __all__ = ["grouped_conv2d", "input_grad", "runs_on_triton"]
 
 # Up to these sizes per group, and from this many groups, the kernel beats cuDNN (H100, TF32 as torch's
@@ -32,6 +34,7 @@ _MAX_PATCH = 512  # in-channels per group x kernel height x kernel width
 _MIN_GROUPS = 128
 # looked up once, without importing Triton: the check below runs inside traced forwards (no imports there)
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
+_TRITON_SWITCH = torchmb_config.SWITCHES["triton"]  # TORCHMB_TRITON=0 keeps every convolution on cuDNN/ATen
 
 
 @functools.cache
@@ -96,6 +99,7 @@ def runs_on_triton(x: Tensor, weight: Tensor, groups: int, transposed: bool) -> 
         and max(weight.shape[1], weight.shape[0] // groups) >= 2  # pure depthwise: ATen's kernels keep up
         and weight[0].numel() <= _MAX_PATCH
         and _HAS_TRITON
+        and _TRITON_SWITCH.get()
     )
 
 

@@ -14,7 +14,7 @@ import functools
 import torch
 from torch import Tensor
 
-from ._conv_triton import _HAS_TRITON
+from ._conv_triton import _HAS_TRITON, _TRITON_SWITCH
 
 __all__ = ["depthwise_weight_grad", "runs_depthwise_grad"]
 
@@ -74,6 +74,7 @@ def runs_depthwise_grad(x: Tensor, weight: Tensor, groups: int) -> bool:
         and weight.shape[2] * weight.shape[3] <= _MAX_TAPS
         and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
         and _HAS_TRITON
+        and _TRITON_SWITCH.get()
     )
 
 
