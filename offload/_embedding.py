@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import _checkpoint, _lookup
+from . import _checkpoint, _lookup, _working_set
 from ._emb_prefetch import Prefetcher
 from ._gpu_cache import GpuCache
 from ._index import _as_index
@@ -344,7 +344,7 @@ class OffloadedEmbedding(nn.Module):
         table = work.chunks[0].leaf if len(work.chunks) == 1 else torch.cat([c.leaf for c in work.chunks])
         if (first and work.runs is not None and len(work.chunks) == 1 and self.padding_idx is None
                 and not self.scale_grad_by_freq and table.dtype == torch.float32):
-            return _lookup._Lookup.apply(table, local, work.runs)
+            return _lookup.Lookup.apply(table, local, work.runs)
         pad = None
         if self.padding_idx is not None:
             p = torch.searchsorted(work.sorted_ids, torch.tensor([self.padding_idx], device=flat.device))
@@ -354,22 +354,9 @@ class OffloadedEmbedding(nn.Module):
         return F.embedding(local, table, pad, None, self.norm_type, self.scale_grad_by_freq, False)
 
     def _lookup_no_grad(self, input: Tensor) -> Tensor:
-        """A lookup that trains nothing: rows from the working set, the cache or the host."""
         flat = input.reshape(-1).to(self.weight.device, torch.int64)
-        self._cache.join()
-        with torch.no_grad():
-            ids, inverse = self.table.prepare(flat)
-            rows = _lookup.lookup_rows(self.table, self._cache.slots, ids)
-            # rows of the step in progress are newer than the cache's and the host's
-            if not self._work.overlay(ids, rows, self.weight) and self.max_norm is not None:
-                before = rows.clone()
-                _lookup.renorm(rows, self.max_norm, self.norm_type)
-                changed = (rows != before).any(dim=1)
-                if bool(changed.any()):  # nn.Embedding renormalises its weight in place, also without grad
-                    ch = torch.nonzero(changed).squeeze(1)
-                    self._cache.write_rows(ids[ch], rows[ch])
-            out = rows.index_select(0, inverse)
-        return out.view(*input.shape, self.embedding_dim)
+        rows = _working_set.lookup_no_grad(flat, self._cache, self._work, self.weight, self.max_norm, self.norm_type)
+        return rows.view(*input.shape, self.embedding_dim)
 
     # -- the optimizer (offload._optim_state) ---------------------------------------------------------------
     def _attach(self, optimizer: torch.optim.Optimizer) -> None:

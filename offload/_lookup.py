@@ -1,6 +1,6 @@
 """The lookups of an :class:`~offload.OffloadedEmbedding`: deduplicating and bounds-checking a step's
 indices with one host synchronisation (:func:`distinct`), the autograd function of a step's first lookup
-(:class:`_Lookup`), and lookups that train nothing (:func:`lookup_no_grad`)."""
+(:class:`Lookup`), and lookups that train nothing (:func:`lookup_no_grad`)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class _Rows:
     runs: tuple[Tensor, Tensor, Tensor] | None = None  # from the CuPy kernels: see _cache_cuda.segment_sum
 
 
-class _Lookup(torch.autograd.Function):
+class Lookup(torch.autograd.Function):
     """``table[local]`` for the indices of a step's first lookup, whose backward sums each row's gradient
     with :func:`_cache_cuda.segment_sum` over the runs of the deduplication that made ``local`` (two
     launches where ``F.embedding``'s dense backward sorts the indices again, some 20; deterministic too)."""
@@ -149,3 +149,4 @@ def lookup_rows(table: HostTable, cache: CacheSlots | None, ids: Tensor) -> Tens
         table.gather_distinct(ids[miss], host)
         rows[miss] = host
     return rows
+

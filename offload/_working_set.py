@@ -44,7 +44,7 @@ class _Work:
     folded: bool = False
     state_rows: dict[str, Tensor] = field(default_factory=dict)
     pad: tuple | None = None
-    runs: tuple[Tensor, Tensor, Tensor] | None = None  # of the first lookup's indices (see _Lookup)
+    runs: tuple[Tensor, Tensor, Tensor] | None = None  # of the first lookup's indices (see Lookup)
 
     def all_ids(self) -> Tensor:
         """The rows' ids in the working parameter's row order (chunk after chunk)."""
@@ -324,3 +324,24 @@ class WorkingSet:
         at = pos[found]
         rows[found] = work.weight_rows(weight).detach().index_select(0, at if work.perm is None else work.perm[at])
         return True
+
+
+def lookup_no_grad(flat: Tensor, cache: GpuCache, work: WorkingSet, weight: Tensor, max_norm: float | None,
+                   norm_type: float) -> Tensor:
+    """A lookup that trains nothing (``flat``: indices on the compute device): rows from ``work``, the step in
+    progress, else from ``cache`` or the host tables; ``max_norm`` renormalises them in place as
+    ``nn.Embedding`` does, also without grad."""
+    table = cache.tables.weight
+    cache.join()
+    with torch.no_grad():
+        ids, inverse = table.prepare(flat)
+        rows = _lookup.lookup_rows(table, cache.slots, ids)
+        # rows of the step in progress are newer than the cache's and the host's
+        if not work.overlay(ids, rows, weight) and max_norm is not None:
+            before = rows.clone()
+            _lookup.renorm(rows, max_norm, norm_type)
+            changed = (rows != before).any(dim=1)
+            if bool(changed.any()):
+                ch = torch.nonzero(changed).squeeze(1)
+                cache.write_rows(ids[ch], rows[ch])
+        return rows.index_select(0, inverse)
