@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from . import _bench, _demo
+from . import __version__, _bench, _demo
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m torchmb", description="Train many PyTorch models at once.")
+    parser.add_argument("--version", action="version", version=f"torchmb {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="a learning-rate x weight-decay sweep of 64 small CNNs")
     _demo.add_arguments(demo)

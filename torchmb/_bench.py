@@ -319,7 +319,8 @@ def table(rows: list[dict]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="device to measure on, e.g. cpu, cuda, cuda:1 (default: cuda where available, else cpu)")
     parser.add_argument(
         "--quick", action="store_true", help="MLP and LeNet, B in {1, 4}, n=16, nothing compiled: a smoke run"
     )

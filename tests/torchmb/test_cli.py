@@ -53,3 +53,19 @@ def test_best_checkpoint_loads_into_the_plain_model_and_without_torchmb(demo_out
     )
     subprocess.run([sys.executable, "-c", script], check=True, cwd=out)
     torch.testing.assert_close(torch.load(out / "answer.pt"), expected, atol=1e-5, rtol=0)
+
+
+def test_every_flag_has_help_and_version_is_printed(capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from torchmb import __version__, _bench, _demo
+
+    for add in (_demo.add_arguments, _bench.add_arguments):
+        parser = argparse.ArgumentParser()
+        add(parser)
+        missing = [a.option_strings for a in parser._actions
+                   if a.help in (None, "") and a.option_strings != ["-h", "--help"]]
+        assert not missing, f"flags without help text: {missing}"
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"torchmb {__version__}"
