@@ -29,7 +29,6 @@ from ._embedding_offload import OffloadedBatchEmbedding, offload_embeddings
 from ._frozen_batchnorm import FrozenBatchNorm2d
 from ._linear import Linear
 from ._norm import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm, RMSNorm
-from ._out_of_scope import OUT_OF_SCOPE, LazyLinear, SyncBatchNorm
 from ._recurrent import GRU, LSTM, RNN
 from ._recurrent_cells import GRUCell, LSTMCell, RNNCell
 from ._std_conv import ScaledStdConv2d, ScaledStdConv2dSame, StdConv2d, StdConv2dSame
@@ -39,7 +38,6 @@ __all__ = [
     "GRU",
     "LAYERS",
     "LSTM",
-    "OUT_OF_SCOPE",
     "RNN",
     "AbstractBatchModule",
     "AlphaDropout",
@@ -70,7 +68,6 @@ __all__ = [
     "InstanceNorm3d",
     "LSTMCell",
     "LayerNorm",
-    "LazyLinear",
     "Linear",
     "MultiEmbedding",
     "MultiheadAttention",
@@ -83,7 +80,6 @@ __all__ = [
     "ScaledStdConv2dSame",
     "StdConv2d",
     "StdConv2dSame",
-    "SyncBatchNorm",
     "batched_embedding",
     "batched_subclass",
     "check_indices",
@@ -126,7 +122,6 @@ LAYERS: tuple[type[AbstractBatchModule], ...] = (
     Dropout3d,
     AlphaDropout,
     FeatureAlphaDropout,
-    *OUT_OF_SCOPE,
     Embedding,
     EmbeddingBag,
     MultiheadAttention,

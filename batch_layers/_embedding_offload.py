@@ -22,6 +22,7 @@ with ``torchmb.optim``).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -29,16 +30,19 @@ from torch import Tensor, nn
 import offload as _offload
 
 from ._base import AbstractBatchModule
-from ._embedding import _SHARED_DOC, _SPARSE_MSG, Embedding, _normalize_padding, _raise_bad_now
+from ._embedding import _SHARED_DOC, _SPARSE_MSG, Embedding, _normalize_padding, _raise_bad_now, set_offloaded_class
 
 __all__ = ["OffloadedBatchEmbedding", "offload_embeddings"]
 
 
-def _is_batch_optimizer(optimizer: object) -> bool:
-    # batch_layers does not import torchmb (imports point torchmb -> batch_layers -> offload): recognise
-    # torchmb.optim's base class by name.
-    return any(c.__name__ == "BatchOptimizer" and c.__module__.startswith("torchmb.")
-               for c in type(optimizer).__mro__)
+@runtime_checkable
+class PerModelOptimizer(Protocol):
+    """An optimizer whose hyperparameters may differ between models, as ``torchmb.optim``'s: ``per_model``
+    names those hyperparameters (values broadcast over each parameter's model axis). batch_layers owns this
+    protocol (it does not import torchmb); an offloaded table's working parameter has no model axis, so such
+    an optimizer cannot train it."""
+
+    per_model: tuple[str, ...]
 
 
 class _HostRows(_offload.OffloadedEmbedding):
@@ -61,7 +65,7 @@ class _HostRows(_offload.OffloadedEmbedding):
                 self.table.data.view(-1, self._rows, self.embedding_dim)[:, self._pad].zero_()
 
     def _attach(self, optimizer: torch.optim.Optimizer) -> None:
-        if _is_batch_optimizer(optimizer):
+        if isinstance(optimizer, PerModelOptimizer):
             raise TypeError(
                 f"torchmb.optim.{type(optimizer).__name__} cannot train an offloaded batch_layers.Embedding: its "
                 "working parameter holds only the current step's rows of all B models, (rows, dim) with no model "
@@ -379,7 +383,7 @@ class OffloadedBatchEmbedding(Embedding):
 
 
 OffloadedBatchEmbedding.__doc__ = OffloadedBatchEmbedding.__doc__.replace("{shared}", _SHARED_DOC)
-Embedding._offloaded_class = OffloadedBatchEmbedding  # what Embedding(..., offload=True) builds
+set_offloaded_class(OffloadedBatchEmbedding)  # what Embedding(..., offload=True) builds
 
 
 def offload_embeddings(module: nn.Module, *, names: Iterable[str] | None = None, **options) -> list[str]:

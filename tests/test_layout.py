@@ -280,7 +280,6 @@ def _private_reaches() -> dict[tuple[str, str], int]:
 # is to become an object engines are given), the checkpoint and .npy modules (to use the parts' interfaces,
 # see docs/design.md), and torchmb's optimizer and converter internals.
 PRIVATE_REACHES_LEFT = {
-    ("batch_layers/_embedding_offload.py", "_offloaded_class"),
     ("offload/_checkpoint.py", "_attach"), ("offload/_checkpoint.py", "_drop_cache"),
     ("offload/_checkpoint.py", "_engine"), ("offload/_checkpoint.py", "_loaded"),
     ("offload/_checkpoint.py", "_optimizer"), ("offload/_checkpoint.py", "_pending"),

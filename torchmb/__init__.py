@@ -9,7 +9,13 @@ from batch_layers import AbstractBatchModule
 from . import amp, clip, distributed, graphs, lr_scheduler, memory, optim, sweep, testing
 from ._convert import ConversionEntry
 from ._module import BatchModule
-from ._registry import lookup_batch_module, register_batch_module, registered_batch_modules
+from ._registry import (
+    lookup_batch_module,
+    refuse_batch_module,
+    refused_batch_modules,
+    register_batch_module,
+    registered_batch_modules,
+)
 from ._tracking import PooledDecisionError, allow_pooled_decisions
 from .functional import batch_accuracy, batch_loss, batch_topk, merge_batch, split_batch
 
@@ -33,6 +39,8 @@ __all__ = [
     "memory",
     "merge_batch",
     "optim",
+    "refuse_batch_module",
+    "refused_batch_modules",
     "register_batch_module",
     "registered_batch_modules",
     "split_batch",
