@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from . import __version__, _bench, _demo
+from . import __version__
+from .cli import bench as _bench
+from .cli import demo as _demo
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from torchmb.__main__ import main
-from torchmb._demo import DigitsCNN
+from torchmb.cli.demo import DigitsCNN
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,9 @@ def test_best_checkpoint_loads_into_the_plain_model_and_without_torchmb(demo_out
 def test_every_flag_has_help_and_version_is_printed(capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
-    from torchmb import __version__, _bench, _demo
+    from torchmb import __version__
+    from torchmb.cli import bench as _bench
+    from torchmb.cli import demo as _demo
 
     for add in (_demo.add_arguments, _bench.add_arguments):
         parser = argparse.ArgumentParser()

@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import distributed, lr_scheduler, optim
-from .clip import diverged
-from .functional import batch_accuracy, batch_loss
+from .. import distributed, lr_scheduler, optim
+from ..clip import diverged
+from ..functional import batch_accuracy, batch_loss
 
 
 class DigitsCNN(nn.Module):
