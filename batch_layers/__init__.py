@@ -27,6 +27,7 @@ from ._embedding_bag import EmbeddingBag
 from ._embedding_multi import MultiEmbedding
 from ._embedding_offload import OffloadedBatchEmbedding, offload_embeddings
 from ._frozen_batchnorm import FrozenBatchNorm2d
+from ._kernel_table import explain_kernels
 from ._linear import Linear
 from ._norm import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm, RMSNorm
 from ._recurrent import GRU, LSTM, RNN
@@ -85,6 +86,7 @@ __all__ = [
     "check_indices",
     "check_merged_rows",
     "current_forward",
+    "explain_kernels",
     "forward_context",
     "get_backend",
     "is_shared_input",

@@ -1,13 +1,16 @@
-"""The torchmb command line: ``python -m torchmb demo`` and ``python -m torchmb bench``."""
+"""The torchmb command line: ``python -m torchmb demo``, ``bench``, ``kernels`` and ``config``."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
 
+import torchmb_config
+
 from . import __version__
 from .cli import bench as _bench
 from .cli import demo as _demo
+from .cli import kernels as _kernels
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -18,11 +21,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     _demo.add_arguments(demo)
     bench = commands.add_parser("bench", help="measure torchmb against torch.func.vmap, a loop and one plain model")
     _bench.add_arguments(bench)
+    kernels = commands.add_parser("kernels", help="which kernel a batched 2-D convolution takes, and why")
+    _kernels.add_arguments(kernels)
+    commands.add_parser("config", help="every switch, its environment variable and its value now")
     args = parser.parse_args(argv)
     if args.command == "demo":
         _demo.main(args)
-    else:
+    elif args.command == "bench":
         _bench.main(args)
+    elif args.command == "kernels":
+        _kernels.main(args)
+    else:
+        print(torchmb_config.describe())
 
 
 if __name__ == "__main__":

@@ -61,8 +61,9 @@ def test_every_flag_has_help_and_version_is_printed(capsys: pytest.CaptureFixtur
     from torchmb import __version__
     from torchmb.cli import bench as _bench
     from torchmb.cli import demo as _demo
+    from torchmb.cli import kernels as _kernels
 
-    for add in (_demo.add_arguments, _bench.add_arguments):
+    for add in (_demo.add_arguments, _bench.add_arguments, _kernels.add_arguments):
         parser = argparse.ArgumentParser()
         add(parser)
         missing = [a.option_strings for a in parser._actions
@@ -71,3 +72,24 @@ def test_every_flag_has_help_and_version_is_printed(capsys: pytest.CaptureFixtur
     with pytest.raises(SystemExit) as done:
         main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out.strip() == f"torchmb {__version__}"
+
+
+def test_kernels_command_says_which_kernel_a_shape_takes_and_why(capsys: pytest.CaptureFixture[str]) -> None:
+    main(["kernels", "--batch", "16", "--in-channels", "6", "--out-channels", "16", "--kernel", "5", "5"])
+    out = capsys.readouterr().out
+    assert "one grouped convolution with weight (256, 6, 5, 5) and 16 groups" in out
+    assert "forward: aten" in out and "not triton-grouped: needs at least 128 groups" in out
+    main(["kernels", "--batch", "4", "--in-channels", "64", "--out-channels", "64", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert "layout of a channels-last input: channels-last" in out and "needs a CUDA tensor" in out
+    with pytest.raises(SystemExit, match=r"must be divisible by --groups \(4\)"):
+        main(["kernels", "--batch", "2", "--in-channels", "6", "--out-channels", "8", "--groups", "4"])
+
+
+def test_config_command_lists_every_switch(capsys: pytest.CaptureFixture[str]) -> None:
+    import torchmb_config
+
+    main(["config"])
+    out = capsys.readouterr().out
+    for switch in torchmb_config.SWITCHES.values():
+        assert switch.name in out and switch.env in out
