@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _checkpoint, _lookup, _working_set
+from ._checkpoint_fields import CheckpointFields
 from ._emb_prefetch import Prefetcher
 from ._gpu_cache import GpuCache
 from ._index import _as_index
@@ -38,7 +39,7 @@ _ALL: weakref.WeakSet[OffloadedEmbedding] = weakref.WeakSet()
 """Every OffloadedEmbedding, for :func:`attach` to find those whose weight an optimizer holds."""
 
 
-class OffloadedEmbedding(nn.Module):
+class OffloadedEmbedding(CheckpointFields, nn.Module):
     r"""A drop-in for :class:`torch.nn.Embedding` whose table lives in page-locked host memory.
 
     The first arguments are those of ``nn.Embedding``. ``emb.weight`` is the *working parameter*: the
@@ -121,8 +122,6 @@ class OffloadedEmbedding(nn.Module):
         self.sparse = sparse
         if cache_rows < 0 or (cache_bytes is not None and cache_bytes < 0):
             raise ValueError(f"cache size must be >= 0, got cache_rows={cache_rows}, cache_bytes={cache_bytes}")
-        self.cache_rows = int(cache_rows)
-        self.cache_bytes = cache_bytes
         self._pin, self._engine = pin, engine
         compute = torch.device(device) if device is not None else torch.device("cpu")
         dtype = dtype or (table.dtype if table is not None else torch.get_default_dtype())
@@ -141,13 +140,31 @@ class OffloadedEmbedding(nn.Module):
         self._tables = RowTables(table)
         self.weight = nn.Parameter(torch.empty(0, self.embedding_dim, device=compute, dtype=dtype),
                                    requires_grad=not _freeze)
-        self._cache = GpuCache(self._tables, self.cache_rows, cache_bytes)
+        self._cache = GpuCache(self._tables, int(cache_rows), cache_bytes)
         self._prefetcher = Prefetcher(self._tables, self._cache)
         self._work = WorkingSet(self._tables, self._cache, self._prefetcher)
         self._optim = OptimizerState(self._tables, self._cache, self._work)
         if fresh:
             self.reset_parameters()
         _ALL.add(self)
+
+    @property
+    def cache_rows(self) -> int:
+        """The GPU cache's size in rows (see ``cache_bytes``); read when the cache is next made."""
+        return self._cache.rows
+
+    @cache_rows.setter
+    def cache_rows(self, rows: int) -> None:
+        self._cache.rows = int(rows)
+
+    @property
+    def cache_bytes(self) -> int | None:
+        """The GPU cache's size in bytes, weight plus per-row state (``None``: ``cache_rows`` decides)."""
+        return self._cache.nbytes
+
+    @cache_bytes.setter
+    def cache_bytes(self, nbytes: int | None) -> None:
+        self._cache.nbytes = nbytes
 
     @property
     def table(self) -> HostTable:
@@ -158,47 +175,6 @@ class OffloadedEmbedding(nn.Module):
     def table(self, table: HostTable) -> None:
         self._tables.weight = table
 
-    # -- what offload._checkpoint reads and writes (see docs/design.md: until it uses the parts' interfaces)
-    @property
-    def _state_tables(self) -> dict[str, HostTable]:
-        return self._tables.states
-
-    @_state_tables.setter
-    def _state_tables(self, tables: dict[str, HostTable]) -> None:
-        self._tables.states = tables
-
-    @property
-    def _spec(self) -> dict[str, float]:
-        return self._tables.spec
-
-    @_spec.setter
-    def _spec(self, spec: dict[str, float]) -> None:
-        self._tables.spec = spec
-
-    @property
-    def _optimizer(self) -> weakref.ref | None:
-        optimizer = self._optim.optimizer
-        return None if optimizer is None else weakref.ref(optimizer)
-
-    @_optimizer.setter
-    def _optimizer(self, ref: weakref.ref | None) -> None:
-        self._optim.optimizer = None if ref is None else ref()
-
-    @property
-    def _loaded(self) -> dict | None:
-        return self._optim.loaded
-
-    @_loaded.setter
-    def _loaded(self, loaded: dict | None) -> None:
-        self._optim.loaded = loaded
-
-    @property
-    def _pending(self) -> None:
-        return None
-
-    @_pending.setter
-    def _pending(self, value: None) -> None:
-        self._prefetcher.release_pending()
 
     # -- parameters and state dicts --------------------------------------------------------------------------
     def reset_parameters(self) -> None:
