@@ -186,7 +186,7 @@ def _measure(device: torch.device) -> dict[str, str]:
 
             def run(eng, op=op):  # as gather() / scatter() do it: indices on the device only
                 if op == "gather":
-                    table._gather_unique(idx_dev, None, buf, eng)
+                    table.gather_distinct(idx_dev, buf, engine=eng)
                 else:
                     table._scatter_unique(idx_dev, None, buf, eng)
 

@@ -299,9 +299,9 @@ class HostTable:
         if self._prefetches:
             self._patch_prefetches(uniq, rows if pos is None else rows.index_select(0, pos))
     # -- public gather / scatter -------------------------------------------------------------------------
-    def gather_distinct(self, ids: Tensor, out: Tensor) -> None:
+    def gather_distinct(self, ids: Tensor, out: Tensor, *, engine: str | None = None) -> None:
         """``out[:] = rows[ids]`` for ``ids`` as :meth:`prepare` returns them (distinct, checked), unchecked."""
-        self._gather_unique(ids, None, out, self.resolved_engine("gather"))
+        self._gather_unique(ids, None, out, engine or self.resolved_engine("gather"))
 
     def prepare(self, idx, *, unique: bool = False) -> tuple[Tensor, Tensor | None]:
         """Check and deduplicate indices: returns ``(rows, inverse)`` with ``rows`` the distinct indices,

@@ -43,9 +43,9 @@ try:
     import cupy
 except (ImportError, OSError) as error:  # pragma: no cover - depends on the machine
     cupy = None
-    _CUPY_ERROR: BaseException | None = error
+    CUPY_ERROR: BaseException | None = error
 else:
-    _CUPY_ERROR = None
+    CUPY_ERROR = None
 
 __all__ = ["LAUNCHES", "VARIANT", "FusedStep", "fused_reason", "same_values"]
 
@@ -343,7 +343,7 @@ ADAM_MAXIMIZE, ADAM_L2, ADAM_DECOUPLED, ADAM_AMSGRAD = 1, 2, 4, 8
 def fused_reason(params: list[Tensor], tensors: list[Tensor]) -> str | None:
     """Why the fused kernels cannot run on these tensors (``None``: they can)."""
     if cupy is None:
-        return f"CuPy could not be imported ({_CUPY_ERROR!r})"
+        return f"CuPy could not be imported ({CUPY_ERROR!r})"
     if get_backend() == "torch":
         return "the batch_layers backend is 'torch'"
     device = params[0].device
