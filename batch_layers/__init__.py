@@ -29,9 +29,9 @@ from ._embedding_bag import EmbeddingBag
 from ._embedding_multi import MultiEmbedding
 from ._embedding_offload import OffloadedBatchEmbedding, offload_embeddings
 from ._frozen_batchnorm import FrozenBatchNorm2d
+from ._kernel_table import explain_kernels
 from ._linear import Linear
 from ._norm import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm, RMSNorm
-from ._out_of_scope import OUT_OF_SCOPE, LazyLinear, SyncBatchNorm
 from ._recurrent import GRU, LSTM, RNN
 from ._recurrent_cells import GRUCell, LSTMCell, RNNCell
 from ._std_conv import ScaledStdConv2d, ScaledStdConv2dSame, StdConv2d, StdConv2dSame
@@ -41,7 +41,6 @@ __all__ = [
     "GRU",
     "LAYERS",
     "LSTM",
-    "OUT_OF_SCOPE",
     "RNN",
     "AbstractBatchModule",
     "AlphaDropout",
@@ -72,7 +71,6 @@ __all__ = [
     "InstanceNorm3d",
     "LSTMCell",
     "LayerNorm",
-    "LazyLinear",
     "Linear",
     "MultiEmbedding",
     "MultiheadAttention",
@@ -85,12 +83,12 @@ __all__ = [
     "ScaledStdConv2dSame",
     "StdConv2d",
     "StdConv2dSame",
-    "SyncBatchNorm",
     "batched_embedding",
     "batched_subclass",
     "check_indices",
     "check_merged_rows",
     "current_forward",
+    "explain_kernels",
     "forward_context",
     "get_backend",
     "is_shared_input",
@@ -130,7 +128,6 @@ LAYERS: tuple[type[AbstractBatchModule], ...] = (
     Dropout3d,
     AlphaDropout,
     FeatureAlphaDropout,
-    *OUT_OF_SCOPE,
     Embedding,
     EmbeddingBag,
     MultiheadAttention,

@@ -7,15 +7,17 @@ takes the reference path. CPU tensors always run the reference path (there is no
 
 The environment variable ``TORCHMB_BACKEND`` sets the starting value; :func:`set_backend` changes it
 for the process, :func:`use_backend` (or :func:`use_cupy`, :func:`use_torch`) for a ``with`` block,
-restoring the old value on exit. Layers read the switch at every call, so tests can flip it.
+restoring the old value on exit. Layers read the switch at every call, so tests can flip it. The switch
+itself is ``torchmb_config``'s ``"backend"`` (every switch of the packages is there).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from typing import Literal
+
+import torchmb_config
 
 __all__ = ["BACKENDS", "Backend", "get_backend", "set_backend", "use_backend", "use_cupy", "use_torch"]
 
@@ -24,28 +26,12 @@ BACKENDS: tuple[str, ...] = ("auto", "cupy", "torch")
 ENV_VAR = "TORCHMB_BACKEND"
 
 
-def _validate(name: object) -> Backend:
-    if not isinstance(name, str) or name.lower() not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
-    return name.lower()  # type: ignore[return-value]
-
-
-def _from_env() -> Backend:
-    value = os.environ.get(ENV_VAR)
-    if value is None or value == "":
-        return "auto"
-    try:
-        return _validate(value)
-    except ValueError as err:
-        raise ValueError(f"environment variable {ENV_VAR}={value!r} is not one of {BACKENDS}") from err
-
-
-_BACKEND: Backend = _from_env()
+_SWITCH = torchmb_config.SWITCHES["backend"]
 
 
 def get_backend() -> Backend:
     """The backend in force: ``"auto"``, ``"cupy"`` or ``"torch"``."""
-    return _BACKEND
+    return _SWITCH.get()
 
 
 def set_backend(name: str) -> Backend:
@@ -55,20 +41,14 @@ def set_backend(name: str) -> Backend:
         name: ``"auto"`` (kernels where they apply), ``"cupy"`` (kernels required for CUDA tensors)
             or ``"torch"`` (reference path always).
     """
-    global _BACKEND
-    old = _BACKEND
-    _BACKEND = _validate(name)
-    return old
+    return _SWITCH.set(name)
 
 
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[Backend]:
     """Use ``name`` inside a ``with`` block, restoring the previous backend afterwards."""
-    old = set_backend(name)
-    try:
-        yield get_backend()
-    finally:
-        set_backend(old)
+    with _SWITCH.use(name) as value:
+        yield value
 
 
 def use_cupy() -> contextlib.AbstractContextManager[Backend]:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.utils import _ntuple, _reverse_repeat_tuple
 
+from . import _kernel_table
 from ._base import (
     AbstractBatchModule,
     autocast_dtype,
@@ -20,18 +21,11 @@ from ._base import (
 from ._checks import check_conv_input, check_input_dtype
 from ._conv_triton import grouped_conv2d, input_grad, runs_on_triton
 from ._depthwise_triton import depthwise_weight_grad, runs_depthwise_grad
+from ._kernel_table import CHANNELS_LAST, TRITON_GROUPED_INPUT_GRAD
 
 __all__ = ["Conv1d", "Conv2d", "Conv3d"]
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
-_INDEX_LIMIT = 2**31 - 1  # elements one convolution kernel may address (cuDNN and ATen use int32 indexing)
-# Input channels per group from which a channels-last input stays channels-last in the grouped layout.
-# Below it cuDNN runs grouped NHWC convolutions slice by slice (a copy kernel per group, forward and
-# backward) and depthwise ones in its NHWC engine instead of ATen's depthwise kernels: 1.3-2x slower
-# than NCHW on the H100 for LeNet's 1-16 channels per model, and thousands of launches per step where
-# a layer norm's permute leaves a timm ConvNeXt's activations channels-last. From 64 on NHWC was 4% faster
-# (tests/benchmarks/bench_conv_forms.py).
-_NHWC_GROUP_CHANNELS = 64
 
 
 def _check_input(layer: _ConvNd, x: Tensor, weight: Tensor) -> None:
@@ -41,9 +35,11 @@ def _check_input(layer: _ConvNd, x: Tensor, weight: Tensor) -> None:
 
 
 def keeps_channels_last(weight: Tensor, groups: int, transposed: bool) -> bool:
-    """Whether a grouped (transposed) convolution with this stacked weight runs on a channels-last layout."""
-    in_per_group = weight.shape[0] // groups if transposed else weight.shape[1]
-    return in_per_group >= _NHWC_GROUP_CHANNELS
+    """Whether a grouped (transposed) convolution with this stacked weight runs on a channels-last layout
+    (the kernel table's :data:`~batch_layers._kernel_table.CHANNELS_LAST` says when, and why: thousands of
+    launches per step otherwise where a layer norm's permute leaves a timm ConvNeXt's activations
+    channels-last)."""
+    return CHANNELS_LAST.applies(False, 0, weight.dtype, 0, weight.shape, groups, transposed, (), ())
 
 
 def reset_conv_slices(weight: Tensor, bias: Tensor | None, kernel_size: tuple[int, ...]) -> None:
@@ -129,7 +125,8 @@ def _kernel_grads(grad, grouped, weight, stride, padding, dilation, groups, tran
     own = {}
     if transposed:
         return own
-    if mask[0] and set(stride) == {1} and set(dilation) == {1} and runs_on_triton(grouped, weight, groups, False):
+    if mask[0] and TRITON_GROUPED_INPUT_GRAD.applies(grouped.is_cuda, grouped.dim(), grouped.dtype, grouped.shape[1],
+                                                     weight.shape, groups, False, stride, dilation):
         grad_x = input_grad(grad, weight, grouped.shape, padding, groups)
         if grad_x is not None:
             own[0] = grad_x
@@ -353,7 +350,7 @@ class _ConvNd(AbstractBatchModule):
         reach = [max(p, d * (k - 1)) for p, d, k in zip(padding, self.dilation, self.kernel_size)]
         spatial = math.prod([size + 2 * r for size, r in zip(x.shape[2:], reach)])  # a list: dynamo traces it
         per_model = n * max(self.in_channels, self.out_channels) * spatial
-        return max(1, _INDEX_LIMIT // max(per_model, 1))
+        return max(1, _kernel_table.INDEX_LIMIT // max(per_model, 1))
 
     def _grouped_forward(self, x: Tensor, weight: Tensor, bias: Tensor | None, batch: int, order: str) -> Tensor:
         if self._numeric_padding is None:  # uneven 'same' padding: torch's own conv pads it

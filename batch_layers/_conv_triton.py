@@ -16,22 +16,14 @@ whether the products run in TF32.
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import torch
 from torch import Tensor
 
+from ._kernel_table import TRITON_GROUPED
+
 __all__ = ["grouped_conv2d", "input_grad", "runs_on_triton"]
 
-# Up to these sizes per group, and from this many groups, the kernel beats cuDNN (H100, TF32 as torch's
-# default): LeNet's second convolution at B=256 takes 3.6 against 7.4 ms forward and backward
-# (tests/benchmarks/bench_conv_forms.py), and the compiled LeNet step runs 1.46x faster; at B=64 the
-# convolution ties and the compiled step ran 0.94x as fast as with cuDNN; at B=16 cuDNN is twice as fast.
-_MAX_OUT_PER_GROUP = 32
-_MAX_PATCH = 512  # in-channels per group x kernel height x kernel width
-_MIN_GROUPS = 128
-# looked up once, without importing Triton: the check below runs inside traced forwards (no imports there)
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 @functools.cache
@@ -83,20 +75,9 @@ def _kernel():
 
 
 def runs_on_triton(x: Tensor, weight: Tensor, groups: int, transposed: bool) -> bool:
-    """Whether a grouped convolution of this shape runs on the Triton kernel: CUDA, 2-D, not transposed,
-    at least 128 groups of at most 32 output channels and 512 patch elements each (but not one input
-    and one output channel: ATen's depthwise kernels), Triton installed."""
-    return (
-        x.is_cuda
-        and x.dim() == 4
-        and not transposed
-        and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
-        and groups >= _MIN_GROUPS
-        and weight.shape[0] // groups <= _MAX_OUT_PER_GROUP
-        and max(weight.shape[1], weight.shape[0] // groups) >= 2  # pure depthwise: ATen's kernels keep up
-        and weight[0].numel() <= _MAX_PATCH
-        and _HAS_TRITON
-    )
+    """Whether a grouped convolution of this shape runs on the Triton kernel (the kernel table's
+    :data:`~batch_layers._kernel_table.TRITON_GROUPED` says when, and why)."""
+    return TRITON_GROUPED.applies(x.is_cuda, x.dim(), x.dtype, x.shape[1], weight.shape, groups, transposed, (), ())
 
 
 def _output_size(x: Tensor, weight: Tensor, stride, padding, dilation) -> tuple[int, int]:

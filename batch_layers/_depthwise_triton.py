@@ -14,12 +14,10 @@ import functools
 import torch
 from torch import Tensor
 
-from ._conv_triton import _HAS_TRITON
+from ._kernel_table import TRITON_DEPTHWISE_GRAD
 
 __all__ = ["depthwise_weight_grad", "runs_depthwise_grad"]
 
-_MAX_TAPS = 64  # kernel height x width (7x7 and smaller)
-_MIN_CHANNELS = 128  # fewer channels leave the GPU mostly idle either way
 
 
 @functools.cache
@@ -63,18 +61,9 @@ def _kernel():
 
 
 def runs_depthwise_grad(x: Tensor, weight: Tensor, groups: int) -> bool:
-    """Whether the weight gradient of this grouped convolution runs on the kernel: CUDA, 2-D, one input
-    channel per group, at least 128 output channels, filters of at most 64 taps, Triton installed."""
-    return (
-        x.is_cuda
-        and x.dim() == 4
-        and weight.shape[1] == 1
-        and groups == x.shape[1]
-        and weight.shape[0] >= _MIN_CHANNELS
-        and weight.shape[2] * weight.shape[3] <= _MAX_TAPS
-        and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
-        and _HAS_TRITON
-    )
+    """Whether the weight gradient of this grouped convolution runs on the kernel (the kernel table's
+    :data:`~batch_layers._kernel_table.TRITON_DEPTHWISE_GRAD` says when, and why)."""
+    return TRITON_DEPTHWISE_GRAD.applies(x.is_cuda, x.dim(), x.dtype, x.shape[1], weight.shape, groups, False, (), ())
 
 
 @torch.library.custom_op("torchmb::depthwise_weight_grad", mutates_args=())

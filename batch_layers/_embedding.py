@@ -289,6 +289,17 @@ def stacked_tables(embeddings: Tensor, batch: int | None) -> Tensor:
     return embeddings
 
 
+# The class that ``Embedding(..., offload=True)`` builds: batch_layers._embedding_offload's
+# OffloadedBatchEmbedding, set by set_offloaded_class when it is defined (it imports this module; this module
+# does not import it).
+_OFFLOADED: list[type[Embedding]] = []
+
+
+def set_offloaded_class(cls: type[Embedding]) -> None:
+    """Make ``Embedding(..., offload=True)`` build ``cls``."""
+    _OFFLOADED[:] = [cls]
+
+
 class Embedding(AbstractBatchModule):
     r"""``batch`` independent :class:`torch.nn.Embedding` tables, looked up in one launch.
 
@@ -330,10 +341,6 @@ class Embedding(AbstractBatchModule):
     base_class: ClassVar[type[nn.Module]] = nn.Embedding
     merged_order = "models"
 
-    # The class that ``offload=True`` builds: batch_layers._embedding_offload.OffloadedBatchEmbedding, which
-    # registers itself here when it is defined (it imports this module; this module does not import it).
-    _offloaded_class: ClassVar[type[Embedding] | None] = None
-
     def __new__(cls, *args, offload: bool = False, **kwargs):
         if offload and cls is Embedding:
             return super().__new__(Embedding._offloaded())  # its __init__ then takes the same arguments
@@ -341,9 +348,9 @@ class Embedding(AbstractBatchModule):
 
     @staticmethod
     def _offloaded() -> type[Embedding]:
-        if Embedding._offloaded_class is None:  # (importing batch_layers registers it)
+        if not _OFFLOADED:  # (importing batch_layers registers it)
             raise ImportError("the offloaded Embedding is not registered: import batch_layers")
-        return Embedding._offloaded_class
+        return _OFFLOADED[0]
 
     def __init__(
         self,

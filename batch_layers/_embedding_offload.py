@@ -22,6 +22,7 @@ with ``torchmb.optim``).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -29,16 +30,19 @@ from torch import Tensor, nn
 import offload as _offload
 
 from ._base import AbstractBatchModule
-from ._embedding import _SHARED_DOC, _SPARSE_MSG, Embedding, _normalize_padding, _raise_bad_now
+from ._embedding import _SHARED_DOC, _SPARSE_MSG, Embedding, _normalize_padding, _raise_bad_now, set_offloaded_class
 
 __all__ = ["OffloadedBatchEmbedding", "offload_embeddings"]
 
 
-def _is_batch_optimizer(optimizer: object) -> bool:
-    # batch_layers does not import torchmb (imports point torchmb -> batch_layers -> offload): recognise
-    # torchmb.optim's base class by name.
-    return any(c.__name__ == "BatchOptimizer" and c.__module__.startswith("torchmb.")
-               for c in type(optimizer).__mro__)
+@runtime_checkable
+class PerModelOptimizer(Protocol):
+    """An optimizer whose hyperparameters may differ between models, as ``torchmb.optim``'s: ``per_model``
+    names those hyperparameters (values broadcast over each parameter's model axis). batch_layers owns this
+    protocol (it does not import torchmb); an offloaded table's working parameter has no model axis, so such
+    an optimizer cannot train it."""
+
+    per_model: tuple[str, ...]
 
 
 class _HostRows(_offload.OffloadedEmbedding):
@@ -61,7 +65,7 @@ class _HostRows(_offload.OffloadedEmbedding):
                 self.table.data.view(-1, self._rows, self.embedding_dim)[:, self._pad].zero_()
 
     def _attach(self, optimizer: torch.optim.Optimizer) -> None:
-        if _is_batch_optimizer(optimizer):
+        if isinstance(optimizer, PerModelOptimizer):
             raise TypeError(
                 f"torchmb.optim.{type(optimizer).__name__} cannot train an offloaded batch_layers.Embedding: its "
                 "working parameter holds only the current step's rows of all B models, (rows, dim) with no model "
@@ -71,17 +75,13 @@ class _HostRows(_offload.OffloadedEmbedding):
             )
         super()._attach(optimizer)
 
-    def _pre_step(self, optimizer: torch.optim.Optimizer) -> None:
-        super()._pre_step(optimizer)
-        work = self._work
-        if work is None or self._pad is None or not work.folded:
-            return
+    def _padding_rows(self, ids: Tensor) -> Tensor | None:
         # Every model's padding row among the working rows keeps its pre-step weight and state (what
         # OffloadedEmbedding does for its single padding row): nn.Embedding gives it no gradient, and lazy
         # optimizers no update (no weight decay either).
-        pos = torch.nonzero(self.working_ids.remainder(self._rows) == self._pad).squeeze(1)
-        if pos.numel():
-            work.pad = (pos, self.weight.data[pos].clone(), {k: v[pos].clone() for k, v in work.state_rows.items()})
+        if self._pad is None:
+            return None
+        return torch.nonzero(ids.remainder(self._rows) == self._pad).squeeze(1)
 
 
 class OffloadedBatchEmbedding(Embedding):
@@ -356,8 +356,7 @@ class OffloadedBatchEmbedding(Embedding):
         if keep_vars:
             # The caller may write through this view (BatchModule.load_state_dicts does): cached copies
             # of rows would then be stale, so the (clean, just flushed) cache is dropped.
-            host._require_idle("state_dict(keep_vars=True)")
-            host._cache = None
+            host.release_cache()
         view = host.table.data.view(self.batch, self.num_embeddings, self.embedding_dim)
         destination[prefix + "weight"] = view if keep_vars else view.detach()
 
@@ -380,12 +379,12 @@ class OffloadedBatchEmbedding(Embedding):
     def extra_repr(self) -> str:
         s = nn.Embedding.extra_repr(self) + f", batch={self.batch}, offload=True"
         if self._host.cache_rows or self._host.cache_bytes:
-            s += f", cache_rows={self._host._cache_capacity()}"
+            s += f", cache_rows={self._host.cache_stats()['capacity']}"
         return s
 
 
 OffloadedBatchEmbedding.__doc__ = OffloadedBatchEmbedding.__doc__.replace("{shared}", _SHARED_DOC)
-Embedding._offloaded_class = OffloadedBatchEmbedding  # what Embedding(..., offload=True) builds
+set_offloaded_class(OffloadedBatchEmbedding)  # what Embedding(..., offload=True) builds
 
 
 def offload_embeddings(module: nn.Module, *, names: Iterable[str] | None = None, **options) -> list[str]:

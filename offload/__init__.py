@@ -11,10 +11,9 @@ rows a step touches are moved. This package knows nothing of model batching and 
 """
 
 from . import checkpoint_files
-from ._attach import attach, detach
 from ._cache_cuda import get_cache_kernels, set_cache_kernels, use_cache_kernels
 from ._choice import engine_choice, get_engine, set_engine, use_engine
-from ._embedding import OffloadedEmbedding
+from ._embedding import OffloadedEmbedding, attach, detach
 from ._host_array import HostArray, batches
 from ._memory import HostMemoryError, host_memory_available
 from ._optim import register_optimizer, row_state_spec

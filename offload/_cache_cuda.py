@@ -26,11 +26,12 @@ made itself; the kernels still skip entries out of range rather than write outsi
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 
 import torch
 from torch import Tensor
+
+import torchmb_config
 
 from . import cuda_launch as _launch
 
@@ -39,7 +40,7 @@ try:
 except (ImportError, OSError):  # pragma: no cover - depends on the machine
     cupy = None
 
-_enabled = os.environ.get("TORCHMB_OFFLOAD_KERNELS", "1") != "0"
+_SWITCH = torchmb_config.SWITCHES["offload_cache_kernels"]
 
 
 def get_cache_kernels() -> bool:
@@ -47,24 +48,19 @@ def get_cache_kernels() -> bool:
     importable); else the torch operations beside their callers (``offload._lookup``, ``_gpu_cache``,
     ``_optim_state``). Starts as ``$TORCHMB_OFFLOAD_KERNELS``
     (``0`` turns them off; default on)."""
-    return _enabled
+    return _SWITCH.get()
 
 
 def set_cache_kernels(enabled: bool) -> None:
     """Switch the cache kernels on or off (see :func:`get_cache_kernels`)."""
-    global _enabled
-    _enabled = bool(enabled)
+    _SWITCH.set(enabled)
 
 
 @contextlib.contextmanager
 def use_cache_kernels(enabled: bool) -> Iterator[None]:
     """Switch the cache kernels on or off inside the block; the old setting is restored after."""
-    old = get_cache_kernels()
-    set_cache_kernels(enabled)
-    try:
+    with _SWITCH.use(enabled):
         yield
-    finally:
-        set_cache_kernels(old)
 
 _BLOCK = 256
 
@@ -398,7 +394,7 @@ def segment_sum(grad: Tensor, runs: tuple[Tensor, Tensor, Tensor], count: int) -
 
 def usable(device: torch.device) -> bool:
     """Whether the kernels run for tensors on ``device`` now."""
-    return _enabled and cupy is not None and device.type == "cuda"
+    return cupy is not None and device.type == "cuda" and _SWITCH.get()
 
 
 def _grid(work: int, index: int) -> int:

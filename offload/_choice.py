@@ -6,13 +6,14 @@ once per device: it also sets the CPU engine's way of copying rows and its stagi
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Literal
 
 import torch
+
+import torchmb_config
 
 from . import _engine_cpu, _engine_hybrid, _engine_uva, _row_copy, _staging, _uva
 from ._engine import ENGINES
@@ -42,7 +43,8 @@ def _check_engine(name: str) -> str:
     return name
 
 
-_engine: str = _check_engine(os.environ.get(ENV_ENGINE) or "auto")
+_SWITCH = torchmb_config.SWITCHES["offload_engine"]
+_SWITCH.parse = _SWITCH.check = _check_engine  # the engine names are offload's
 
 
 def get_engine() -> str:
@@ -50,13 +52,12 @@ def get_engine() -> str:
 
     Starts as ``$TORCHMB_OFFLOAD_ENGINE`` (default ``"auto"``).
     """
-    return _engine
+    return _SWITCH.get()
 
 
 def set_engine(name: Engine) -> None:
     """Set the default engine (see :func:`get_engine`)."""
-    global _engine
-    _engine = _check_engine(name)
+    _SWITCH.set(name)
 
 
 @contextlib.contextmanager
@@ -185,7 +186,7 @@ def _measure(device: torch.device) -> dict[str, str]:
 
             def run(eng, op=op):  # as gather() / scatter() do it: indices on the device only
                 if op == "gather":
-                    table._gather_unique(idx_dev, None, buf, eng)
+                    table.gather_distinct(idx_dev, buf, engine=eng)
                 else:
                     table._scatter_unique(idx_dev, None, buf, eng)
 

@@ -5,12 +5,12 @@ parameter (``emb.weight``); any elementwise torch optimizer updates it, and afte
 the updated rows *and their optimizer state* are written back. Rows a step does not touch are not
 touched at all (lazy, SparseAdam-like semantics), which is what makes the table size free.
 
-The module is a composition of its parts, each a module of its own: the GPU cache of hot rows
-(:mod:`offload._gpu_cache`), a step's working set (:mod:`offload._working_set`) and its lookups
-(:mod:`offload._lookup`), prefetch (:mod:`offload._emb_prefetch`), optimizer-state switching around
-``optimizer.step()`` (:mod:`offload._optim_state`), writes to the host tables (:mod:`offload._host_write`)
-and checkpoints (:mod:`offload._checkpoint`). :func:`~offload.attach` and :func:`~offload.detach` are in
-:mod:`offload._attach`.
+The module composes its parts, each an object of its own module that owns its state: the host tables of a
+row (:class:`~offload._row_tables.RowTables`), the GPU cache of hot rows (:class:`~offload._gpu_cache.GpuCache`),
+a step's working set (:class:`~offload._working_set.WorkingSet`, with the lookups of :mod:`offload._lookup`),
+the prefetcher (:class:`~offload._emb_prefetch.Prefetcher`) and the optimizer-state switcher around
+``optimizer.step()`` (:class:`~offload._optim_state.OptimizerState`); checkpoints are in
+:mod:`offload._checkpoint`. :func:`attach` and :func:`detach` (the step hooks) are here.
 """
 
 from __future__ import annotations
@@ -22,18 +22,24 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import _checkpoint, _emb_prefetch, _gpu_cache, _host_write, _lookup, _optim_state, _working_set
-from ._emb_prefetch import _Next
-from ._gpu_cache import _Cache
+from . import _checkpoint, _lookup, _working_set
+from ._checkpoint_fields import CheckpointFields
+from ._emb_prefetch import Prefetcher
+from ._gpu_cache import GpuCache
 from ._index import _as_index
-from ._prefetch import Prefetch
+from ._optim import row_state_spec
+from ._optim_state import OptimizerState
+from ._row_tables import RowTables
 from ._table import HostTable
-from ._working_set import _Work
+from ._working_set import WorkingSet
 
-__all__ = ["OffloadedEmbedding"]
+__all__ = ["OffloadedEmbedding", "attach", "detach"]
+
+_ALL: weakref.WeakSet[OffloadedEmbedding] = weakref.WeakSet()
+"""Every OffloadedEmbedding, for :func:`attach` to find those whose weight an optimizer holds."""
 
 
-class OffloadedEmbedding(nn.Module):
+class OffloadedEmbedding(CheckpointFields, nn.Module):
     r"""A drop-in for :class:`torch.nn.Embedding` whose table lives in page-locked host memory.
 
     The first arguments are those of ``nn.Embedding``. ``emb.weight`` is the *working parameter*: the
@@ -116,8 +122,6 @@ class OffloadedEmbedding(nn.Module):
         self.sparse = sparse
         if cache_rows < 0 or (cache_bytes is not None and cache_bytes < 0):
             raise ValueError(f"cache size must be >= 0, got cache_rows={cache_rows}, cache_bytes={cache_bytes}")
-        self.cache_rows = int(cache_rows)
-        self.cache_bytes = cache_bytes
         self._pin, self._engine = pin, engine
         compute = torch.device(device) if device is not None else torch.device("cpu")
         dtype = dtype or (table.dtype if table is not None else torch.get_default_dtype())
@@ -133,25 +137,44 @@ class OffloadedEmbedding(nn.Module):
         else:
             table = HostTable(self.num_embeddings, self.embedding_dim, dtype, device=compute, pin=pin,
                               engine=engine, fill=None)
-        self.table = table
+        self._tables = RowTables(table)
         self.weight = nn.Parameter(torch.empty(0, self.embedding_dim, device=compute, dtype=dtype),
                                    requires_grad=not _freeze)
-        self._state_tables: dict[str, HostTable] = {}
-        self._spec: dict[str, float] = {}
-        self._self_init = True
-        self._optimizer: weakref.ref | None = None
-        self._work: _Work | None = None
-        self._cache: _Cache | None = None
-        self._wb_stream: torch.cuda.Stream | None = None  # write-backs of evicted rows (UVA engine)
-        self._wb_event = None
-        # evicted rows still to be written back, (ids, their cache records): see _gpu_cache.launch_evicted
-        self._evicted: list[tuple[Tensor, Tensor]] = []
-        self._next: _Next | None = None
-        self._pending: tuple[Tensor, dict[str, Prefetch]] | None = None
-        self._loaded: dict | None = None
+        self._cache = GpuCache(self._tables, int(cache_rows), cache_bytes)
+        self._prefetcher = Prefetcher(self._tables, self._cache)
+        self._work = WorkingSet(self._tables, self._cache, self._prefetcher)
+        self._optim = OptimizerState(self._tables, self._cache, self._work)
         if fresh:
             self.reset_parameters()
-        _optim_state._ALL.add(self)
+        _ALL.add(self)
+
+    @property
+    def cache_rows(self) -> int:
+        """The GPU cache's size in rows (see ``cache_bytes``); read when the cache is next made."""
+        return self._cache.rows
+
+    @cache_rows.setter
+    def cache_rows(self, rows: int) -> None:
+        self._cache.rows = int(rows)
+
+    @property
+    def cache_bytes(self) -> int | None:
+        """The GPU cache's size in bytes, weight plus per-row state (``None``: ``cache_rows`` decides)."""
+        return self._cache.nbytes
+
+    @cache_bytes.setter
+    def cache_bytes(self, nbytes: int | None) -> None:
+        self._cache.nbytes = nbytes
+
+    @property
+    def table(self) -> HostTable:
+        """The full table (a :class:`~offload.HostTable`)."""
+        return self._tables.weight
+
+    @table.setter
+    def table(self, table: HostTable) -> None:
+        self._tables.weight = table
+
 
     # -- parameters and state dicts --------------------------------------------------------------------------
     def reset_parameters(self) -> None:
@@ -203,15 +226,12 @@ class OffloadedEmbedding(nn.Module):
     @property
     def state_tables(self) -> dict[str, HostTable]:
         """The host tables of per-row optimizer state (``{"exp_avg": HostTable, ...}``), once attached."""
-        return dict(self._state_tables)
+        return dict(self._tables.states)
 
     @property
     def working_ids(self) -> Tensor | None:
         """Row ids of the current step's working rows, in ``weight``'s row order (``None`` between steps)."""
-        if self._work is None:
-            return None
-        return torch.cat([c.ids for c in self._work.chunks]) if len(self._work.chunks) > 1 else \
-            self._work.chunks[0].ids
+        return self._work.working_ids()
 
     # -- devices ---------------------------------------------------------------------------------------------
     def _sync_device(self) -> torch.device:
@@ -223,37 +243,38 @@ class OffloadedEmbedding(nn.Module):
             self._require_idle("moving to another device")
             self.flush()
             self._drop_cache()
-            self.table.device = dev
-            for t in self._state_tables.values():
-                t.device = dev
+            self._tables.move_to(dev)
         return dev
 
     def _require_idle(self, what: str) -> None:
-        if self._work is not None:
+        if self._work.current is not None:
             raise RuntimeError(f"OffloadedEmbedding: {what} in the middle of a step (rows are switched in; "
                                f"call optimizer.step() first)")
 
     # -- the GPU cache (offload._gpu_cache) ------------------------------------------------------------------
     def _cache_capacity(self) -> int:
-        return _gpu_cache.capacity(self)
+        return self._cache.capacity()
 
     def _drop_cache(self) -> None:
-        _gpu_cache.join(self)
-        self._cache = None
-        self._next = None
-        self._release_pending()
-
-    def _release_pending(self) -> None:
-        _emb_prefetch.release_pending(self)
+        self._cache.drop()
+        self._prefetcher.clear()
 
     def cache_stats(self) -> dict[str, int]:
         """``{"capacity", "hits", "misses"}`` counted over distinct rows: a miss is a row that had to come from
         the host (at switch-in, or earlier by :meth:`prefetch`), a hit one that was in the cache already."""
-        return _gpu_cache.stats(self)
+        return self._cache.stats()
 
     def flush(self) -> None:
         """Write every dirty cached row (and its optimizer state) back to the host tables."""
-        _gpu_cache.flush(self)
+        self._cache.flush()
+
+    def release_cache(self) -> None:
+        """:meth:`flush` and empty the GPU cache: later steps fetch their rows from the host tables again
+        (which a caller may then change directly, through :attr:`table`'s ``data``). Not in the middle of a
+        step."""
+        self._require_idle("release_cache")
+        self.flush()
+        self._drop_cache()
 
     # -- steps: the working set (offload._working_set), prefetch (offload._emb_prefetch) -------------------------
     def prefetch(self, indices: Tensor) -> None:
@@ -269,15 +290,16 @@ class OffloadedEmbedding(nn.Module):
         very same index tensor, unchanged since, reuses them, so a step whose rows the cache holds needs no
         host synchronisation at all. Pass the tensor the next step will look up.
         """
-        _emb_prefetch.prefetch(self, indices)
+        self._sync_device()
+        self._prefetcher.prefetch(_as_index(indices, self.table.device), self._work.bypassed())
 
     def prepare(self, indices: Tensor) -> None:
         """Switch in the rows of ``indices`` for the coming step (all lookups of the step may then use any
         of them). ``forward`` does this by itself for the first lookup of a step."""
         self._sync_device()
-        if self._work is not None:
-            _optim_state.end_work(self, check=True)
-        _working_set.begin(self, _as_index(indices, self.table.device))
+        if self._work.current is not None:
+            self._optim.end_work(self.weight, check=True)
+        self._work.begin(_as_index(indices, self.table.device), self.weight, self.max_norm, self.norm_type)
 
     def forward(self, input: Tensor) -> Tensor:
         self._sync_device()
@@ -285,20 +307,20 @@ class OffloadedEmbedding(nn.Module):
             raise TypeError(f"OffloadedEmbedding expects int32 or int64 indices, got {input.dtype}")
         training = torch.is_grad_enabled() and self.weight.requires_grad
         if not training:
-            return _lookup.lookup_no_grad(self, input)
+            return self._lookup_no_grad(input)
         flat = input.reshape(-1).to(self.weight.device, torch.int64)
-        if self._work is not None and self._optimizer is None:
-            _optim_state.end_work(self, check=True)  # nothing will step these rows: start afresh
-        first = self._work is None
+        if self._work.current is not None and self._optim.optimizer is None:
+            self._optim.end_work(self.weight, check=True)  # nothing will step these rows: start afresh
+        first = self._work.current is None
         if first:
-            local = _working_set.begin(self, flat).view(input.shape)
+            local = self._work.begin(flat, self.weight, self.max_norm, self.norm_type).view(input.shape)
         else:
-            local = _working_set.locate(self, flat).view(input.shape)
-        work = self._work
+            local = self._work.locate(flat, self.max_norm, self.norm_type).view(input.shape)
+        work = self._work.current
         table = work.chunks[0].leaf if len(work.chunks) == 1 else torch.cat([c.leaf for c in work.chunks])
         if (first and work.runs is not None and len(work.chunks) == 1 and self.padding_idx is None
                 and not self.scale_grad_by_freq and table.dtype == torch.float32):
-            return _lookup._Lookup.apply(table, local, work.runs)
+            return _lookup.Lookup.apply(table, local, work.runs)
         pad = None
         if self.padding_idx is not None:
             p = torch.searchsorted(work.sorted_ids, torch.tensor([self.padding_idx], device=flat.device))
@@ -307,27 +329,53 @@ class OffloadedEmbedding(nn.Module):
                 pad = int(p if work.perm is None else work.perm[p])
         return F.embedding(local, table, pad, None, self.norm_type, self.scale_grad_by_freq, False)
 
-    def _write_rows(self, ids: Tensor, rows: Tensor) -> None:
-        """Weight rows only (renormalisation outside a step): into the cache where cached, else the host."""
-        _gpu_cache.join(self)
-        cache = self._cache
-        if cache is not None:
-            slots = cache.slot_of.index_select(0, ids)
-            hit = slots != cache.capacity
-            cache.weight[slots[hit]] = rows[hit]
-            cache.dirty[slots[hit]] = True
-            ids, rows = ids[~hit], rows[~hit]
-        _host_write.commit(ids, [(self.table, rows)])
+    def _lookup_no_grad(self, input: Tensor) -> Tensor:
+        flat = input.reshape(-1).to(self.weight.device, torch.int64)
+        rows = _working_set.lookup_no_grad(flat, self._cache, self._work, self.weight, self.max_norm, self.norm_type)
+        return rows.view(*input.shape, self.embedding_dim)
 
     # -- the optimizer (offload._optim_state) ---------------------------------------------------------------
     def _attach(self, optimizer: torch.optim.Optimizer) -> None:
-        _optim_state.attach_optimizer(self, optimizer)
+        """Create (or resume from a loaded checkpoint) the host tables of ``optimizer``'s per-row state."""
+        group = next((g for g in optimizer.param_groups if any(p is self.weight for p in g["params"])), None)
+        if group is None:
+            raise ValueError("offload.attach: this OffloadedEmbedding's weight is not among the optimizer's "
+                             "parameters (build the optimizer from model.parameters())")
+        current = self._optim.optimizer
+        if current is optimizer and self._optim.loaded is None:
+            return
+        if current is not None and current is not optimizer:
+            raise RuntimeError("offload.attach: this OffloadedEmbedding is already attached to another "
+                               "optimizer (offload.detach it first)")
+        spec, self_init = row_state_spec(optimizer, group)
+        self._require_idle("attach")
+        self.flush()
+        self._drop_cache()
+        loaded, self._optim.loaded = self._optim.loaded, None
+        if loaded is not None:
+            tables = _checkpoint.resume_state(self, optimizer, spec, loaded)
+        else:
+            tables = {k: HostTable(self.num_embeddings, self.embedding_dim, self.table.dtype, device=self.table.device,
+                                   pin=self._pin, engine=self._engine, fill=fill) for k, fill in spec.items()}
+        self._optim.attach(optimizer, spec, tables, self_init)
+
+    def _padding_rows(self, ids: Tensor) -> Tensor | None:
+        """Positions of the padding row among the working rows ``ids`` (``None`` without one): the rows that
+        a step leaves untrained."""
+        if self.padding_idx is None:
+            return None
+        return torch.nonzero(ids == self.padding_idx).squeeze(1)
 
     def _pre_step(self, optimizer: torch.optim.Optimizer) -> None:
-        _optim_state.pre_step(self, optimizer)
+        self._optim.pre_step(optimizer, self.weight, self._padding_rows)
 
     def _post_step(self, optimizer: torch.optim.Optimizer) -> None:
-        _optim_state.post_step(self, optimizer)
+        self._optim.post_step(optimizer, self.weight)
+
+    def _detach(self) -> None:
+        self._require_idle("detach")
+        self.flush()
+        self._optim.optimizer = None
 
     # -- checkpoints (offload._checkpoint) -------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> None:
@@ -363,3 +411,60 @@ class OffloadedEmbedding(nn.Module):
         ``__init__`` (``padding_idx``, ``cache_rows``, ...)."""
         return _checkpoint.from_checkpoint(cls, path, mmap_mode=mmap_mode, device=device, pin=pin, engine=engine,
                                            verify_checksums=verify_checksums, **kwargs)
+
+
+_HOOKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def attach(optimizer: torch.optim.Optimizer, *modules: OffloadedEmbedding) -> torch.optim.Optimizer:
+    """Make ``optimizer`` write the rows it updates back to the host: the one extra line of a training loop.
+
+    Finds every :class:`OffloadedEmbedding` whose working parameter the optimizer holds (or uses
+    ``modules``), creates the host tables of their per-row optimizer state and registers step hooks:
+    before ``step`` the rows' state is switched in, after ``step`` rows and state are written back.
+    Returns ``optimizer``.
+
+    Raises:
+        TypeError: for an optimizer that is not elementwise (LBFGS) or unknown.
+        ValueError: a given module's weight is not in the optimizer.
+    """
+    if not modules:
+        held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        modules = tuple(m for m in list(_ALL) if id(m.weight) in held)
+    for m in modules:
+        if not isinstance(m, OffloadedEmbedding):
+            raise TypeError(f"offload.attach takes OffloadedEmbedding modules, got {type(m).__name__}")
+        m._attach(optimizer)
+    entry = _HOOKED.get(optimizer)
+    if entry is None:
+        mods: weakref.WeakSet[OffloadedEmbedding] = weakref.WeakSet()
+
+        def pre(opt, args, kwargs):
+            for m in list(mods):
+                m._pre_step(opt)
+
+        def post(opt, args, kwargs):
+            for m in list(mods):
+                m._post_step(opt)
+
+        handles = (optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post))
+        entry = _HOOKED[optimizer] = (mods, handles)
+    for m in modules:
+        entry[0].add(m)
+    return optimizer
+
+
+def detach(optimizer: torch.optim.Optimizer, *modules: OffloadedEmbedding) -> None:
+    """Undo :func:`attach` (for ``modules``, or all): cached rows are flushed to the host first."""
+    entry = _HOOKED.get(optimizer)
+    if entry is None:
+        return
+    mods, handles = entry
+    targets = modules or tuple(mods)
+    for m in targets:
+        m._detach()
+        mods.discard(m)
+    if not mods:
+        for h in handles:
+            h.remove()
+        del _HOOKED[optimizer]

@@ -1,26 +1,22 @@
 """The GPU cache of an :class:`~offload.OffloadedEmbedding`: hot rows (weight and per-row optimizer state)
 kept in slots on the GPU, found by a device-side row -> slot map, evicted least recently used first and
-written back to the host tables (on a side stream with the UVA engine)."""
+written back to the host tables (on a side stream with the UVA engine). :class:`GpuCache` owns the slots
+(:class:`CacheSlots`) and the write-backs; the embedding's other parts use it through its methods."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from . import _cache_cuda, _host_write
 from ._choice import get_engine
-from ._table import HostTable
-
-if TYPE_CHECKING:
-    from ._embedding import OffloadedEmbedding
+from ._row_tables import RowTables
 
 _SORTED_WRITE_BACK_ROWS = 1 << 15  # evictions at least this large are written back in ascending row order
 _FLUSH_ROWS = 1 << 16
 
 
-class _Cache:
+class CacheSlots:
     """GPU-resident copies of hot rows (weight and per-row optimizer state), written back on eviction.
 
     Everything a lookup needs is a device tensor (``slot_of``: row id -> slot), so a hit costs no host work.
@@ -66,157 +62,193 @@ class _Cache:
         self.uva: tuple | None = None  # (engine switch, table engine, whether the UVA kernel moves the rows)
 
 
-def capacity(emb: OffloadedEmbedding) -> int:
-    if emb.cache_bytes is not None:
-        row = emb.embedding_dim * emb.table._data.element_size() * (1 + len(emb._spec))
-        return min(emb.num_embeddings, emb.cache_bytes // row)
-    return min(emb.num_embeddings, emb.cache_rows)
+class GpuCache:
+    """The GPU cache of an embedding's rows (over the host tables ``tables``): up to ``rows`` rows, or as many
+    as ``nbytes`` hold (weight plus per-row state). ``slots`` is ``None`` until a step needs them (and
+    after :meth:`drop`); writes of evicted rows back to the host run on a side stream with the UVA engine."""
 
+    def __init__(self, tables: RowTables, rows: int, nbytes: int | None):
+        self.tables = tables
+        self.rows = rows
+        self.nbytes = nbytes
+        self.slots: CacheSlots | None = None
+        self._wb_stream: torch.cuda.Stream | None = None  # write-backs of evicted rows (UVA engine)
+        self.wb_event = None  # the last write-back launched on that stream
+        # evicted rows still to be written back, (ids, their cache records): see launch_evicted
+        self._evicted: list[tuple[Tensor, Tensor]] = []
 
-def get(emb: OffloadedEmbedding) -> _Cache | None:
-    cap = capacity(emb)
-    if cap <= 0:
-        return None
-    if emb._cache is None:
-        emb._cache = _Cache(cap, emb.table.num_rows, emb.embedding_dim, emb.table.dtype, emb.table.device,
-                            tuple(emb._spec))
-    return emb._cache
+    def capacity(self) -> int:
+        t = self.tables
+        if self.nbytes is not None:
+            return min(t.num_rows, self.nbytes // t.row_bytes())
+        return min(t.num_rows, self.rows)
 
+    def get(self) -> CacheSlots | None:
+        """The slots, made at the first use (``None`` without a cache)."""
+        cap = self.capacity()
+        if cap <= 0:
+            return None
+        if self.slots is None:
+            t = self.tables
+            self.slots = CacheSlots(cap, t.num_rows, t.dim, t.dtype, t.device, t.keys)
+        return self.slots
 
-def host_tables(emb: OffloadedEmbedding) -> list[HostTable]:
-    """The host tables of a row: the weight's, then the per-row state's (the cache's ``parts`` order)."""
-    return [emb.table, *(emb._state_tables[k] for k in emb._spec)]
+    def drop(self) -> None:
+        """Forget the cached rows (after :meth:`flush` when they matter): side-stream work is joined first."""
+        self.join()
+        self.slots = None
 
+    def uses_uva(self) -> bool:
+        """Whether the cache's rows move by the UVA kernel (see :func:`_host_write.cache_engine`), worked
+        out once per engine setting."""
+        cache = self.slots
+        key = (get_engine(), self.tables.weight.engine)
+        got = cache.uva
+        if got is None or got[:2] != key:
+            ok = self.tables.device.type == "cuda" and all(
+                _host_write.cache_engine(t, op) == "uva" for t in self.tables.all() for op in ("gather", "scatter"))
+            got = cache.uva = (*key, ok)
+        return got[2]
 
-def uses_uva(emb: OffloadedEmbedding, cache: _Cache) -> bool:
-    """Whether the cache's rows move by the UVA kernel (see :func:`_cache_engine`), worked out once per
-    engine setting."""
-    key = (get_engine(), emb.table.engine)
-    got = cache.uva
-    if got is None or got[:2] != key:
-        ok = emb.table.device.type == "cuda" and all(
-            _host_write.cache_engine(t, op) == "uva" for t in host_tables(emb) for op in ("gather", "scatter"))
-        got = cache.uva = (*key, ok)
-    return got[2]
+    def stats(self) -> dict[str, int]:
+        """``{"capacity", "hits", "misses"}`` counted over distinct rows: a miss is a row that had to come from
+        the host (at switch-in, or earlier by a prefetch), a hit one that was in the cache already."""
+        c = self.slots
+        if c is None:
+            return {"capacity": self.capacity(), "hits": 0, "misses": 0}
+        hits = c.hits - c.prefetch_hits - (0 if c.prefetch_hits_dev is None else int(c.prefetch_hits_dev))
+        return {"capacity": self.capacity(), "hits": hits, "misses": c.misses}
 
+    def join(self, host: bool = True) -> None:
+        """Make the current stream wait for this cache's side-stream work: prefetch admissions and, with
+        ``host``, the write-backs of evicted rows (before host rows are read)."""
+        self.launch_evicted()
+        if host:
+            c = self.slots
+            device = self.tables.device
+            if c is not None and c.states_ready is not None:  # (state rows still landing in their slots)
+                torch.cuda.current_stream(device).wait_event(c.states_ready)
+                c.states_ready = None
+            if self.wb_event is not None:
+                torch.cuda.current_stream(device).wait_event(self.wb_event)
 
-def stats(emb: OffloadedEmbedding) -> dict[str, int]:
-    """``{"capacity", "hits", "misses"}`` counted over distinct rows: a miss is a row that had to come from
-    the host (at switch-in, or earlier by :meth:`prefetch`), a hit one that was in the cache already."""
-    c = emb._cache
-    if c is None:
-        return {"capacity": capacity(emb), "hits": 0, "misses": 0}
-    hits = c.hits - c.prefetch_hits - (0 if c.prefetch_hits_dev is None else int(c.prefetch_hits_dev))
-    return {"capacity": capacity(emb), "hits": hits, "misses": c.misses}
+    def launch_evicted(self, wait: bool = True) -> None:
+        """Start writing back the rows that prefetch admissions evicted (deferred until the step's own state
+        gathers are consumed, so that they need not wait for the write-back). With ``wait`` the current
+        stream waits for the prefetch admission; without, only the write-back does (after a step, so that
+        the admission of the next step's rows goes on overlapping the work that follows)."""
+        c = self.slots
+        ready = None
+        if c is not None and c.ready is not None:
+            ready = c.ready
+            if wait:
+                torch.cuda.current_stream(self.tables.device).wait_event(ready)
+                c.ready = None
+        if self._evicted:
+            evicted, self._evicted = self._evicted, []
+            for ids, records in evicted:
+                self.write_back(ids, records, after=ready)
 
-
-def join(emb: OffloadedEmbedding, host: bool = True) -> None:
-    """Make the current stream wait for this module's side-stream work: prefetch admissions into the cache
-    and, with ``host``, the write-backs of evicted rows (before host rows are read)."""
-    launch_evicted(emb)
-    if host:
-        c = emb._cache
-        if c is not None and c.states_ready is not None:  # (state rows still landing in their slots)
-            torch.cuda.current_stream(emb.table.device).wait_event(c.states_ready)
-            c.states_ready = None
-        if emb._wb_event is not None:
-            torch.cuda.current_stream(emb.table.device).wait_event(emb._wb_event)
-
-
-def launch_evicted(emb: OffloadedEmbedding, wait: bool = True) -> None:
-    """Start writing back the rows that prefetch admissions evicted (deferred until the step's own state
-    gathers are consumed, so that they need not wait for the write-back). With ``wait`` the current
-    stream waits for the prefetch admission; without, only the write-back does (after a step, so that
-    the admission of the next step's rows goes on overlapping the work that follows)."""
-    c = emb._cache
-    ready = None
-    if c is not None and c.ready is not None:
-        ready = c.ready
-        if wait:
-            torch.cuda.current_stream(emb.table.device).wait_event(ready)
-            c.ready = None
-    if emb._evicted:  # (nn.Module attribute assignments cost microseconds: only when there is work)
-        evicted, emb._evicted = emb._evicted, []
-        for ids, records in evicted:
-            write_back(emb, ids, records, after=ready)
-
-
-def write_back(emb: OffloadedEmbedding, ids: Tensor, records: Tensor, after=None) -> None:
-    """Commit evicted rows (``records``: their cache records, weight and state side by side) to the host
-    tables; with the UVA engine in one launch on a side stream, so the write-back of one step's evictions
-    overlaps its compute (the next host read waits for it, see :meth:`_join`). ``after``: the event of
-    the prefetch admission that produced ``ids`` and ``records`` on its side stream (the write-back then
-    waits for that alone), else they are the current stream's."""
-    if ids.numel() == 0:
-        return
-    tables = host_tables(emb)
-    parts = list(records.unbind(1))
-    cuda = ids.device.type == "cuda"
-    current = torch.cuda.current_stream(ids.device) if cuda else None
-    if not (cuda and emb._cache is not None and uses_uva(emb, emb._cache)):
+    def write_back(self, ids: Tensor, records: Tensor, after=None) -> None:
+        """Commit evicted rows (``records``: their cache records, weight and state side by side) to the host
+        tables; with the UVA engine in one launch on a side stream, so the write-back of one step's evictions
+        overlaps its compute (the next host read waits for it, see :meth:`join`). ``after``: the event of
+        the prefetch admission that produced ``ids`` and ``records`` on its side stream (the write-back then
+        waits for that alone), else they are the current stream's."""
+        if ids.numel() == 0:
+            return
+        tables = self.tables.all()
+        parts = list(records.unbind(1))
+        cuda = ids.device.type == "cuda"
+        current = torch.cuda.current_stream(ids.device) if cuda else None
+        if not (cuda and self.slots is not None and self.uses_uva()):
+            if after is not None:
+                current.wait_event(after)
+            _host_write.commit(ids, list(zip(tables, parts, strict=True)),
+                               [_host_write.cache_engine(t, "scatter") for t in tables] if cuda else None)
+            return
+        if self._wb_stream is None:
+            self._wb_stream = torch.cuda.Stream(ids.device)
+        wb = self._wb_stream
         if after is not None:
-            current.wait_event(after)
-        _host_write.commit(ids, list(zip(tables, parts, strict=True)),
-                [_host_write.cache_engine(t, "scatter") for t in tables] if cuda else None)
-        return
-    if emb._wb_stream is None:
-        emb._wb_stream = torch.cuda.Stream(ids.device)
-    wb = emb._wb_stream
-    if after is not None:
-        # (the evicted rows were cached until the admission: no earlier host access of them is pending)
-        wb.wait_event(after)
-    else:
-        wb.wait_stream(current)
-    with torch.cuda.stream(wb):
-        _host_write.move("scatter", tables, ids, parts, None, True)
-        ev = torch.cuda.Event()
-        ev.record(wb)
-    ids.record_stream(wb)
-    records.record_stream(wb)
-    emb._wb_event = ev
+            # (the evicted rows were cached until the admission: no earlier host access of them is pending)
+            wb.wait_event(after)
+        else:
+            wb.wait_stream(current)
+        with torch.cuda.stream(wb):
+            _host_write.move("scatter", tables, ids, parts, None, True)
+            ev = torch.cuda.Event()
+            ev.record(wb)
+        ids.record_stream(wb)
+        records.record_stream(wb)
+        self.wb_event = ev
+
+    def evict(self, k: int, protect_from: int, defer: bool = False) -> tuple[Tensor, Tensor | None, int]:
+        """``k`` slots for new rows: empty ones first, then the least recently used among the slots not used
+        since ``protect_from``; the rows they held (and their optimizer state) are written back to the host
+        (with ``defer``, by the next :meth:`launch_evicted`). Returns ``(slots, evicted row ids, number of
+        empty slots among them)``: :func:`install` clears the evicted rows' slot-map entries."""
+        # Slots fill in order: the empty ones are [filled, capacity). Only when they run out are rows evicted,
+        # the least recently used of the filled slots (in no particular order: no sort needed). The slots of
+        # this step and the next are stamped >= protect_from, all others below it, and the callers ask for
+        # at most ``capacity - protected - reserved`` slots (an upper bound on those stamped): the k smallest
+        # stamps are slots that neither step uses, with no masking of the others.
+        cache = self.slots
+        filled = cache.filled
+        n_empty = min(k, cache.capacity - filled)
+        cache.filled += n_empty
+        empty = torch.arange(filled, filled + n_empty, device=cache.last_use.device) if n_empty else None
+        if k == n_empty:
+            return empty, None, n_empty
+        if _cache_cuda.usable(cache.last_use.device):  # (4 launches where topk takes some 15)
+            old = _cache_cuda.lru_victims(cache.last_use[:filled], k - n_empty, protect_from)
+        else:
+            old = torch.topk(cache.last_use[:filled], k - n_empty, largest=False, sorted=False).indices
+        victims = old if empty is None else torch.cat([empty, old])
+        old_ids = cache.ids.index_select(0, old)
+        if old.numel() >= _SORTED_WRITE_BACK_ROWS:
+            # host rows written in address order translate far faster (see HostTable); below this size the
+            # sort's launches cost more host time than the side stream's write-back gains
+            old_ids, order = torch.sort(old_ids)
+            old = old.index_select(0, order)
+        records = cache.rows.index_select(0, old)  # weight and state of each victim, one copy
+        if defer:
+            self._evicted.append((old_ids, records))
+        else:
+            self.write_back(old_ids, records)
+        return victims, old_ids, n_empty
+
+    def flush(self) -> None:
+        """Write every dirty cached row (and its optimizer state) back to the host tables."""
+        self.join()
+        c = self.slots
+        if c is None:
+            return
+        dirty = torch.nonzero(c.dirty & (c.ids >= 0)).squeeze(1)
+        for start in range(0, dirty.numel(), _FLUSH_ROWS):  # (a few rows at a time: little GPU memory)
+            slots = dirty[start:start + _FLUSH_ROWS]
+            writes = [(t, part[slots]) for t, part in zip(self.tables.all(), c.parts, strict=True)]
+            _host_write.commit(c.ids[slots], writes)
+            c.dirty.index_fill_(0, slots, False)
+
+    def write_rows(self, ids: Tensor, rows: Tensor) -> None:
+        """Weight rows only (renormalisation outside a step): into the cache where cached, else the host."""
+        self.join()
+        cache = self.slots
+        if cache is not None:
+            slots = cache.slot_of.index_select(0, ids)
+            hit = slots != cache.capacity
+            cache.weight[slots[hit]] = rows[hit]
+            cache.dirty[slots[hit]] = True
+            ids, rows = ids[~hit], rows[~hit]
+        _host_write.commit(ids, [(self.tables.weight, rows)])
 
 
-def evict(emb: OffloadedEmbedding, cache: _Cache, k: int, protect_from: int,
-          defer: bool = False) -> tuple[Tensor, Tensor | None, int]:
-    """``k`` slots for new rows: empty ones first, then the least recently used among the slots not used
-    since ``protect_from``; the rows they held (and their optimizer state) are written back to the host
-    (with ``defer``, by the next :meth:`_launch_evicted`). Returns ``(slots, evicted row ids, number of
-    empty slots among them)``: :meth:`_install` clears the evicted rows' slot-map entries."""
-    # Slots fill in order: the empty ones are [filled, capacity). Only when they run out are rows evicted,
-    # the least recently used of the filled slots (in no particular order: no sort needed). The slots of
-    # this step and the next are stamped >= protect_from, all others below it, and the callers ask for
-    # at most ``capacity - protected - reserved`` slots (an upper bound on those stamped): the k smallest
-    # stamps are slots that neither step uses, with no masking of the others.
-    filled = cache.filled
-    n_empty = min(k, cache.capacity - filled)
-    cache.filled += n_empty
-    empty = torch.arange(filled, filled + n_empty, device=cache.last_use.device) if n_empty else None
-    if k == n_empty:
-        return empty, None, n_empty
-    if _cache_cuda.usable(cache.last_use.device):  # (4 launches where topk takes some 15)
-        old = _cache_cuda.lru_victims(cache.last_use[:filled], k - n_empty, protect_from)
-    else:
-        old = torch.topk(cache.last_use[:filled], k - n_empty, largest=False, sorted=False).indices
-    victims = old if empty is None else torch.cat([empty, old])
-    old_ids = cache.ids.index_select(0, old)
-    if old.numel() >= _SORTED_WRITE_BACK_ROWS:
-        # host rows written in address order translate far faster (see HostTable); below this size the
-        # sort's launches cost more host time than the side stream's write-back gains
-        old_ids, order = torch.sort(old_ids)
-        old = old.index_select(0, order)
-    records = cache.rows.index_select(0, old)  # weight and state of each victim, one copy
-    if defer:
-        emb._evicted.append((old_ids, records))
-    else:
-        write_back(emb, old_ids, records)
-    return victims, old_ids, n_empty
-
-
-def install(cache: _Cache, slots: Tensor, ids: Tensor, use: int, old_ids: Tensor | None, n_empty: int,
+def install(cache: CacheSlots, slots: Tensor, ids: Tensor, use: int, old_ids: Tensor | None, n_empty: int,
             gen: int | None = None, chunk_slots: Tensor | None = None, miss_pos: Tensor | None = None) -> None:
-    """Map rows ``ids`` (whose records were gathered into ``slots``, from :meth:`_evict` with ``old_ids``
-    and ``n_empty``) to their slots, stamped ``use`` (and with ``gen``, as that prefetch's admissions);
-    ``chunk_slots[miss_pos[i]] = slots[i]``."""
+    """Map rows ``ids`` (whose records were gathered into ``slots``, from :meth:`GpuCache.evict` with
+    ``old_ids`` and ``n_empty``) to their slots, stamped ``use`` (and with ``gen``, as that prefetch's
+    admissions); ``chunk_slots[miss_pos[i]] = slots[i]``."""
     # (``dirty`` keeps the slot's old flag: a row is admitted for a step that will store it, and a clean
     # row marked dirty only costs :meth:`flush` a write of unchanged values)
     if _cache_cuda.usable(slots.device):
@@ -234,17 +266,6 @@ def install(cache: _Cache, slots: Tensor, ids: Tensor, use: int, old_ids: Tensor
         chunk_slots.index_copy_(0, miss_pos[: slots.numel()], slots)
 
 
-def flush(emb: OffloadedEmbedding) -> None:
-    """Write every dirty cached row (and its optimizer state) back to the host tables."""
-    join(emb)
-    c = emb._cache
-    if c is None:
-        return
-    dirty = torch.nonzero(c.dirty & (c.ids >= 0)).squeeze(1)
-    for start in range(0, dirty.numel(), _FLUSH_ROWS):  # (a few rows at a time: little GPU memory)
-        slots = dirty[start:start + _FLUSH_ROWS]
-        writes = [(emb.table, c.weight[slots])]
-        writes += [(emb._state_tables[k], c.states[k][slots]) for k in emb._spec]
-        _host_write.commit(c.ids[slots], writes)
-        c.dirty.index_fill_(0, slots, False)
-
+def flush(emb) -> None:
+    """``emb.flush()``: what :mod:`offload._checkpoint` calls until it calls the embedding's method."""
+    emb.flush()

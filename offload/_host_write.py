@@ -152,7 +152,7 @@ def move(op: str, tables: list[HostTable], ids: Tensor, devs: list[Tensor], pos:
         return
     for t, d in zip(tables, devs, strict=True):
         tmp = torch.empty(ids.numel(), t.dim, dtype=t.dtype, device=d.device)
-        t._gather_unique(ids, None, tmp, cache_engine(t, "gather"))
+        t.gather_distinct(ids, tmp, engine=cache_engine(t, "gather"))
         if pos is None:
             d.copy_(tmp)
         else:

@@ -1,27 +1,24 @@
 """The lookups of an :class:`~offload.OffloadedEmbedding`: deduplicating and bounds-checking a step's
 indices with one host synchronisation (:func:`distinct`), the autograd function of a step's first lookup
-(:class:`_Lookup`), and lookups that train nothing (:func:`lookup_no_grad`)."""
+(:class:`Lookup`), and lookups that train nothing (:func:`lookup_no_grad`)."""
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from . import _cache_cuda, _gpu_cache
-from ._gpu_cache import _Cache
+from . import _cache_cuda
+from ._gpu_cache import CacheSlots
 from ._index import _check_bounds
-
-if TYPE_CHECKING:
-    from ._embedding import OffloadedEmbedding
+from ._table import HostTable
 
 
 @dataclass
 class _Rows:
-    """What :meth:`OffloadedEmbedding._distinct` found: the distinct ids (sorted) and ``ids[inverse] == flat``;
+    """What :func:`distinct` found: the distinct ids (sorted) and ``ids[inverse] == flat``;
     with a cache each id's slot and the misses, as a mask over ``ids`` or compacted (their positions in ``ids``
     and their ids), their number, and whether the slots' LRU stamps are set already."""
     ids: Tensor
@@ -35,7 +32,7 @@ class _Rows:
     runs: tuple[Tensor, Tensor, Tensor] | None = None  # from the CuPy kernels: see _cache_cuda.segment_sum
 
 
-class _Lookup(torch.autograd.Function):
+class Lookup(torch.autograd.Function):
     """``table[local]`` for the indices of a step's first lookup, whose backward sums each row's gradient
     with :func:`_cache_cuda.segment_sum` over the runs of the deduplication that made ``local`` (two
     launches where ``F.embedding``'s dense backward sorts the indices again, some 20; deterministic too)."""
@@ -84,9 +81,11 @@ def renorm(rows: Tensor, max_norm: float, norm_type: float) -> None:
         torch.embedding_renorm_(rows, idx, max_norm, norm_type)
 
 
-def distinct(emb: OffloadedEmbedding, flat: Tensor, cache: _Cache | None = None, exclude: Tensor | None = None,
+def distinct(table: HostTable, flat: Tensor, cache: CacheSlots | None = None, exclude: Tensor | None = None,
              stamp: int = -1) -> _Rows:
-    """Deduplicate and bounds-check ``flat`` with one host synchronisation (see :class:`_Rows`).
+    """Deduplicate and bounds-check ``flat``, indices of ``table``'s rows, with one host synchronisation (see
+    :class:`_Rows`). The caller has joined the cache's side-stream work (a prefetch admission may still be
+    writing the slot map).
 
     With a cache, each distinct id's slot and the misses: ids to fetch from the host (not cached, and not
     in the sorted ``exclude``); with ``stamp >= 0`` their slots' LRU stamps are set to it (where the CuPy
@@ -94,13 +93,11 @@ def distinct(emb: OffloadedEmbedding, flat: Tensor, cache: _Cache | None = None,
     index out of range reaches a kernel that touches host memory.
     """
     n_flat = flat.numel()
-    if cache is not None:
-        _gpu_cache.join(emb, host=False)  # a prefetch admission may still be writing the slot map
     if n_flat == 0:
         empty = flat.new_empty(0)
         none = None if cache is None else empty
         return _Rows(empty, empty, none, None if cache is None else empty.bool())
-    num_rows = emb.table.num_rows
+    num_rows = table.num_rows
     if _cache_cuda.usable(flat.device):
         ids, inverse, slots, miss_pos, miss_ids, stats, runs = _cache_cuda.dedup(
             flat.contiguous(), None if cache is None else cache.slot_of, 0 if cache is None else cache.capacity,
@@ -137,41 +134,19 @@ def distinct(emb: OffloadedEmbedding, flat: Tensor, cache: _Cache | None = None,
     return _Rows(ids, inverse, slots, miss, vals[3])
 
 
-def lookup_no_grad(emb: OffloadedEmbedding, input: Tensor) -> Tensor:
-    """A lookup that trains nothing: rows from the working set, the cache or the host."""
-    flat = input.reshape(-1).to(emb.weight.device, torch.int64)
-    _gpu_cache.join(emb)
-    with torch.no_grad():
-        ids, inverse = emb.table.prepare(flat)
-        cache = emb._cache
-        if cache is None:
-            rows = torch.empty(ids.numel(), emb.embedding_dim, dtype=emb.table.dtype, device=emb.weight.device)
-            emb.table._gather_unique(ids, None, rows, emb.table.resolved_engine("gather"))
-        else:
-            slots = cache.slot_of.index_select(0, ids)
-            rows = cache.weight.index_select(0, slots)
-            miss = torch.nonzero(slots == cache.capacity).squeeze(1)
-            if miss.numel():
-                host = torch.empty(miss.numel(), emb.embedding_dim, dtype=emb.table.dtype,
-                                   device=emb.weight.device)
-                emb.table._gather_unique(ids[miss], None, host, emb.table.resolved_engine("gather"))
-                rows[miss] = host
-        work = emb._work
-        if work is not None and work.sorted_ids.numel() and ids.numel():
-            # rows of the step in progress are newer than the cache's and the host's
-            n = work.sorted_ids.numel()
-            pos = torch.searchsorted(work.sorted_ids, ids).clamp_(max=n - 1)
-            found = torch.nonzero(work.sorted_ids[pos] == ids).squeeze(1)
-            step_rows = emb.weight if len(work.chunks) == 1 or work.folded else \
-                torch.cat([emb.weight.data] + [c.leaf.data for c in work.chunks[1:]])
-            at = pos[found]
-            rows[found] = step_rows.detach().index_select(0, at if work.perm is None else work.perm[at])
-        elif emb.max_norm is not None:
-            before = rows.clone()
-            renorm(rows, emb.max_norm, emb.norm_type)
-            changed = (rows != before).any(dim=1)
-            if bool(changed.any()):  # nn.Embedding renormalises its weight in place, also without grad
-                ch = torch.nonzero(changed).squeeze(1)
-                emb._write_rows(ids[ch], rows[ch])
-        out = rows.index_select(0, inverse)
-    return out.view(*input.shape, emb.embedding_dim)
+def lookup_rows(table: HostTable, cache: CacheSlots | None, ids: Tensor) -> Tensor:
+    """Rows ``ids`` (distinct, checked) for a lookup that trains nothing: from the cache where cached, else
+    from the host."""
+    rows = torch.empty(ids.numel(), table.dim, dtype=table.dtype, device=table.device)
+    if cache is None:
+        table.gather_distinct(ids, rows)
+        return rows
+    slots = cache.slot_of.index_select(0, ids)
+    torch.index_select(cache.weight, 0, slots, out=rows)
+    miss = torch.nonzero(slots == cache.capacity).squeeze(1)
+    if miss.numel():
+        host = torch.empty(miss.numel(), table.dim, dtype=table.dtype, device=table.device)
+        table.gather_distinct(ids[miss], host)
+        rows[miss] = host
+    return rows
+

@@ -9,12 +9,13 @@ exactly the table's bytes, and it lets a memory-mapped file be pinned without a 
 from __future__ import annotations
 
 import mmap
-import os
 import resource
 import threading
 
 import psutil
 import torch
+
+import torchmb_config
 
 __all__ = ["HostMemoryError", "host_memory_available", "pin_tensor", "unpin_tensor"]
 
@@ -62,12 +63,12 @@ def _memory_report() -> str:
     return f"MemAvailable {avail}, RLIMIT_MEMLOCK {lock}"
 
 
-HUGE_PAGES = os.environ.get("TORCHMB_OFFLOAD_HUGE_PAGES", "1") != "0"
-"""Allocate tables of at least ``HUGE_PAGE_MIN`` bytes as anonymous memory maps advised for transparent
+HUGE_PAGES = torchmb_config.SWITCHES["offload_huge_pages"]
+"""Whether to allocate tables of at least ``HUGE_PAGE_MIN`` bytes as anonymous memory maps advised for transparent
 huge pages (``madvise(MADV_HUGEPAGE)``), so that random rows of a large table cost fewer address
 translations on the host and, where the driver maps the pinned pages with large pages, on the GPU.
-``$TORCHMB_OFFLOAD_HUGE_PAGES=0`` turns it off. Where the kernel has no transparent huge pages the advice
-is ignored and the memory is ordinary."""
+``$TORCHMB_OFFLOAD_HUGE_PAGES=0`` turns it off (the ``torchmb_config`` switch ``"offload_huge_pages"``).
+Where the kernel has no transparent huge pages the advice is ignored and the memory is ordinary."""
 HUGE_PAGE_MIN = 32 << 20
 
 
@@ -79,7 +80,7 @@ def allocate_host(shape: tuple[int, ...], dtype: torch.dtype, what: str) -> torc
     """
     nbytes = _nbytes(shape, dtype)
     try:
-        if HUGE_PAGES and nbytes >= HUGE_PAGE_MIN and hasattr(mmap, "MADV_HUGEPAGE"):
+        if HUGE_PAGES.get() and nbytes >= HUGE_PAGE_MIN and hasattr(mmap, "MADV_HUGEPAGE"):
             m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
             try:

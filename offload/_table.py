@@ -301,6 +301,10 @@ class HostTable:
         if self._prefetches:
             self._patch_prefetches(uniq, rows if pos is None else rows.index_select(0, pos))
     # -- public gather / scatter -------------------------------------------------------------------------
+    def gather_distinct(self, ids: Tensor, out: Tensor, *, engine: str | None = None) -> None:
+        """``out[:] = rows[ids]`` for ``ids`` as :meth:`prepare` returns them (distinct, checked), unchecked."""
+        self._gather_unique(ids, None, out, engine or self.resolved_engine("gather"))
+
     def prepare(self, idx, *, unique: bool = False) -> tuple[Tensor, Tensor | None]:
         """Check and deduplicate indices: returns ``(rows, inverse)`` with ``rows`` the distinct indices,
         sorted, on :attr:`device` and ``inverse`` such that ``rows[inverse]`` is the flattened input
@@ -357,7 +361,7 @@ class HostTable:
         rows = torch.empty(uniq.numel(), self.dim, dtype=self.dtype, device=self.device)
         self._gather_unique(uniq, None, rows, engine)
         if out is not None:
-            self._check_out(out, inverse.numel())
+            _check_out(self, out, inverse.numel())
             torch.index_select(rows, 0, inverse, out=out)
             rows = out
         else:
@@ -372,14 +376,8 @@ class HostTable:
         """``out`` checked to hold ``n`` rows, or a new tensor of ``n`` rows on :attr:`device`."""
         if out is None:
             return torch.empty(n, self.dim, dtype=self.dtype, device=self.device)
-        self._check_out(out, n)
+        _check_out(self, out, n)
         return out
-
-    def _check_out(self, out: Tensor, n: int) -> None:
-        bad = out.shape != (n, self.dim) or out.dtype != self.dtype or out.device != self.device
-        if bad or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous ({n}, {self.dim}) {self.dtype} tensor on {self.device}, "
-                             f"got {tuple(out.shape)} {out.dtype} on {out.device}")
 
     def scatter(self, idx, rows: Tensor, *, unique: bool = False) -> None:
         """Write ``rows`` (shaped ``idx.shape + (dim,)``) to rows ``idx`` of the table.
@@ -428,6 +426,13 @@ class HostTable:
     def _patch_prefetches(self, idx: Tensor, rows: Tensor) -> None:
         for p in list(self._prefetches):
             p._patch(idx, rows)
+
+
+def _check_out(table: HostTable, out: Tensor, n: int) -> None:
+    bad = out.shape != (n, table.dim) or out.dtype != table.dtype or out.device != table.device
+    if bad or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous ({n}, {table.dim}) {table.dtype} tensor on {table.device}, "
+                         f"got {tuple(out.shape)} {out.dtype} on {out.device}")
 
 
 _choice.TABLE = HostTable  # the class engine_choice measures on

@@ -1,5 +1,5 @@
-"""Launching CuPy kernels cheaply on torch's current CUDA stream: the launcher of ``offload``'s and
-``batch_layers``' kernels.
+"""Launching CuPy kernels cheaply on torch's current CUDA stream: the one launcher of every CuPy kernel
+(``offload``'s, ``batch_layers``' and the fused optimizers of ``torchmb.optim``).
 
 A small lookup or a cache's bookkeeping is bound by host time, and ``cupy.cuda.Function.__call__`` converts
 every argument on each call (tens of microseconds with the stream and device context managers around it).
@@ -42,7 +42,7 @@ KERNELS: dict[tuple, Kernel] = {}
 
 _LOCK = threading.Lock()
 _STREAMS: dict[tuple[int, int], object] = {}
-_MAX_ARGS = 16
+_MAX_ARGS = 32
 
 #: CUDA types of a vector of raw bytes, by width in bytes (for kernels that move rows of any dtype).
 VECTOR_TYPES = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short", 1: "unsigned char"}

@@ -1,10 +1,13 @@
 """The layout rules of the three packages (issue 18), checked on the whole source tree.
 
 - no source file longer than :data:`MAX_FILE_LINES` lines, no class longer than :data:`MAX_CLASS_LINES`;
-- no import cycle between modules (imports anywhere in a module, in functions too, but not those under
-  ``if TYPE_CHECKING:``, which never run);
+- no import cycle between modules (imports anywhere in a module, in functions too, and those under
+  ``if TYPE_CHECKING:``: a circle of types is a circle of concerns);
 - no private module of one package (``pkg._x``, or anything under it) imported from another package;
-- imports point one way: ``torchmb -> batch_layers -> offload`` (see ``docs/contributing.md``).
+- imports point one way: ``torchmb -> batch_layers -> offload -> torchmb_config`` (see ``docs/contributing.md``);
+- no environment variable read (``os.environ``, ``os.getenv``) outside ``torchmb_config``;
+- no access to another object's private name (``obj._x`` where ``obj`` is not ``self``/``cls``) that the
+  file does not define itself (issue 23: the allowlist below shrinks to nothing).
 
 The rules are checked with :mod:`ast` on every ``.py`` file of the packages, so files added later are
 covered as they appear.
@@ -16,10 +19,11 @@ import ast
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("torchmb", "batch_layers", "offload")
-ORDER = {"torchmb": 0, "batch_layers": 1, "offload": 2}  # a package may import only those after it
+PACKAGES = ("torchmb", "batch_layers", "offload", "torchmb_config")
+ORDER = {"torchmb": 0, "batch_layers": 1, "offload": 2, "torchmb_config": 3}  # a package imports only those after it
 MAX_FILE_LINES = 700
 MAX_CLASS_LINES = 400
 
@@ -59,12 +63,13 @@ def _type_checking_nodes(tree: ast.Module) -> set[int]:
     return skip
 
 
-def _imports(name: str) -> list[tuple[str, int]]:
+def _imports(name: str, *, type_checking: bool = False) -> list[tuple[str, int]]:
     """``(module, line)`` for each import in module ``name`` of a module of the packages: ``from a import b``
-    names ``a.b`` when that is a module, else ``a``."""
+    names ``a.b`` when that is a module, else ``a``; with ``type_checking``, those under
+    ``if TYPE_CHECKING:`` too."""
     _, tree = SOURCES[name]
     base = name if _is_package(name) else name.rpartition(".")[0]
-    skip = _type_checking_nodes(tree)
+    skip = set() if type_checking else _type_checking_nodes(tree)
     out = []
     for node in ast.walk(tree):
         if id(node) in skip:
@@ -158,12 +163,13 @@ def test_cycle_finder_finds_cycles():
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the modules of the packages it imports. An import of a package's ``__init__`` from inside
-    that package (``from . import x`` where ``x`` is no module) counts as an import of the ``__init__``."""
+def import_graph(*, type_checking: bool = False) -> dict[str, set[str]]:
+    """Module -> the modules of the packages it imports (with ``type_checking``, also under
+    ``if TYPE_CHECKING:``). An import of a package's ``__init__`` from inside that package (``from . import x``
+    where ``x`` is no module) counts as an import of the ``__init__``."""
     graph = {}
     for name in SOURCES:
-        graph[name] = {m for m, _ in _imports(name) if m in SOURCES and m != name}
+        graph[name] = {m for m, _ in _imports(name, type_checking=type_checking) if m in SOURCES and m != name}
     return graph
 
 
@@ -172,6 +178,150 @@ def test_no_import_cycles():
     assert not cycles, f"import cycles between modules: {cycles}"
 
 
+# Circles through TYPE_CHECKING imports that remain (issue 23 stays open until this is empty): the checkpoint
+# and .npy modules (being made crash-safe by another change) type their argument by the class that calls them;
+# the copy engines take the whole HostTable (its storage is to become an object of its own that engines get);
+# the population methods of BatchOptimizer take the optimizer.
+TYPE_CHECKING_CIRCLES_LEFT = [
+    ["offload._checkpoint", "offload._embedding"],
+    ["offload._choice", "offload._engine", "offload._engine_cpu", "offload._engine_hybrid", "offload._engine_uva",
+     "offload._npy", "offload._prefetch", "offload._table"],
+    ["torchmb.optim._base", "torchmb.optim._population"],
+]
+
+
+def test_no_import_cycles_through_type_checking_imports():
+    cycles = _cycles(import_graph(type_checking=True))
+    assert sorted(cycles) == sorted(TYPE_CHECKING_CIRCLES_LEFT), "import cycles between modules, TYPE_CHECKING " \
+        f"imports included (give the callee a protocol or the parts it needs instead of its caller's type): {cycles}"
+
+
+def test_type_checking_imports_are_seen():
+    graph = import_graph(type_checking=True)
+    assert "offload._embedding" in graph["offload._checkpoint"]
+    assert "offload._embedding" not in import_graph()["offload._checkpoint"]
+
+
+def _environment_reads(tree: ast.Module) -> list[int]:
+    """Lines of ``os.environ`` / ``os.getenv`` / ``environ`` / ``getenv`` uses (``from os import ...`` too)."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "environb", "getenvb"):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.module == "os" and any(
+                a.name in ("environ", "getenv", "environb", "getenvb") for a in node.names):
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_environment_is_read_only_by_the_config_module():
+    bad = [f"{path.relative_to(ROOT)}:{line}" for name, (path, tree) in SOURCES.items()
+           if name.split(".")[0] != "torchmb_config" for line in _environment_reads(tree)]
+    assert not bad, "environment variables read outside torchmb_config (add a switch there):\n" + "\n".join(bad)
+
+
+def test_environment_read_finder():
+    tree = ast.parse("import os\nfrom os import getenv\na = os.environ.get('X')\nb = os.getenv('Y')\n")
+    assert _environment_reads(tree) == [2, 3, 4]
+
+
 @pytest.mark.parametrize("pkg", PACKAGES)
 def test_every_package_is_scanned(pkg):
-    assert any(name == pkg for name in SOURCES) and sum(n.startswith(pkg + ".") for n in SOURCES) > 1
+    modules = 0 if pkg == "torchmb_config" else 1  # (the config package is one module)
+    assert any(name == pkg for name in SOURCES) and sum(n.startswith(pkg + ".") for n in SOURCES) >= modules
+
+
+def _defined_private_names(tree: ast.Module) -> set[str]:
+    """Private names a file defines: functions, classes, module globals, ``self._x`` / ``cls._x`` attributes."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and \
+                isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def _private_reaches() -> dict[tuple[str, str], int]:
+    """``(file, name) -> count`` of ``obj._name`` accesses where ``obj`` is not ``self``, ``cls`` or
+    ``super()``, and ``_name`` is defined by another file of the packages but not by this one (torch's own
+    private names, ``module._parameters``, are not ours to police)."""
+    defined = {name: _defined_private_names(tree) for name, (_, tree) in SOURCES.items()}
+    ours = set().union(*defined.values())
+    torch_names = set(dir(torch.nn.Module())) | set(dir(torch.Tensor)) | set(dir(torch.optim.SGD([torch.zeros(1)])))
+    out: dict[tuple[str, str], int] = {}
+    for name, (path, tree) in SOURCES.items():
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+                continue
+            obj = node.value
+            if isinstance(obj, ast.Name) and obj.id in ("self", "cls"):
+                continue
+            if isinstance(obj, ast.Call) and isinstance(obj.func, ast.Name) and obj.func.id == "super":
+                continue
+            root = obj
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in ("torch", "nn", "F"):
+                continue
+            if node.attr in defined[name] or node.attr not in ours or node.attr in torch_names:
+                continue
+            key = (str(path.relative_to(ROOT)), node.attr)
+            out[key] = out.get(key, 0) + 1
+    return out
+
+
+# Reaches into another file's private names that remain. Issue 23 stays open until this is empty; it may only
+# shrink (a new reach fails the test; one removed must be struck from here). The offloaded embedding's parts
+# reach none (see offload/_embedding.py); left: the copy engines and row writers into HostTable (its storage
+# is to become an object engines are given), the checkpoint and .npy modules (to use the parts' interfaces,
+# see docs/design.md), and torchmb's optimizer and converter internals.
+PRIVATE_REACHES_LEFT = {
+    ("offload/_checkpoint.py", "_attach"), ("offload/_checkpoint.py", "_drop_cache"),
+    ("offload/_checkpoint.py", "_engine"), ("offload/_checkpoint.py", "_loaded"),
+    ("offload/_checkpoint.py", "_optimizer"), ("offload/_checkpoint.py", "_pending"),
+    ("offload/_checkpoint.py", "_require_idle"), ("offload/_checkpoint.py", "_spec"),
+    ("offload/_checkpoint.py", "_state_tables"), ("offload/_npy.py", "_data"),
+    ("offload/_choice.py", "_chunks"), ("offload/_choice.py", "_movers"),
+    ("offload/_choice.py", "_scatter_unique"), ("offload/_choice.py", "_threads"),
+    ("offload/_engine_cpu.py", "_check_writable"), ("offload/_engine_cpu.py", "_data"),
+    ("offload/_engine_cpu.py", "_defer_ok"), ("offload/_engine_cpu.py", "_land"),
+    ("offload/_engine_cpu.py", "_patch_prefetches"),
+    ("offload/_engine_cpu.py", "_pending"), ("offload/_engine_cpu.py", "_prefetches"),
+    ("offload/_engine_cpu.py", "_put"), ("offload/_engine_cpu.py", "_rows_out"),
+    ("offload/_engine_cpu.py", "_Staging"), ("offload/_engine_cpu.py", "_take"),
+    ("offload/_engine_cpu.py", "_wait_gpu"),
+    ("offload/_engine_hybrid.py", "_data"), ("offload/_engine_hybrid.py", "_note_gpu_access"),
+    ("offload/_engine_hybrid.py", "_side_stream"),
+    ("offload/_engine_uva.py", "_data"), ("offload/_engine_uva.py", "_note_gpu_access"),
+    ("offload/_host_array.py", "_init"), ("offload/_host_array.py", "_readonly"),
+    ("offload/_host_write.py", "_data"),
+    ("offload/_host_write.py", "_note_gpu_access"), ("offload/_host_write.py", "_patch_prefetches"),
+    ("offload/_host_write.py", "_prefetches"), ("offload/_host_write.py", "_scatter_unique"),
+    ("offload/_prefetch.py", "_gather_ordered"), ("offload/_prefetch.py", "_host_route"),
+    ("offload/_prefetch.py", "_prefetches"), ("offload/_prefetch.py", "_side_stream"),
+    ("offload/_table.py", "_patch"),
+    ("torchmb/distributed.py", "_ensure_state"), ("torchmb/distributed.py", "_per_model_attrs"),
+    ("torchmb/distributed.py", "_per_model_entries"),
+    ("torchmb/memory.py", "_is_per_model"), ("torchmb/memory.py", "_refuse_offloaded"),
+    ("torchmb/optim/_population.py", "_ensure_state"), ("torchmb/optim/_population.py", "_init_group_state"),
+    ("torchmb/optim/_population.py", "_per_model_entries"),
+    ("torchmb/testing.py", "_is_per_model"),
+}
+
+
+def test_no_reach_into_another_files_private_names():
+    found = set(_private_reaches())
+    new = sorted(found - PRIVATE_REACHES_LEFT)
+    gone = sorted(PRIVATE_REACHES_LEFT - found)
+    assert not new, "accesses to another object's private name (give it a public method, or pass what is " \
+        f"needed): {new}"
+    assert not gone, f"these reaches are gone: strike them from PRIVATE_REACHES_LEFT: {gone}"
+
+
+def test_private_reach_finder():
+    tree = ast.parse("class A:\n    def f(self, other):\n        self._mine = 1\n        return other._x + self._y\n")
+    assert _defined_private_names(tree) == {"_mine"}

@@ -9,7 +9,13 @@ from batch_layers import AbstractBatchModule
 from . import adapters, amp, clip, distributed, graphs, lr_scheduler, memory, optim, sweep, testing
 from ._convert import ConversionEntry
 from ._module import BatchModule
-from ._registry import lookup_batch_module, register_batch_module, registered_batch_modules
+from ._registry import (
+    lookup_batch_module,
+    refuse_batch_module,
+    refused_batch_modules,
+    register_batch_module,
+    registered_batch_modules,
+)
 from ._tracking import PooledDecisionError, allow_pooled_decisions
 from .checkpoint import load_checkpoint, save_checkpoint
 from .functional import batch_accuracy, batch_loss, batch_topk, merge_batch, split_batch
@@ -36,6 +42,8 @@ __all__ = [
     "memory",
     "merge_batch",
     "optim",
+    "refuse_batch_module",
+    "refused_batch_modules",
     "register_batch_module",
     "registered_batch_modules",
     "save_checkpoint",

@@ -1,4 +1,5 @@
-"""The map from plain ``nn.Module`` types to their batched classes."""
+"""The map from plain ``nn.Module`` types to their batched classes, and the table of types torchmb refuses
+to batch, each with the reason and what to do instead."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from batch_layers import AbstractBatchModule
 
 from ._lora import LoraLinear
 
-__all__ = ["lookup_batch_module", "register_batch_module", "registered_batch_modules"]
+__all__ = ["lookup_batch_module", "refuse_batch_module", "refused_batch_modules", "register_batch_module",
+           "registered_batch_modules"]
 
 _REGISTRY: dict[type[nn.Module], type[AbstractBatchModule]] = {}
+_REFUSED: dict[type[nn.Module], str] = {}
 
 BatchClass = TypeVar("BatchClass", bound=type[AbstractBatchModule])
 
@@ -129,6 +132,9 @@ def lookup_batch_module(module_class: type[nn.Module]) -> type[AbstractBatchModu
     """The batched class for ``module_class``: exact type first, then a known layer of timm or torchvision
     by name, then its MRO.
 
+    Raises ``TypeError`` with the reason for a type torchmb refuses (see :func:`refused_batch_modules`), or
+    a subclass of one that no registered class comes before in its MRO.
+
     A subclass that keeps its parent's ``forward`` takes the parent's batched class. One that overrides
     ``forward`` keeps its computation: when the overriding class is one of timm's and torchvision's listed here,
     its own ``forward`` runs with the parent's batched functionals swapped in
@@ -137,6 +143,11 @@ def lookup_batch_module(module_class: type[nn.Module]) -> type[AbstractBatchModu
     """
     if module_class in _REGISTRY:
         return _REGISTRY[module_class]
+    for parent in module_class.__mro__:
+        if parent in _REFUSED:
+            raise TypeError(_REFUSED[parent])
+        if parent in _REGISTRY:
+            break
     by_name = _BY_NAME.get(_qualified_name(module_class))
     if by_name is not None:
         return by_name
@@ -156,5 +167,42 @@ def registered_batch_modules() -> dict[type[nn.Module], type[AbstractBatchModule
     return dict(_REGISTRY)
 
 
+def refuse_batch_module(module_class: type[nn.Module], reason: str, *, overwrite: bool = False) -> None:
+    """Make converting a model that holds a ``module_class`` (or a subclass, unless a registered class comes
+    first in its MRO) stop with ``TypeError(reason)`` at that module; ``reason`` says why and what to do
+    instead. Refuses to replace another reason unless ``overwrite``."""
+    if not (isinstance(module_class, type) and issubclass(module_class, nn.Module)):
+        raise TypeError(f"refuse_batch_module expects an nn.Module subclass, got {module_class!r}")
+    if module_class in _REFUSED and _REFUSED[module_class] != reason and not overwrite:
+        raise ValueError(f"{module_class.__qualname__} is refused already; pass overwrite=True to change the reason")
+    _REFUSED[module_class] = reason
+
+
+def refused_batch_modules() -> dict[type[nn.Module], str]:
+    """A copy of the table of refused types: plain module type -> why torchmb refuses it."""
+    return dict(_REFUSED)
+
+
 for _layer in batch_layers.LAYERS:
     register_batch_module(_layer)
+
+# Lazy modules: their weight shapes are unknown until the first forward (and, subclassing the concrete layers,
+# they would otherwise be handed to Linear, ConvNd, BatchNormNd or InstanceNormNd and break on their
+# uninitialised weights). SyncBatchNorm: one model's statistics across processes (batched generically it
+# would fail in its first forward).
+_LAZY = (
+    "{name} is out of scope for torchmb: a lazy module's weight shapes are unknown until its first forward. "
+    "Materialise it first: run one forward of the plain model on an example input (the {name} then becomes "
+    "an nn.{concrete}), and convert that model."
+)
+for _name in ("LazyLinear", "LazyConv1d", "LazyConv2d", "LazyConv3d", "LazyConvTranspose1d", "LazyConvTranspose2d",
+              "LazyConvTranspose3d", "LazyBatchNorm1d", "LazyBatchNorm2d", "LazyBatchNorm3d", "LazyInstanceNorm1d",
+              "LazyInstanceNorm2d", "LazyInstanceNorm3d"):
+    if hasattr(nn, _name):
+        refuse_batch_module(getattr(nn, _name), _LAZY.format(name=_name, concrete=_name.removeprefix("Lazy")))
+refuse_batch_module(nn.SyncBatchNorm, (
+    "SyncBatchNorm is out of scope for torchmb: it synchronises one model's batch statistics across "
+    "processes, while torchmb trains B models on one device (and shards whole models across ranks, not one "
+    "model's data). Use nn.BatchNorm1d/2d/3d instead (e.g. build the model without converting it with "
+    "nn.SyncBatchNorm.convert_sync_batchnorm); each model then keeps its own statistics."
+))

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+import torchmb_config
 from offload import checkpoint_files
 
 from ._module import BatchModule
@@ -96,12 +97,13 @@ def init_from_env(device: str | torch.device = "cpu", *, backend: str | None = N
         The device this rank trains on.
     """
     device = torch.device(device)
-    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+    launched = torchmb_config.launcher_environment()
+    if launched.world_size is None:
         return device
     if not dist.is_available():
         raise RuntimeError("WORLD_SIZE is set (torchrun?) but this torch build has no torch.distributed")
     if device.type == "cuda" and device.index is None:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_rank = launched.local_rank
         if local_rank >= torch.cuda.device_count():
             raise RuntimeError(
                 f"LOCAL_RANK={local_rank} but this machine shows {torch.cuda.device_count()} CUDA "

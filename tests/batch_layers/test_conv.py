@@ -84,7 +84,7 @@ def test_models_beyond_32_bit_indexing_are_convolved_in_slices(monkeypatch, padd
     x.grad = conv.weight.grad = conv.bias.grad = None
     # One model's grouped tensors are bounded by 4 samples x 3 channels x (6 + 2 * 2)^2 = 1200 elements
     # (the kernel's reach on both sides): allow two models per kernel call.
-    monkeypatch.setattr(batch_layers._conv, "_INDEX_LIMIT", 2 * 1200)
+    monkeypatch.setattr(batch_layers._kernel_table, "INDEX_LIMIT", 2 * 1200)
     assert conv._models_per_call(x, 5) == 2
     got = conv(x)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import batch_layers
-from batch_layers import ForwardContext, _conv_triton, _depthwise_triton, forward_context
+from batch_layers import ForwardContext, _kernel_table, forward_context
 from batch_layers._conv_triton import runs_on_triton
 from batch_layers._depthwise_triton import runs_depthwise_grad
 
@@ -23,11 +23,11 @@ pytestmark = [
 ]
 
 BATCH, SAMPLES = 12, 3
-MIN_GROUPS = _conv_triton._MIN_GROUPS  # the tests below lower it, to run the kernel on 12 models
+MIN_GROUPS = _kernel_table.TRITON_GROUPED.limits["min_groups"]  # the tests below lower it (12 models take the kernel)
 
 
 def test_many_models_take_the_kernel_and_few_do_not(monkeypatch) -> None:
-    monkeypatch.setattr(_conv_triton, "_MIN_GROUPS", MIN_GROUPS)
+    monkeypatch.setitem(_kernel_table.TRITON_GROUPED.limits, "min_groups", MIN_GROUPS)
     weight = torch.empty(256 * 16, 6, 5, 5, device="cuda")
     x = torch.empty(2, 256 * 6, 12, 12, device="cuda")
     assert runs_on_triton(x, weight, 256, False)
@@ -52,8 +52,9 @@ def _exact_fp32(monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     pytest.importorskip("triton")
-    monkeypatch.setattr(_conv_triton, "_MIN_GROUPS", 8)  # the kernels for these few models too (speed decides it)
-    monkeypatch.setattr(_depthwise_triton, "_MIN_CHANNELS", 8)
+    # the kernels for these few models too (speed decides it)
+    monkeypatch.setitem(_kernel_table.TRITON_GROUPED.limits, "min_groups", 8)
+    monkeypatch.setitem(_kernel_table.TRITON_DEPTHWISE_GRAD.limits, "min_channels", 8)
     before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     yield

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import batch_layers
+import torchmb_config
 from batch_layers import _backend
 from batch_layers import _embedding_cuda as ecuda
 from batch_layers._base import ForwardContext, forward_context
@@ -349,13 +350,14 @@ def test_backend_switch() -> None:
 
 
 def test_backend_environment_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    switch = torchmb_config.SWITCHES["backend"]
     monkeypatch.setenv(_backend.ENV_VAR, "TORCH")
-    assert _backend._from_env() == "torch"
+    assert switch.from_env() == "torch"
     monkeypatch.setenv(_backend.ENV_VAR, "nope")
     with pytest.raises(ValueError, match="TORCHMB_BACKEND='nope'"):
-        _backend._from_env()
+        switch.from_env()
     monkeypatch.delenv(_backend.ENV_VAR)
-    assert _backend._from_env() == "auto"
+    assert switch.from_env() == "auto"
 
 
 def test_explicit_cupy_backend_without_cupy_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -304,6 +304,19 @@ def test_torchmb_optimizers_are_refused_with_an_explanation():
         optim.Adam(emb.parameters(), lr=0.01)
 
 
+def test_per_model_optimizers_are_recognised_by_batch_layers_protocol_and_refused_at_attach():
+    from batch_layers._embedding_offload import PerModelOptimizer
+    from torchmb import optim
+
+    w = torch.zeros(B, 3, requires_grad=True)
+    per_model = optim.SGD([w], lr=0.1)
+    assert isinstance(per_model, PerModelOptimizer)
+    assert not isinstance(torch.optim.SGD([w], lr=0.1), PerModelOptimizer)
+    emb = Embedding(N, D, batch=B, offload=True)
+    with pytest.raises(TypeError, match=r"torchmb\.optim\.SGD cannot train an offloaded batch_layers\.Embedding"):
+        offload.attach(per_model, emb.offloaded)
+
+
 def test_from_module_copies_a_plain_table_or_keeps_each_models_own():
     torch.manual_seed(0)
     plain = nn.Embedding(N, D, padding_idx=0, max_norm=3.0)

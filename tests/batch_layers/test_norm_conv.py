@@ -9,7 +9,7 @@ from support.graph import grouped_conv_node
 from torch import nn
 
 import batch_layers
-from torchmb import BatchModule, lookup_batch_module
+from torchmb import BatchModule, lookup_batch_module, refuse_batch_module, refused_batch_modules
 from torchmb.testing import assert_equivalent, assert_isolated
 
 B, N = 3, 4
@@ -192,14 +192,35 @@ def test_local_response_norm_runs_per_sample() -> None:
 @pytest.mark.parametrize(
     ("name", "args"), [("LazyLinear", (6,)), ("LazyConv2d", (6, 3)), ("LazyBatchNorm1d", ()), ("SyncBatchNorm", (6,))]
 )
-def test_out_of_scope_layers_are_refused_at_their_batched_class(name: str, args: tuple[int, ...]) -> None:
+def test_out_of_scope_layers_are_refused_by_the_registry(name: str, args: tuple[int, ...]) -> None:
     plain = getattr(nn, name)(*args)
-    batched_class = lookup_batch_module(type(plain))
-    assert batched_class is getattr(batch_layers, name, batched_class)
+    assert type(plain) in refused_batch_modules()
     with pytest.raises(TypeError, match=f"{name} is out of scope for torchmb"):
-        batched_class.from_module(plain, 2)
-    with pytest.raises(TypeError, match="out of scope"):
-        batched_class(6, batch=2)
+        lookup_batch_module(type(plain))
+
+    class MySyncBatchNorm(nn.SyncBatchNorm):  # a subclass of a refused type is refused too
+        pass
+
+    with pytest.raises(TypeError, match="SyncBatchNorm is out of scope for torchmb"):
+        lookup_batch_module(MySyncBatchNorm)
+
+
+def test_refusing_a_type_of_your_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchmb import _registry
+
+    monkeypatch.setattr(_registry, "_REFUSED", refused_batch_modules())  # (this test's refusal goes after it)
+
+    class Unbatchable(nn.Linear):
+        pass
+
+    assert lookup_batch_module(Unbatchable) is batch_layers.Linear
+    refuse_batch_module(Unbatchable, "Unbatchable is out of scope: it talks to a server per sample")
+    with pytest.raises(TypeError, match="Unbatchable is out of scope: it talks to a server"):
+        BatchModule(nn.Sequential(Unbatchable(3, 2)), 2)
+    with pytest.raises(ValueError, match="Unbatchable is refused already"):
+        refuse_batch_module(Unbatchable, "another reason")
+    with pytest.raises(TypeError, match=r"expects an nn\.Module subclass, got 3"):
+        refuse_batch_module(3, "no")  # type: ignore[arg-type]
 
 
 def test_sync_batchnorm_refused_by_batch_module() -> None:

@@ -501,7 +501,7 @@ def huge_table(s):
     before = meminfo("AnonHugePages") or 0
     ht = offload.HostTable.from_tensor(s["data"], device=dev, pin=True)  # allocate_host: huge-page advised
     emit(part="X", what="huge-page table (copy of the data)", s=time.perf_counter() - t0,
-         anon_huge_gib_added=((meminfo("AnonHugePages") or 0) - before) / 2**30, huge_pages=_memory.HUGE_PAGES)
+         anon_huge_gib_added=((meminfo("AnonHugePages") or 0) - before) / 2**30, huge_pages=_memory.HUGE_PAGES.get())
     kernel_variants(s, ht._data, "huge-page table")
     ht.engine = "cpu"
     tg = wall_seconds(lambda: ht.gather(s["uniq_sorted"], unique=True, out=s["dbuf"]), 10)

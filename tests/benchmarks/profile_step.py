@@ -15,7 +15,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from torchmb import _bench_steps
+from torchmb.cli import bench_steps as _bench_steps
 
 
 def main() -> None:

@@ -321,7 +321,7 @@ def test_cache_stats_count_each_distinct_row_once(device, prefetch):
     assert stats["misses"] == seen
     assert stats["hits"] + stats["misses"] == sum(per_step)
     if prefetch:  # one prefetch per step: its admissions were counted on the host, nothing on the device
-        assert emb._cache.prefetch_hits > 0 and emb._cache.prefetch_hits_dev is None
+        assert emb._cache.slots.prefetch_hits > 0 and emb._cache.slots.prefetch_hits_dev is None
 
 
 def test_out_of_range_with_a_cache_raises_before_any_host_access(monkeypatch):

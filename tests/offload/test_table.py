@@ -12,6 +12,7 @@ import torch
 from support.lone import lone_positions
 
 import offload
+import torchmb_config
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
@@ -182,12 +183,13 @@ def _advised_huge(ptr: int) -> bool:
 @pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
                     reason="needs Linux transparent huge pages")
 @pytest.mark.parametrize("huge", [True, False])
-def test_large_tables_are_usable_with_and_without_huge_pages(monkeypatch, huge):
+def test_large_tables_are_usable_with_and_without_huge_pages(monkeypatch, request, huge):
     """A table above the huge-page threshold lives in an anonymous map advised for huge pages; it behaves
     like any other table, and its memory stays valid while any tensor viewing it lives."""
     from offload import _memory
 
-    monkeypatch.setattr(_memory, "HUGE_PAGES", huge)
+    old = torchmb_config.set("offload_huge_pages", huge)
+    request.addfinalizer(lambda: torchmb_config.set("offload_huge_pages", old))
     monkeypatch.setattr(_memory, "HUGE_PAGE_MIN", 1 << 20)
     g = torch.Generator().manual_seed(0)
     src = torch.randn(4096, 96, generator=g)  # 1.5 MiB

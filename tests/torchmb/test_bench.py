@@ -6,9 +6,11 @@ import pytest
 import torch
 from support.torchvision_ops import import_torchvision
 
-from torchmb import BatchModule, _bench, _bench_steps
+from torchmb import BatchModule
 from torchmb.__main__ import main
-from torchmb._bench_zoo import ZOO_MODELS
+from torchmb.cli import bench as _bench
+from torchmb.cli import bench_steps as _bench_steps
+from torchmb.cli.bench_zoo import ZOO_MODELS
 
 
 def test_quick_cpu_bench_measures_every_implementation(tmp_path, capsys) -> None:
@@ -234,3 +236,20 @@ def test_compiled_and_graphed_rows_run_on_cuda_against_their_own_limits() -> Non
         assert by_impl[impl]["compile_s"] > 0
     assert by_impl["torchmb+compile"]["limit"] == "limit+compile"
     assert by_impl["torchmb+graph"]["limit"] == "limit+graph"
+
+
+def test_progress_bar_counts_every_timing(capsys) -> None:
+    rows = _bench.run(["mlp"], [1, 2], 2, torch.device("cpu"), ("torchmb", "loop"), iters=1, repeats=1, warmup=1,
+                      log=lambda _: None, progress=True)
+    err = capsys.readouterr().err
+    assert len(rows) == 4
+    assert "bench: 100%" in err and "4/4" in err and "mlp B=2 loop" in err
+
+
+def test_register_workload_refuses_a_name_taken(monkeypatch) -> None:
+    monkeypatch.setattr(_bench_steps, "WORKLOADS", dict(_bench_steps.WORKLOADS))
+    mlp = _bench_steps.WORKLOADS["mlp"]
+    extra = _bench_steps.Workload("mlp-copy", mlp.make, mlp.make_input, (2,))
+    assert _bench_steps.register_workload(extra) is extra and _bench_steps.WORKLOADS["mlp-copy"] is extra
+    with pytest.raises(ValueError, match="a bench workload named 'mlp-copy' exists already"):
+        _bench_steps.register_workload(extra)

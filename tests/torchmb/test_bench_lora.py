@@ -8,7 +8,9 @@ import pytest
 import torch
 from support.torchvision_ops import import_torchvision
 
-from torchmb import _bench, _bench_lora
+from torchmb.cli import bench as _bench
+from torchmb.cli import bench_lora as _bench_lora
+from torchmb.cli import bench_steps
 
 import_torchvision()  # transformers imports torchvision, whose operators this machine's CPU torch may lack
 pytest.importorskip("peft")
@@ -17,10 +19,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is d
 
 
 def test_lora_rows_time_the_batched_adapters_the_limit_and_the_loop(monkeypatch) -> None:
-    full = _bench_lora.LORA_WORKLOADS["lora-llama"]
+    full = _bench_lora.LORA_LLAMA
     assert full.implementations == ("torchmb", "limit", "loop") and full.batches == (16,)
     tiny = dataclasses.replace(full, make=_bench_lora._decoder(lambda: _bench_lora.llama_config(32, 2, 64, 8)))
-    monkeypatch.setitem(_bench_lora.LORA_WORKLOADS, "lora-llama", tiny)
+    monkeypatch.setitem(bench_steps.WORKLOADS, "lora-llama", tiny)
     cpu = torch.device("cpu")
     rows = _bench.run(["lora-llama"], [3], 2, cpu, None, iters=1, repeats=1, warmup=1, log=lambda _: None)
     assert [row["impl"] for row in rows] == ["torchmb", "limit", "loop"]
@@ -32,7 +34,7 @@ def test_lora_rows_time_the_batched_adapters_the_limit_and_the_loop(monkeypatch)
 
 def test_the_lora_steps_train_every_adapter_and_leave_the_decoder_frozen() -> None:
     workload = dataclasses.replace(
-        _bench_lora.LORA_WORKLOADS["lora-llama"],
+        _bench_lora.LORA_LLAMA,
         make=_bench_lora._decoder(lambda: _bench_lora.llama_config(32, 2, 64, 8)),
     )
     steps = _bench_lora.LoraSteps(workload, 4, 2, torch.device("cpu"))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from torchmb.__main__ import main
-from torchmb._demo import DigitsCNN
+from torchmb.cli.demo import DigitsCNN
 
 
 @pytest.fixture(scope="module")
@@ -53,3 +53,43 @@ def test_best_checkpoint_loads_into_the_plain_model_and_without_torchmb(demo_out
     )
     subprocess.run([sys.executable, "-c", script], check=True, cwd=out)
     torch.testing.assert_close(torch.load(out / "answer.pt"), expected, atol=1e-5, rtol=0)
+
+
+def test_every_flag_has_help_and_version_is_printed(capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from torchmb import __version__
+    from torchmb.cli import bench as _bench
+    from torchmb.cli import demo as _demo
+    from torchmb.cli import kernels as _kernels
+
+    for add in (_demo.add_arguments, _bench.add_arguments, _kernels.add_arguments):
+        parser = argparse.ArgumentParser()
+        add(parser)
+        missing = [a.option_strings for a in parser._actions
+                   if a.help in (None, "") and a.option_strings != ["-h", "--help"]]
+        assert not missing, f"flags without help text: {missing}"
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"torchmb {__version__}"
+
+
+def test_kernels_command_says_which_kernel_a_shape_takes_and_why(capsys: pytest.CaptureFixture[str]) -> None:
+    main(["kernels", "--batch", "16", "--in-channels", "6", "--out-channels", "16", "--kernel", "5", "5"])
+    out = capsys.readouterr().out
+    assert "one grouped convolution with weight (256, 6, 5, 5) and 16 groups" in out
+    assert "forward: aten" in out and "not triton-grouped: needs at least 128 groups" in out
+    main(["kernels", "--batch", "4", "--in-channels", "64", "--out-channels", "64", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert "layout of a channels-last input: channels-last" in out and "needs a CUDA tensor" in out
+    with pytest.raises(SystemExit, match=r"must be divisible by --groups \(4\)"):
+        main(["kernels", "--batch", "2", "--in-channels", "6", "--out-channels", "8", "--groups", "4"])
+
+
+def test_config_command_lists_every_switch(capsys: pytest.CaptureFixture[str]) -> None:
+    import torchmb_config
+
+    main(["config"])
+    out = capsys.readouterr().out
+    for switch in torchmb_config.SWITCHES.values():
+        assert switch.name in out and switch.env in out

@@ -22,8 +22,9 @@ from support.models import MLP
 from torch import nn
 
 import torchmb
-from torchmb import BatchModule, _demo, lr_scheduler, optim
+from torchmb import BatchModule, lr_scheduler, optim
 from torchmb import distributed as tmd
+from torchmb.cli import demo as _demo
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -146,7 +146,7 @@ class BatchOptimizer(TorchHabits, torch.optim.Optimizer):
             raise ImportError(
                 "the batch_layers backend 'cupy' was requested but CuPy could not be imported; "
                 "install cupy-cuda12x / cupy-cuda13x or use set_backend('auto'|'torch')"
-            ) from _fused._CUPY_ERROR
+            ) from _fused.CUPY_ERROR
         return False
 
     def _fused_plan(self, group: dict[str, Any], kind: str):

@@ -30,28 +30,28 @@ Used when CuPy imports and every tensor is a contiguous float32 CUDA tensor on o
 
 from __future__ import annotations
 
-import threading
-import warnings
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from batch_layers import get_backend
+from offload import cuda_launch
 
 try:
     import cupy
 except (ImportError, OSError) as error:  # pragma: no cover - depends on the machine
     cupy = None
-    _CUPY_ERROR: BaseException | None = error
+    CUPY_ERROR: BaseException | None = error
 else:
-    _CUPY_ERROR = None
+    CUPY_ERROR = None
 
 __all__ = ["LAUNCHES", "VARIANT", "FusedStep", "fused_reason", "same_values"]
 
-#: Fused kernel launches per kernel name since import (tests use it to prove the fused path ran).
-LAUNCHES: Counter = Counter()
+#: Kernel launches per kernel name since import, the launcher's counter (tests use it to prove the fused
+#: path ran).
+LAUNCHES = cuda_launch.LAUNCHES
 
 _SOURCE = r"""
 typedef long long ll;
@@ -329,12 +329,10 @@ VARIANT: dict[str, tuple[int, int, int]] = {
 # kind -> (kernel name, element pointers per tensor, coefficient rows)
 _KINDS = {"sgd": ("torchmb_sgd", 3, 5), "adam": ("torchmb_adam", 5, 8)}
 
-_KERNELS: dict[tuple, Any] = {}
-_FUNCTIONS: dict[tuple, Any] = {}
+# each kernel's arguments for the launcher: Q a pointer, q a long long (every one 8 bytes)
+_ARGS = {"torchmb_sgd": "Qqqq", "torchmb_adam": "Qqqq", "torchmb_fill": "Qq" + "q" * _FILL_WIDTH}
 _RESIDENT: dict[tuple, int] = {}
 OCCUPANCY_FROM: dict[tuple, str] = {}  # where _resident_blocks took blocks per multiprocessor from (benchmark)
-_STREAMS: dict[tuple[int, int], Any] = {}
-_LOCK = threading.Lock()
 
 # SGD flag bits (the kernel's `flags`)
 SGD_MAXIMIZE, SGD_WEIGHT_DECAY, SGD_MOMENTUM, SGD_NESTEROV = 1, 2, 4, 8
@@ -345,7 +343,7 @@ ADAM_MAXIMIZE, ADAM_L2, ADAM_DECOUPLED, ADAM_AMSGRAD = 1, 2, 4, 8
 def fused_reason(params: list[Tensor], tensors: list[Tensor]) -> str | None:
     """Why the fused kernels cannot run on these tensors (``None``: they can)."""
     if cupy is None:
-        return f"CuPy could not be imported ({_CUPY_ERROR!r})"
+        return f"CuPy could not be imported ({CUPY_ERROR!r})"
     if get_backend() == "torch":
         return "the batch_layers backend is 'torch'"
     device = params[0].device
@@ -368,26 +366,10 @@ def same_values(old: tuple[Tensor, ...] | None, new: tuple[Tensor, ...]) -> bool
     return all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(old, new))
 
 
-def _kernel(name: str, index: int, variant: tuple[int, int, int]):
-    key = (name, index, variant)
-    kernel = _KERNELS.get(key)
-    if kernel is None:
-        with _LOCK:
-            kernel = _KERNELS.get(key)
-            if kernel is None:
-                unroll, streaming, min_blocks = variant
-                header = (
-                    f"#define BLOCK {_BLOCK}\n#define UNROLL {unroll}\n#define STREAMING {streaming}\n"
-                    f"#define MIN_BLOCKS {min_blocks}\n"
-                )
-                with cupy.cuda.Device(index):
-                    kernel = cupy.RawKernel(header + _SOURCE, name, options=("-std=c++17",))
-                    kernel.compile()
-                    function = getattr(kernel, "kernel", None)  # the cupy.cuda.Function of this device
-                if function is not None:
-                    _FUNCTIONS[key] = function
-                _KERNELS[key] = kernel
-    return kernel
+def _kernel(name: str, index: int, variant: tuple[int, int, int]) -> cuda_launch.Kernel:
+    unroll, streaming, min_blocks = variant
+    defines = {"BLOCK": _BLOCK, "UNROLL": unroll, "STREAMING": streaming, "MIN_BLOCKS": min_blocks}
+    return cuda_launch.compile_kernel("torchmb.optim", _SOURCE, name, defines, index, _ARGS[name])
 
 
 def _resident_blocks(name: str, index: int, variant: tuple[int, int, int]) -> int:
@@ -395,69 +377,24 @@ def _resident_blocks(name: str, index: int, variant: tuple[int, int, int]) -> in
     key = (name, index, variant)
     blocks = _RESIDENT.get(key)
     if blocks is None:
-        _kernel(name, index, variant)  # compiled first: _FUNCTIONS holds its function where CuPy exposes it
-        sms = torch.cuda.get_device_properties(index).multi_processor_count
-        function = _FUNCTIONS.get(key)
+        kernel = _kernel(name, index, variant)
         try:
             with cupy.cuda.Device(index):
-                per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, _BLOCK, 0)
+                per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.ptr, _BLOCK, 0)
             OCCUPANCY_FROM[key] = "occupancy API"
         except (AttributeError, TypeError, cupy.cuda.driver.CUDADriverError):  # pragma: no cover - older CuPy
             per_sm = variant[2]
             OCCUPANCY_FROM[key] = "launch bounds"
-        blocks = _RESIDENT[key] = sms * max(1, int(per_sm))
+        blocks = _RESIDENT[key] = cuda_launch.sm_count(index) * max(1, int(per_sm))
     return blocks
-
-
-class _StreamProtocol:
-    def __init__(self, ptr: int) -> None:
-        self.ptr = ptr
-
-    def __cuda_stream__(self) -> tuple[int, int]:
-        return (0, self.ptr)
-
-
-_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # device index -> cudaStream_t
-
-
-def _stream(index: int):
-    """A cached CuPy view of torch's current stream on device ``index``."""
-    if _RAW_STREAM is not None:
-        ptr = _RAW_STREAM(index)
-    else:  # pragma: no cover - a torch without the raw-stream getter
-        ptr = torch.cuda.current_stream(index).cuda_stream
-    stream = _STREAMS.get((index, ptr))
-    if stream is None:
-        if hasattr(cupy.cuda, "ExternalStream"):
-            with warnings.catch_warnings():  # deprecated in CuPy 14 in favour of Stream.from_external
-                warnings.simplefilter("ignore", DeprecationWarning)
-                stream = cupy.cuda.ExternalStream(ptr, index)
-        else:  # pragma: no cover - a CuPy without ExternalStream
-            stream = cupy.cuda.Stream.from_external(_StreamProtocol(ptr))
-        _STREAMS[(index, ptr)] = stream
-    return stream
 
 
 def _launch(name: str, device: torch.device, grid: int, args: tuple) -> None:
     """Launch kernel ``name`` on torch's current stream of ``device`` (``grid`` blocks of ``_BLOCK``;
-    ``torchmb_fill`` runs one block of ``_FILL_WIDTH`` threads)."""
+    ``torchmb_fill`` runs one block of ``_FILL_WIDTH`` threads), through :mod:`offload.cuda_launch`."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    variant = VARIANT[name]
-    kernel = _kernel(name, index, variant)
     block = _FILL_WIDTH if name == "torchmb_fill" else _BLOCK
-    stream = _stream(index)
-    function = _FUNCTIONS.get((name, index, variant))
-    launched = False
-    if function is not None and cupy.cuda.runtime.getDevice() == index:
-        try:  # the compiled function, on the stream given: no device or stream context switches
-            function((grid, 1, 1), (block, 1, 1), args, stream=stream)
-            launched = True
-        except TypeError:  # pragma: no cover - a CuPy whose Function takes no stream argument (before launching)
-            _FUNCTIONS.pop((name, index, variant), None)
-    if not launched:
-        with cupy.cuda.Device(index), stream:
-            kernel((grid,), (block,), args)
-    LAUNCHES[name] += 1
+    cuda_launch.launch(_kernel(name, index, VARIANT[name]), grid, block, args)
 
 
 def _grid(name: str, device: torch.device, items: int) -> int:

@@ -10,15 +10,12 @@ batched schedulers that take its place.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from ._values import per_model_values
-
-if TYPE_CHECKING:
-    from ._base import BatchOptimizer
 
 TORCH_SCHEDULER = (
     "{optimizer} holds one learning rate per model, a (B,) tensor in each parameter group, which the schedulers "
@@ -27,6 +24,17 @@ TORCH_SCHEDULER = (
     "OneCycleLR: the same arguments, each a number or one per model), or set values with "
     "optimizer.set_hyperparameter('lr', value)"
 )
+
+
+class _PerModelHyperparameters(Protocol):
+    """What :func:`adopt_written_values` needs of a :class:`~torchmb.optim.BatchOptimizer` (a protocol, so that
+    this part does not import the class made of it)."""
+
+    batch: int
+    per_model: tuple[str, ...]
+    param_groups: list[dict[str, Any]]
+
+    def set_hyperparameter(self, name: str, value: Any, group: int | None = None) -> None: ...
 
 
 class TorchHabits:
@@ -46,7 +54,7 @@ class TorchHabits:
         super().__setattr__(name, value)
 
 
-def _before_step(optimizer: BatchOptimizer, args: tuple, kwargs: dict) -> None:
+def _before_step(optimizer: _PerModelHyperparameters, args: tuple, kwargs: dict) -> None:
     adopt_written_values(optimizer)
 
 
@@ -56,7 +64,7 @@ def _is_stored(value: Any, shape: tuple[int]) -> bool:
     return type(value) is Tensor and value.dtype is torch.float64 and not value.is_cuda and value.shape == shape
 
 
-def adopt_written_values(optimizer: BatchOptimizer) -> None:
+def adopt_written_values(optimizer: _PerModelHyperparameters) -> None:
     """Take every per-model hyperparameter written into ``param_groups`` by hand (a number: every model; B numbers:
     one each) through :meth:`set_hyperparameter`, which checks it and keeps it as the optimizer keeps its values.
     A value it refuses is left as written, so every later step refuses it too."""

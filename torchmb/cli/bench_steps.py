@@ -19,10 +19,10 @@ from torch import nn
 from torch.func import functional_call, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import _bench_models as models
-from ._bench_zoo import ZOO_MODELS
-from ._module import BatchModule
-from .graphs import CapturedStep
+from .._module import BatchModule
+from ..graphs import CapturedStep
+from . import bench_models as models
+from .bench_zoo import ZOO_MODELS
 
 Step = Callable[[], object]
 
@@ -60,6 +60,16 @@ WORKLOADS = {
         for name, (make, attention) in ZOO_MODELS.items()
     },
 }
+
+
+def register_workload(workload: Workload) -> Workload:
+    """Add ``workload`` to :data:`WORKLOADS` under its name (``bench --workloads`` then accepts it); refuses a
+    name taken already."""
+    if workload.name in WORKLOADS:
+        raise ValueError(f"a bench workload named {workload.name!r} exists already")
+    WORKLOADS[workload.name] = workload
+    return workload
+
 
 IMPLEMENTATIONS = (
     "torchmb",

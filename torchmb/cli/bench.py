@@ -33,9 +33,11 @@ from collections.abc import Callable
 
 import torch
 from torch.func import functional_call, vmap
+from tqdm import tqdm
 
-from ._bench_lora import LORA_WORKLOADS
-from ._bench_steps import (
+from ..memory import largest_fitting, max_batch
+from . import bench_lora  # noqa: F401  (registers the LoRA workloads)
+from .bench_steps import (
     COMPILED,
     IMPLEMENTATIONS,
     WORKLOADS,
@@ -45,8 +47,7 @@ from ._bench_steps import (
     summed_cross_entropy,
     vmap_attention,
 )
-from ._bench_zoo import ZOO_MODELS
-from .memory import largest_fitting, max_batch
+from .bench_zoo import ZOO_MODELS
 
 __all__ = ["DEFAULT_IMPLEMENTATIONS", "IMPLEMENTATIONS", "WORKLOADS", "largest_batches", "main", "run", "table"]
 
@@ -152,8 +153,11 @@ def run(
     precision: str = "fp32",
     channels_last: bool = False,
     budget_s: float | None = None,
+    progress: bool = False,
 ) -> list[dict]:
     """Time every implementation (``None``: each workload's default numbers of models and implementations).
+    With ``progress``, a progress bar (tqdm, on stderr) counts the timings, naming the one running; give
+    ``log=tqdm.write`` then, so that the rows print above it.
 
     Peak memory is the steady state's, with only the inputs and that implementation alive. Where a B runs
     out of memory, larger ones of that workload and implementation are skipped with a note; past
@@ -163,14 +167,19 @@ def run(
     rows: list[dict] = []
     out_of_memory: dict[tuple[str, str], int] = {}
     began = time.perf_counter()
+    total = sum(len(implementations or default_implementations(WORKLOADS[name], batch))
+                for name in workloads for batch in batches or WORKLOADS[name].batches)
+    bar = tqdm(total=total, desc="bench", unit="timing", disable=not progress, dynamic_ncols=True)
     for name in workloads:
-        workload = WORKLOADS.get(name) or LORA_WORKLOADS[name]
+        workload = WORKLOADS[name]
         for batch in batches or workload.batches:
             torch.manual_seed(0)
             steps = (workload.steps or Steps)(workload, batch, samples, device, precision, channels_last)
             builders = steps.builders()
             for impl in implementations or default_implementations(workload, batch):
+                bar.set_postfix_str(f"{name} B={batch} {impl}", refresh=False)
                 if impl not in builders:
+                    bar.update()
                     continue
                 row = {
                     "workload": name,
@@ -200,8 +209,10 @@ def run(
                         torch._dynamo.reset()  # the compiled code holds the implementation's tensors
                 rows.append(row)
                 log(json.dumps(row))
+                bar.update()
             del steps, builders
             _free(device)
+    bar.close()
     add_ratios(rows)
     return rows
 
@@ -322,7 +333,8 @@ def table(rows: list[dict]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="device to measure on, e.g. cpu, cuda, cuda:1 (default: cuda where available, else cpu)")
     parser.add_argument(
         "--quick", action="store_true", help="MLP and LeNet, B in {1, 4}, n=16, nothing compiled: a smoke run"
     )
@@ -335,7 +347,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workloads",
         default=",".join(DEFAULT_WORKLOADS),
-        help=f"comma-separated, from {', '.join([*WORKLOADS, *LORA_WORKLOADS])} "
+        help=f"comma-separated, from {', '.join(WORKLOADS)} "
         f"(default {','.join(DEFAULT_WORKLOADS)})",
     )
     parser.add_argument(
@@ -366,6 +378,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--channels-last", action="store_true", help="images and plain conv weights stored channels-last"
     )
     parser.add_argument("--json", help="write the rows and the environment to this file")
+    parser.add_argument("--no-progress", dest="progress", action="store_false",
+                        help="no progress bar (it counts the timings on stderr)")
     parser.add_argument(
         "--max-batch",
         type=int,
@@ -377,7 +391,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> list[dict]:
     device = torch.device(args.device)
     workloads = list(ZOO_MODELS) if args.zoo else [w for w in args.workloads.split(",") if w]
-    unknown = sorted(set(workloads) - set(WORKLOADS) - set(LORA_WORKLOADS))
+    unknown = sorted(set(workloads) - set(WORKLOADS))
     impls = tuple(i for i in args.impls.split(",") if i) if args.impls else None
     if args.zoo and impls is None:
         impls = ZOO_IMPLEMENTATIONS
@@ -419,6 +433,8 @@ def main(args: argparse.Namespace) -> list[dict]:
         precision=args.precision,
         channels_last=args.channels_last,
         budget_s=budget_s,
+        log=tqdm.write if args.progress else print,
+        progress=args.progress,
     )
     print(table(rows))
     if args.json:

@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._bench_steps import Step, Workload, summed_cross_entropy
-from .adapters import _quiet_peft, batch_lora
-from .optim import AdamW
+from ..adapters import _quiet_peft, batch_lora
+from ..optim import AdamW
+from .bench_steps import Step, Workload, register_workload, summed_cross_entropy
 
-__all__ = ["LORA_WORKLOADS", "LoraSteps", "llama_config"]
+__all__ = ["LORA_LLAMA", "LoraSteps", "llama_config"]
 
 SEQUENCE = 256
 VOCAB = 32000
@@ -157,8 +157,8 @@ def _step(loss_of: Callable, optimizer: torch.optim.Optimizer, x: torch.Tensor, 
     return step
 
 
-LORA_WORKLOADS = {
-    "lora-llama": Workload(
+LORA_LLAMA = register_workload(
+    Workload(
         "lora-llama",
         _decoder(llama_config),
         lambda lead, device: torch.empty(0),  # LoraSteps makes its own tokens
@@ -166,5 +166,5 @@ LORA_WORKLOADS = {
         classes=VOCAB,
         steps=LoraSteps,
         implementations=("torchmb", "limit", "loop"),
-    ),
-}
+    )
+)

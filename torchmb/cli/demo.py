@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import distributed, lr_scheduler, optim
-from .clip import diverged
-from .functional import batch_accuracy, batch_loss
+from .. import distributed, lr_scheduler, optim
+from ..clip import diverged
+from ..functional import batch_accuracy, batch_loss
 
 
 class DigitsCNN(nn.Module):
@@ -232,9 +232,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wd-values", type=int, default=8, help="weight decays in the grid (default 8)")
     parser.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     parser.add_argument("--samples", type=int, default=64, help="mini-batch size, shared by all models (default 64)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="device to train on, e.g. cpu, cuda, cuda:1 (default: cuda where available, else cpu)")
     parser.add_argument("--out", type=Path, default=Path("demo-output"), help="output directory (default demo-output)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the models' initialisation and of the train/validation split (default 0)")
 
 
 def main(args: argparse.Namespace) -> None:

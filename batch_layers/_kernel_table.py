@@ -1,0 +1,190 @@
+"""The kernel table of batched convolutions: for each op, the candidate implementations in order of
+preference, each with its conditions and the measured thresholds behind them, in one place.
+
+A batched convolution runs as one grouped convolution (the models are groups, see ``_conv.py``). For each
+op below the first candidate whose conditions all hold runs; the last candidate of each op has none.
+:func:`choose` answers for a shape, :func:`explain` says why for every op (``python -m torchmb kernels``).
+The layers ask through :func:`~batch_layers._conv_triton.runs_on_triton`,
+:func:`~batch_layers._depthwise_triton.runs_depthwise_grad` and :func:`~batch_layers._conv.keeps_channels_last`.
+
+Adding a kernel: its module beside the layer (the kernel and its launch), plus one :class:`Candidate` in
+:data:`OPS` before the op's fallback, with its conditions and the measurement behind its thresholds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+import torchmb_config
+
+__all__ = ["INDEX_LIMIT", "OPS", "Candidate", "ConvCall", "choose", "explain", "explain_kernels"]
+
+INDEX_LIMIT = 2**31 - 1
+"""Elements one convolution kernel may address (cuDNN and ATen index with 32 bits): a layer whose grouped
+convolution would reach further splits its models over several calls."""
+
+# looked up once, without importing Triton: the checks run inside traced forwards (no imports there)
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+_TRITON_SWITCH = torchmb_config.SWITCHES["triton"]  # TORCHMB_TRITON=0 keeps every convolution on cuDNN/ATen
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _prod(sizes: Sequence[int]) -> int:
+    out = 1
+    for size in sizes:  # (plain Python: the checks run inside traced forwards)
+        out *= size
+    return out
+
+
+@dataclass(frozen=True)
+class ConvCall:
+    """What the choice depends on, as plain values (so a shape can be asked about without tensors): the
+    grouped convolution's input (``cuda``, ``dims``, ``dtype``, its ``channels``), its stacked weight's ``weight_shape``
+    (``(B*O, C/g, *k)``; ``(B*C, O/g, *k)`` transposed), ``groups`` (``B * g``), ``transposed``, and for
+    the gradients ``stride`` and ``dilation``."""
+
+    cuda: bool
+    dims: int
+    dtype: torch.dtype
+    channels: int
+    weight_shape: tuple[int, ...]
+    groups: int
+    transposed: bool = False
+    stride: tuple[int, ...] = (1, 1)
+    dilation: tuple[int, ...] = (1, 1)
+
+    @classmethod
+    def of(cls, x: torch.Tensor, weight: torch.Tensor, groups: int, transposed: bool = False,
+           stride: Sequence[int] = (1, 1), dilation: Sequence[int] = (1, 1)) -> ConvCall:
+        return cls(x.is_cuda, x.dim(), x.dtype, x.shape[1], tuple(weight.shape), groups, transposed, tuple(stride),
+                   tuple(dilation))
+
+
+Check = Callable[[dict, bool, int, torch.dtype, int, Sequence[int], int, bool, Sequence[int], Sequence[int]], bool]
+
+
+@dataclass
+class Candidate:
+    """One implementation of an op: ``name``, the ``conditions`` under which it runs (a description, formatted
+    with ``limits``, and a check of ``(limits, cuda, dims, dtype, channels, weight_shape, groups, transposed,
+    stride, dilation)``), its thresholds (``limits``, read at every check: tests and benchmarks may change them) and
+    the measurement that set them (``measured``)."""
+
+    name: str
+    conditions: tuple[tuple[str, Check], ...] = ()
+    limits: dict[str, int] | None = None
+    measured: str = ""
+
+    def applies(self, cuda: bool, dims: int, dtype: torch.dtype, channels: int, weight_shape: Sequence[int],
+                groups: int, transposed: bool, stride: Sequence[int], dilation: Sequence[int]) -> bool:
+        # (a loop of plain calls: it runs inside traced forwards)
+        for _, check in self.conditions:
+            if not check(self.limits, cuda, dims, dtype, channels, weight_shape, groups, transposed, stride,
+                         dilation):
+                return False
+        return True
+
+    def unmet(self, call: ConvCall) -> list[str]:
+        """The descriptions of the conditions ``call`` does not meet (none: this candidate runs it)."""
+        args = (call.cuda, call.dims, call.dtype, call.channels, call.weight_shape, call.groups, call.transposed,
+                call.stride, call.dilation)
+        return [text.format(**(self.limits or {})) for text, check in self.conditions
+                if not check(self.limits, *args)]
+
+
+_CUDA = ("a CUDA tensor", lambda lim, cuda, dims, dtype, c, w, g, t, s, d: cuda)
+_TWO_D = ("a 2-D convolution", lambda lim, cuda, dims, dtype, c, w, g, t, s, d: dims == 4)
+_NOT_TRANSPOSED = ("not transposed", lambda lim, cuda, dims, dtype, c, w, g, t, s, d: not t)
+_FLOAT = ("float32, float16 or bfloat16", lambda lim, cuda, dims, dtype, c, w, g, t, s, d: dtype in _FLOATS)
+_TRITON = ("Triton installed and the 'triton' switch on (TORCHMB_TRITON)",
+           lambda lim, cuda, dims, dtype, c, w, g, t, s, d: TRITON_INSTALLED and _TRITON_SWITCH.get())
+
+_GROUPED_LIMITS = {"min_groups": 128, "max_out_per_group": 32, "max_patch": 512}
+_GROUPED = (
+    _CUDA, _TWO_D, _NOT_TRANSPOSED, _FLOAT,
+    ("at least {min_groups} groups", lambda lim, cuda, dims, dtype, c, w, g, t, s, d: g >= lim["min_groups"]),
+    ("at most {max_out_per_group} output channels per group",
+     lambda lim, cuda, dims, dtype, c, w, g, t, s, d: w[0] // g <= lim["max_out_per_group"]),
+    ("not pure depthwise (one input and one output channel per group: ATen's depthwise kernels keep up)",
+     lambda lim, cuda, dims, dtype, c, w, g, t, s, d: max(w[1], w[0] // g) >= 2),
+    ("at most {max_patch} patch elements per group (input channels x kernel height x width)",
+     lambda lim, cuda, dims, dtype, c, w, g, t, s, d: _prod(w[1:]) <= lim["max_patch"]),
+    _TRITON,
+)
+_GROUPED_MEASURED = (
+    "H100, TF32 as torch's default: LeNet's second convolution at B=256 3.6 against 7.4 ms forward and "
+    "backward (tests/benchmarks/bench_conv_forms.py), the compiled LeNet step 1.46x faster; at B=64 the "
+    "convolution ties and the compiled step ran 0.94x as fast as with cuDNN; at B=16 cuDNN is twice as fast"
+)
+_ATEN = Candidate("aten", measured="cuDNN or ATen's kernels (torch.convolution and its backward)")
+
+TRITON_GROUPED = Candidate("triton-grouped", _GROUPED, _GROUPED_LIMITS, _GROUPED_MEASURED)
+TRITON_GROUPED_INPUT_GRAD = Candidate(
+    "triton-grouped",
+    (("stride 1", lambda lim, cuda, dims, dtype, c, w, g, t, s, d: set(s) == {1}),
+     ("dilation 1", lambda lim, cuda, dims, dtype, c, w, g, t, s, d: set(d) == {1}), *_GROUPED),
+    _GROUPED_LIMITS, _GROUPED_MEASURED + "; the input gradient is the same kernel on the flipped filters")
+TRITON_DEPTHWISE_GRAD = Candidate(
+    "triton-depthwise",
+    (_CUDA, _TWO_D, _NOT_TRANSPOSED,
+     ("one input channel per group", lambda lim, cuda, dims, dtype, c, w, g, t, s, d: w[1] == 1),
+     ("as many groups as input channels: a depthwise convolution",
+      lambda lim, cuda, dims, dtype, c, w, g, t, s, d: g == c),
+     ("at least {min_channels} output channels", lambda lim, cuda, dims, dtype, c, w, g, t, s, d:
+      w[0] >= lim["min_channels"]),
+     ("at most {max_taps} filter taps (7x7 and smaller)", lambda lim, cuda, dims, dtype, c, w, g, t, s, d:
+      _prod(w[2:]) <= lim["max_taps"]),
+     _FLOAT, _TRITON),
+    {"min_channels": 128, "max_taps": 64},
+    "H100: a ConvNeXt 7x7 depthwise layer at B=64 2.7 against 3.8 ms forward and backward (ATen reads the "
+    "whole output gradient once per filter tap; fewer channels leave the GPU mostly idle either way)")
+
+CHANNELS_LAST = Candidate(
+    "channels-last",
+    (("at least {min_in_per_group} input channels per group",
+      lambda lim, cuda, dims, dtype, c, w, g, t, s, d: (w[0] // g if t else w[1]) >= lim["min_in_per_group"]),),
+    {"min_in_per_group": 64},
+    "H100: below it cuDNN runs grouped NHWC convolutions slice by slice (a copy kernel per group, forward and "
+    "backward) and depthwise ones in its NHWC engine instead of ATen's depthwise kernels: 1.3-2x slower than "
+    "NCHW for LeNet's 1-16 channels per model; from 64 on NHWC was 4% faster (tests/benchmarks/"
+    "bench_conv_forms.py)")
+CONTIGUOUS = Candidate("contiguous", measured="the grouped layout in memory order (NCHW)")
+
+OPS: dict[str, tuple[Candidate, ...]] = {
+    "forward": (TRITON_GROUPED, _ATEN),
+    "input grad": (TRITON_GROUPED_INPUT_GRAD, _ATEN),
+    "weight grad": (TRITON_DEPTHWISE_GRAD, _ATEN),
+    "layout of a channels-last input": (CHANNELS_LAST, CONTIGUOUS),
+}
+"""op -> its candidates in order of preference (the last always applies)."""
+
+
+def choose(op: str, call: ConvCall) -> Candidate:
+    """The candidate that runs ``op`` for ``call``."""
+    args = (call.cuda, call.dims, call.dtype, call.channels, call.weight_shape, call.groups, call.transposed,
+            call.stride, call.dilation)
+    return next(c for c in OPS[op] if c.applies(*args))
+
+
+def explain(call: ConvCall) -> str:
+    """For every op: the candidate that runs ``call`` and, for each one preferred before it, why not."""
+    lines = []
+    for op, candidates in OPS.items():
+        chosen = choose(op, call)
+        lines.append(f"{op}: {chosen.name} ({chosen.measured})" if chosen.conditions else f"{op}: {chosen.name}")
+        for c in candidates[: candidates.index(chosen)]:
+            lines.append(f"    not {c.name}: needs " + "; ".join(c.unmet(call)))
+    return "\n".join(lines)
+
+
+def explain_kernels(*, cuda: bool, dims: int, dtype: torch.dtype, channels: int, weight_shape: Sequence[int],
+                    groups: int, transposed: bool = False, stride: Sequence[int] = (1, 1),
+                    dilation: Sequence[int] = (1, 1)) -> str:
+    """:func:`explain` for a grouped convolution described by its values (see :class:`ConvCall`): for every
+    op, which kernel runs and why not those preferred before it."""
+    return explain(ConvCall(cuda, dims, dtype, channels, tuple(weight_shape), groups, transposed, tuple(stride),
+                            tuple(dilation)))

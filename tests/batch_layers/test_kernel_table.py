@@ -1,0 +1,93 @@
+"""The convolution kernel table chooses, for every shape, the kernel that the predicates it replaced chose
+(copied here from batch_layers/_conv.py, _conv_triton.py and _depthwise_triton.py as they were), and says
+why."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+import torchmb_config
+from batch_layers import _kernel_table
+from batch_layers._kernel_table import ConvCall, choose, explain
+
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def old_runs_on_triton(c: ConvCall, triton: bool) -> bool:
+    w, groups = c.weight_shape, c.groups
+    return (c.cuda and c.dims == 4 and not c.transposed and c.dtype in FLOATS and groups >= 128
+            and w[0] // groups <= 32 and max(w[1], w[0] // groups) >= 2 and math.prod(w[1:]) <= 512 and triton)
+
+
+def old_input_grad_on_triton(c: ConvCall, triton: bool) -> bool:
+    return (not c.transposed and set(c.stride) == {1} and set(c.dilation) == {1}
+            and old_runs_on_triton(ConvCall(c.cuda, c.dims, c.dtype, c.channels, c.weight_shape, c.groups), triton))
+
+
+def old_runs_depthwise_grad(c: ConvCall, triton: bool) -> bool:
+    w = c.weight_shape
+    return (not c.transposed and c.cuda and c.dims == 4 and w[1] == 1 and c.groups == c.channels and w[0] >= 128
+            and w[2] * w[3] <= 64 and c.dtype in FLOATS and triton)
+
+
+def old_keeps_channels_last(c: ConvCall) -> bool:
+    in_per_group = c.weight_shape[0] // c.groups if c.transposed else c.weight_shape[1]
+    return in_per_group >= 64
+
+
+def calls():
+    for cuda, dims, dtype, groups, out_g, in_g, k, transposed, stride, dilation in itertools.product(
+            (True, False), (3, 4), (torch.float32, torch.bfloat16, torch.float64), (16, 127, 128, 512),
+            (1, 2, 32, 33), (1, 2, 6, 64), (1, 3, 7, 9), (False, True), (1, 2), (1, 2)):
+        spatial = dims - 2
+        if transposed:  # (B*C, O/g, *k)
+            weight = (groups * in_g, out_g, *(k,) * spatial)
+        else:  # (B*O, C/g, *k)
+            weight = (groups * out_g, in_g, *(k,) * spatial)
+        yield ConvCall(cuda, dims, dtype, groups * in_g, weight, groups, transposed, (stride,) * spatial,
+                       (dilation,) * spatial)
+
+
+@pytest.mark.parametrize("triton", [True, False])
+def test_the_table_chooses_what_the_old_predicates_chose(monkeypatch, triton):
+    monkeypatch.setattr(_kernel_table, "TRITON_INSTALLED", triton)
+    seen = set()
+    for call in calls():
+        got = (choose("forward", call).name, choose("input grad", call).name, choose("weight grad", call).name,
+               choose("layout of a channels-last input", call).name)
+        want = ("triton-grouped" if old_runs_on_triton(call, triton) else "aten",
+                "triton-grouped" if old_input_grad_on_triton(call, triton) else "aten",
+                "triton-depthwise" if old_runs_depthwise_grad(call, triton) else "aten",
+                "channels-last" if old_keeps_channels_last(call) else "contiguous")
+        assert got == want, call
+        seen.add(got)
+    if triton:  # the grid reaches every kernel, alone and together
+        assert {s[0] for s in seen} == {"triton-grouped", "aten"} and {s[2] for s in seen} == {"triton-depthwise",
+                                                                                              "aten"}
+        assert ("triton-grouped", "triton-grouped", "aten", "contiguous") in seen
+
+
+def test_the_triton_switch_and_the_limits_are_read_at_each_choice(monkeypatch):
+    monkeypatch.setattr(_kernel_table, "TRITON_INSTALLED", True)
+    lenet2 = ConvCall(True, 4, torch.float32, 256 * 6, (256 * 16, 6, 5, 5), 256)
+    assert choose("forward", lenet2).name == "triton-grouped"
+    with torchmb_config.use("triton", False):
+        assert choose("forward", lenet2).name == "aten"
+    monkeypatch.setitem(_kernel_table.TRITON_GROUPED.limits, "min_groups", 512)
+    assert choose("forward", lenet2).name == "aten"
+
+
+def test_explain_names_the_kernel_and_every_unmet_condition(monkeypatch):
+    monkeypatch.setattr(_kernel_table, "TRITON_INSTALLED", True)
+    few_models = ConvCall(True, 4, torch.float32, 16 * 6, (16 * 16, 6, 5, 5), 16)
+    text = explain(few_models)
+    assert "forward: aten" in text and "not triton-grouped: needs at least 128 groups" in text
+    assert "weight grad: aten" in text and "one input channel per group" in text
+    assert "layout of a channels-last input: contiguous" in text
+    lenet2 = ConvCall(True, 4, torch.float32, 256 * 6, (256 * 16, 6, 5, 5), 256, stride=(2, 2))
+    text = explain(lenet2)
+    assert "forward: triton-grouped (H100" in text and "not triton-grouped: needs stride 1" in text
