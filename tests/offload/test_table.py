@@ -193,9 +193,16 @@ def test_large_tables_are_usable_with_and_without_huge_pages(monkeypatch, reques
     monkeypatch.setattr(_memory, "HUGE_PAGE_MIN", 1 << 20)
     g = torch.Generator().manual_seed(0)
     src = torch.randn(4096, 96, generator=g)  # 1.5 MiB
+    maps = []
+    real_mmap = _memory.mmap.mmap
+    monkeypatch.setattr(_memory.mmap, "mmap", lambda *a, **k: maps.append(real_mmap(*a, **k)) or maps[-1])
     t = offload.HostTable.from_tensor(src, device="cpu", pin=False)
     assert torch.equal(t.data, src) and t.data.is_contiguous()
-    assert _advised_huge(t.data.data_ptr()) == huge
+    # Without huge pages the table is torch's allocation, which may land in heap memory that another library
+    # (NumPy, for its large arrays) advised earlier in the process: what is checked is that no map was made.
+    assert len(maps) == huge
+    if huge:
+        assert _advised_huge(t.data.data_ptr())
     idx = torch.randperm(4096, generator=g)[:700]
     vals = torch.randn(700, 96, generator=g)
     t.scatter(idx, vals)
