@@ -277,8 +277,8 @@ class _ConvNd(AbstractBatchModule):
             return conv(x, weight, bias, self.stride, 0, self.dilation, groups)
         return conv(x, weight, bias, self.stride, self.padding, self.dilation, groups)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self._conv_forward(x, self.weight, self.bias)
+    def forward(self, input: Tensor) -> Tensor:
+        return self._conv_forward(input, self.weight, self.bias)
 
     def _conv_forward(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """The layer's convolution of a merged input with per-model ``(B, out, in/groups, *k)`` weights and

@@ -132,8 +132,8 @@ class Linear(AbstractBatchModule):
         copy_into_every_model(layer, module)
         return layer
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.linear_form(x, self.weight, self.bias)
+    def forward(self, input: Tensor) -> Tensor:
+        return self.linear_form(input, self.weight, self.bias)
 
     def linear_form(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         """``F.linear`` of a merged input with per-model ``(B, out, in)`` weights and ``(B, out)`` bias."""
