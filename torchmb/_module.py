@@ -267,7 +267,7 @@ class BatchModule(nn.Module):
         if len(args) == 1 and not kwargs and type(args[0]) is Tensor:  # the common call: no pytree walk
             (x,) = args
             samples = self._samples([x], shared_input)
-            out = self._run(samples, shared_input, x if shared_input else self._merge_input(x))
+            out, labels = self._run(samples, shared_input, x if shared_input else self._merge_input(x))
         else:
             leaves, spec = tree_flatten((args, kwargs))
             tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
@@ -275,7 +275,9 @@ class BatchModule(nn.Module):
             if not shared_input:
                 leaves = [self._merge_input(leaf) if isinstance(leaf, Tensor) else leaf for leaf in leaves]
             call_args, call_kwargs = tree_unflatten(leaves, spec)
-            out = self._run(samples, shared_input, *call_args, **call_kwargs)
+            out, labels = self._run(samples, shared_input, *call_args, **call_kwargs)
+        if shared_input and labels is not None:
+            return tree_map(lambda value: self._split_shared_output(value, samples, labels), out)
         if type(out) is Tensor:
             return self._split_output(out, samples)
         return tree_map(lambda value: self._split_output(value, samples), out)
@@ -303,15 +305,18 @@ class BatchModule(nn.Module):
                 )
         return tensors[0].shape[1]
 
-    def _run(self, samples: int, shared_input: bool, *args: Any, **kwargs: Any) -> Any:
+    def _run(self, samples: int, shared_input: bool, *args: Any, **kwargs: Any) -> tuple[Any, ModelDataTracker | None]:
+        """The model's merged output, and the tracker that labelled its tensors (``None`` when untracked)."""
         with forward_context(ForwardContext(self.batch, samples, shared_input, self.merged_order)):
             if not torch.compiler.is_compiling():  # compiled code is not tracked (a contextvar, Python modes)
                 check_decisions = self._first_forward or checking_decisions()
                 if shared_input or check_decisions:
                     return self._run_tracked(shared_input, check_decisions, args, kwargs)
-            return self.module(*args, **kwargs)
+            return self.module(*args, **kwargs), None
 
-    def _run_tracked(self, shared_input: bool, check_decisions: bool, args: tuple, kwargs: dict) -> Any:
+    def _run_tracked(
+        self, shared_input: bool, check_decisions: bool, args: tuple, kwargs: dict
+    ) -> tuple[Any, ModelDataTracker]:
         """Run the model labelling its tensors (see ``torchmb._tracking``): the shared input and what is
         computed from it are recognised by identity, and a Python decision on several models' data is
         refused in the first forward and under ``torchmb.testing``."""
@@ -320,7 +325,15 @@ class BatchModule(nn.Module):
         with tracker, recognise_shared_by(tracker.is_shared):
             out = self.module(*args, **kwargs)
         self._first_forward = False
-        return out
+        return out, tracker
+
+    def _split_shared_output(self, value: Any, samples: int, labels: ModelDataTracker) -> Any:
+        """An output of a shared-input forward: one computed from the shared input and constants alone (no
+        model's state: a parameter-free model, the input passed through) is every model's, ``(B, *shape)``
+        as a view; a per-model one is split."""
+        if isinstance(value, Tensor) and labels.kind(value) is not Kind.PER_MODEL:
+            return value.expand(self.batch, *value.shape)
+        return self._split_output(value, samples)
 
     def _split_output(self, value: Any, samples: int) -> Any:
         if not isinstance(value, Tensor):
