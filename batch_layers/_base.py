@@ -274,6 +274,12 @@ class AbstractBatchModule(nn.Module):
         return ", ".join(part for part in (inner, f"batch={self.batch}") if part)
 
 
+UNBATCHED = (
+    "an input without a batch dim (one sample, which torch accepts unbatched) is not supported here: give each "
+    "model's input a batch dim of one sample"
+)
+
+
 def autocast_dtype(device_type: str) -> torch.dtype | None:
     """The dtype autocast would compute in on ``device_type`` now, or None when autocast is off there."""
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None

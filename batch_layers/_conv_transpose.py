@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.utils import _ntuple
 
-from ._base import AbstractBatchModule, copy_into_every_model, from_grouped
+from ._base import UNBATCHED, AbstractBatchModule, copy_into_every_model, from_grouped
 from ._conv import grouped_conv, reset_conv_slices
 
 __all__ = ["ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d"]
@@ -114,6 +114,7 @@ class _ConvTransposeNd(AbstractBatchModule):
             raise ValueError(
                 f"{type(self).__name__}: expected a {self.dims + 2}-D input (B*n, {self.in_channels}, "
                 f"{', '.join('*' * self.dims)}) with the model axis merged into dim 0, got shape {tuple(x.shape)}"
+                + (f"; {UNBATCHED}" if x.dim() == self.dims + 1 else "")
             )
 
     def forward(self, input: Tensor, output_size: list[int] | None = None) -> Tensor:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._base import AbstractBatchModule, autocast_dtype, copy_into_every_model
+from ._base import UNBATCHED, AbstractBatchModule, autocast_dtype, copy_into_every_model
 
 __all__ = ["Linear"]
 
@@ -137,6 +137,11 @@ class Linear(AbstractBatchModule):
 
     def linear_form(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         """``F.linear`` of a merged input with per-model ``(B, out, in)`` weights and ``(B, out)`` bias."""
+        if x.dim() < 2:
+            raise ValueError(
+                f"{type(self).__name__}: expected an input (B*n, *, {self.in_features}) with the model axis merged "
+                f"into dim 0, got shape {tuple(x.shape)}; {UNBATCHED}"
+            )
         if self.is_shared(x):
             return self._shared_forward(x, weight, bias)
         dim = self.merged_dim(x)

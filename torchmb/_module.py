@@ -338,6 +338,8 @@ class BatchModule(nn.Module):
     def _split_output(self, value: Any, samples: int) -> Any:
         if not isinstance(value, Tensor):
             return value
+        if value.shape == (self.batch,) and samples != 1:  # cannot be B * n rows: one number per model
+            return value  # (a loss with per-model class weights, computed per model by the torch.func path)
         if value.dim() == 0 or value.shape[0] % self.batch:
             raise ValueError(
                 f"the model returned a tensor of shape {tuple(value.shape)} whose dim 0 is not a multiple of "
