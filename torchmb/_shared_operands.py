@@ -53,8 +53,11 @@ def expand_shared_operands(
     def expanded(value: Any) -> Any:
         if not isinstance(value, Tensor) or not value.dim() or value.shape[0] == 1 or not is_shared(value):
             return value
-        if any(p.dim() == value.dim() and p.shape[0] == batch * value.shape[0] for p in per_model):
+        aligned = [p for p in per_model if p.dim() == value.dim()]
+        if any(p.shape[0] == batch * value.shape[0] for p in aligned):
             return _merged_copies(value, batch, context.order)
+        for p in aligned:
+            _refuse_model_axis_elsewhere(func, value, p, batch)
         return value
 
     def each(value: Any) -> Any:
@@ -70,6 +73,22 @@ def expand_shared_operands(
             "place (x = x + y instead of x += y)"
         )
     return new_args, {key: each(value) for key, value in kwargs.items()}
+
+
+def _refuse_model_axis_elsewhere(func: Any, shared: Tensor, per_model: Tensor, batch: int) -> None:
+    """A per-model tensor with the shared one's rows in dim 0 and B times its size in another dim holds the
+    models in that dim (a sequence-first layout, ``(seq, B*n, d)``), where no copy of the shared rows can
+    line up with them."""
+    if per_model.shape[0] != shared.shape[0]:
+        return
+    for dim in range(1, shared.dim()):
+        if shared.shape[dim] > 1 and per_model.shape[dim] == batch * shared.shape[dim]:
+            raise ValueError(
+                f"{getattr(func, '__name__', func)}: a tensor computed from the shared input, shape "
+                f"{tuple(shared.shape)}, meets a per-model tensor of shape {tuple(per_model.shape)} whose model axis "
+                f"is in dim {dim} (a sequence-first layout); torchmb's merged model axis stands in dim 0 at the "
+                "BatchModule boundary: give the model batch-first inputs (batch_first=True) and let it transpose"
+            )
 
 
 def _operands(args: tuple, kwargs: dict) -> list[Tensor]:

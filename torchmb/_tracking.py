@@ -45,6 +45,7 @@ import batch_layers
 import offload
 from batch_layers import AbstractBatchModule
 
+from ._dim0_reductions import refuse_reduction_over_models
 from ._generic import is_generic
 from ._shared_operands import expand_shared_operands
 
@@ -199,6 +200,8 @@ class ModelDataTracker(TorchFunctionMode):
             kwargs = {}
         if self.check_decisions and func in _DECISIONS and self._kind_of(args, kwargs) is Kind.PER_MODEL:
             _refuse_pooled_decision(func)
+        if self.check_decisions and not self._layer_depth and args and self._labelled_per_model(args[0]):
+            refuse_reduction_over_models(func, args, kwargs)
         if self._shared_forward and not self._layer_depth and self._mixes_shared_and_per_model(args, kwargs):
             args, kwargs = expand_shared_operands(func, args, kwargs, self.is_shared, self._labelled_per_model)
         out = func(*args, **kwargs)
