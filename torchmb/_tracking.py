@@ -20,6 +20,10 @@ It serves two purposes:
   The code of torch, of the batched layers and of ``offload`` is trusted (their checks look at the whole
   batch on purpose), and :func:`allow_pooled_decisions` lets a model author decide for all models.
 
+In a shared-input forward, the model's own code combining a shared tensor with a per-model one gets the
+shared one as B merged copies (``torchmb._shared_operands``); in a checked forward, its reductions over
+dim 0 of per-model data are refused (``torchmb._dim0_reductions``).
+
 Every op of a tracked forward runs through Python (about 3 us), so ``BatchModule`` tracks only
 shared-input forwards and its first forward, and ``torchmb.testing`` every forward it runs.
 """
