@@ -306,7 +306,7 @@ class BatchModule(nn.Module):
         return tensors[0].shape[1]
 
     def _run(self, samples: int, shared_input: bool, *args: Any, **kwargs: Any) -> tuple[Any, ModelDataTracker | None]:
-        """The model's merged output, and the tracker that labelled its tensors (``None`` when untracked)."""
+        """The model's merged output, and the tracker that labelled its tensors (if tracked)."""
         with forward_context(ForwardContext(self.batch, samples, shared_input, self.merged_order)):
             if not torch.compiler.is_compiling():  # compiled code is not tracked (a contextvar, Python modes)
                 check_decisions = self._first_forward or checking_decisions()
@@ -328,9 +328,7 @@ class BatchModule(nn.Module):
         return out, tracker
 
     def _split_shared_output(self, value: Any, samples: int, labels: ModelDataTracker) -> Any:
-        """An output of a shared-input forward: one computed from the shared input and constants alone (no
-        model's state: a parameter-free model, the input passed through) is every model's, ``(B, *shape)``
-        as a view; a per-model one is split."""
+        """A shared-input forward's output: one computed without any model's state is every model's (a view)."""
         if isinstance(value, Tensor) and labels.kind(value) is not Kind.PER_MODEL:
             return value.expand(self.batch, *value.shape)
         return self._split_output(value, samples)

@@ -134,3 +134,13 @@ def test_norms_without_bias(make, shape: tuple[int, ...]) -> None:
         assert batched.state_dict_of(i).keys() == model.state_dict().keys()
         for name, buffer in model.named_buffers():
             torch.testing.assert_close(batched.state_dict_of(i)[name], buffer)
+
+
+def test_a_softmax_over_the_merged_model_axis_is_refused() -> None:
+    unbatched = BatchModule(nn.Softmax2d(), B)
+    with pytest.raises(ValueError, match=r"softmax over dim 0 of a tensor of shape \(12, 5, 6\) holding several"):
+        unbatched(torch.randn(B, 4, 5, 6))  # each model's input (C, H, W): dim -3 is dim 0 once merged
+    with pytest.raises(ValueError, match=r"glu over dim 0 of a tensor of shape \(12,\)"):
+        BatchModule(nn.GLU(), B)(torch.randn(B, 4))
+    x = torch.randn(B, 2, 4, 5, 6)  # with a batch dim, dim -3 is each sample's channels
+    torch.testing.assert_close(BatchModule(nn.Softmax2d(), B)(x), nn.Softmax2d()(x.flatten(0, 1)).view_as(x))
