@@ -11,13 +11,18 @@ fails here. The default run covers every module's first input (per-model and sha
 
 from __future__ import annotations
 
+import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
 import torch
-from support.module_db import INPUT_SEED, MODULES, Case, cases_of, modes, module_inputs, run_case
+from support.module_db import BATCH, DTYPE, INPUT_SEED, MODULES, Case, cases_of, modes, module_inputs, run_case
 from torch import nn
+from torch.testing._internal.common_modules import ModuleErrorEnum
+
+from torchmb import BatchModule
 
 
 @dataclass(frozen=True)
@@ -172,3 +177,42 @@ def test_the_default_run_covers_every_module() -> None:
     assert {case.module for case in DEFAULT} == set(MODULES)
     assert len(MODULES) >= 100
     assert all(module_inputs(name, True, INPUT_SEED) for name in MODULES)
+
+
+def _error_inputs() -> list:
+    found = []
+    for name, info in MODULES.items():
+        if info.module_error_inputs_func is not None:
+            inputs = info.module_error_inputs_func(info, device="cpu", dtype=DTYPE, requires_grad=True, training=True)
+            found += [pytest.param(name, error, id=f"{name}-error{k}") for k, error in enumerate(inputs)]
+    return found
+
+
+@pytest.mark.parametrize("name, error", _error_inputs())
+def test_module_db_error_inputs_are_refused(name: str, error) -> None:
+    """module_db's error inputs (ModuleErrorEnum): torch's construction errors stay torch's; a forward that
+    raises on the plain module raises on the batched one too (often torchmb's own check, first)."""
+    info = MODULES[name]
+    given, forward = error.module_error_input.constructor_input, error.module_error_input.forward_input
+
+    def make() -> nn.Module:
+        return info.module_cls(*given.args, **given.kwargs)
+
+    with warnings.catch_warnings():  # torch's patterns hold "[[...]" (a nested-set FutureWarning of re)
+        warnings.simplefilter("ignore")
+        pattern = re.compile(error.error_regex)
+    if error.error_on == ModuleErrorEnum.CONSTRUCTION_ERROR:
+        with pytest.raises(error.error_type, match=pattern):
+            BatchModule.from_factory(make, BATCH, seed=0)
+        return
+    with pytest.raises(error.error_type, match=pattern), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make()(*forward.args, **forward.kwargs)
+    batched = BatchModule.from_factory(make, BATCH, seed=0)
+
+    def stacked(value):
+        return torch.stack([value] * BATCH) if isinstance(value, torch.Tensor) and value.dim() else value
+
+    with pytest.raises(Exception), warnings.catch_warnings():  # noqa: B017 - the batched checks' own errors
+        warnings.simplefilter("ignore")
+        batched(*map(stacked, forward.args), **{key: stacked(value) for key, value in forward.kwargs.items()})
