@@ -32,9 +32,11 @@ class Refusal:
     applies: Callable[[Case], bool]
 
 
-def _first_tensor_dim(case: Case) -> int:
-    args = case.module_input.forward_input.args
-    return args[0].dim() if args and isinstance(args[0], torch.Tensor) else -1
+def _zero_dim(case: Case) -> bool:
+    """A 0-dim input: the first (refused shared too), or any other (a class index target) per model."""
+    forward = case.module_input.forward_input
+    tensors = [v for v in (*forward.args, *forward.kwargs.values()) if isinstance(v, torch.Tensor)]
+    return bool(tensors) and (tensors[0].dim() == 0 or (not case.shared and any(t.dim() == 0 for t in tensors)))
 
 
 def _tensor_constructor_argument(case: Case) -> bool:
@@ -57,12 +59,18 @@ REFUSALS = [
     Refusal(
         "a 0-dim input has no sample axis for the model axis to stand before",
         r"expects every tensor argument as \(B=3, n, \.\.\.\)|expects tensors of shape \(n, \.\.\.\), got a scalar",
-        lambda case: _first_tensor_dim(case) == 0,
+        _zero_dim,
     ),
     Refusal(
         "a homoscedastic variance of one value per sample row has other rows than the input once merged",
         r"var is of incorrect size",
         lambda case: case.module == "nn.GaussianNLLLoss" and case.desc == "homoscedastic" and not case.shared,
+    ),
+    Refusal(
+        "MultiLabelMarginLoss of an unbatched (C,) input returns one number even with reduction='none': on the "
+        "merged (B*C,) input it would be one for all models, and the output check refuses it",
+        r"the model returned a tensor of shape \(\) whose dim 0 is not a multiple of batch=3",
+        lambda case: case.module == "nn.MultiLabelMarginLoss" and case.desc.startswith("1d") and not case.shared,
     ),
     Refusal(
         "a loss reduced over the samples mixes all B models' samples into one number on the merged axis; "
