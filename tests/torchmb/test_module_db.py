@@ -103,7 +103,8 @@ _SEQUENCE_FIRST = {
 
 def _sequence_first(case: Case) -> bool:
     """A batched input to a layer built with batch_first=False (torch's default): (seq, N, E)."""
-    if case.module not in _SEQUENCE_FIRST or "no_batch_dim" in case.desc:
+    args = case.module_input.forward_input.args
+    if case.module not in _SEQUENCE_FIRST or args[0].dim() < 3:  # an unbatched (seq, E) input runs
         return False
     given = (*case.module_input.constructor_input.args, *case.constructor_kwargs.values())
     layers = [m for value in given if isinstance(value, nn.Module) for m in value.modules()]  # TransformerEncoder's
