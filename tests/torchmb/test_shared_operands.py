@@ -144,3 +144,16 @@ def test_a_softmax_over_the_merged_model_axis_is_refused() -> None:
         BatchModule(nn.GLU(), B)(torch.randn(B, 4))
     x = torch.randn(B, 2, 4, 5, 6)  # with a batch dim, dim -3 is each sample's channels
     torch.testing.assert_close(BatchModule(nn.Softmax2d(), B)(x), nn.Softmax2d()(x.flatten(0, 1)).view_as(x))
+
+
+@pytest.mark.parametrize("make", [lambda: nn.GRU(4, 3, num_layers=2), lambda: nn.LSTMCell(4, 3)], ids=["gru", "cell"])
+def test_unbatched_recurrent_layers_with_a_shared_input_and_state(make) -> None:
+    plain = plain_models(make)
+    batched = BatchModule.from_factory(make, B, seed=0)
+    cell = isinstance(plain[0], nn.LSTMCell)
+    x = torch.randn(4) if cell else torch.randn(5, 4)  # one unbatched sample (cell) or sequence (GRU)
+    state = (torch.randn(3), torch.randn(3)) if cell else torch.randn(2, 3)
+    got = batched(x, state, shared_input=True)
+    for i, model in enumerate(plain):
+        for have, want in zip(got, model(x, state)):
+            torch.testing.assert_close(have[i], want)
