@@ -88,21 +88,21 @@ class PReLU(AbstractBatchModule):
         copy_into_every_model(layer, module)
         return layer
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, input: Tensor) -> Tensor:
         channels = self.num_parameters
-        if channels > 1 and (x.dim() < 2 or x.shape[1] != channels):
+        if channels > 1 and (input.dim() < 2 or input.shape[1] != channels):
             raise ValueError(
                 f"PReLU: expected an input of shape (B*n, {channels}, *) for num_parameters={channels}, "
-                f"got {tuple(x.shape)}"
+                f"got {tuple(input.shape)}"
             )
-        if x.dim() == 0:
+        if input.dim() == 0:
             raise ValueError("PReLU: expected an input of shape (B*n, *) with the merged model axis, got a scalar")
-        if channels == 1 and not self.is_shared(x):
-            dim = self.merged_dim(x, feature_dims=max(x.dim() - 2, 0))
+        if channels == 1 and not self.is_shared(input):
+            dim = self.merged_dim(input, feature_dims=max(input.dim() - 2, 0))
             if dim:  # sequence-first layout
-                return self.forward(x.movedim(dim, 0)).movedim(0, dim)
-        models = self.split(x)  # (B, m, ...); an expanded view of a shared input
-        trailing = max(x.dim() - 2, 0)
+                return self.forward(input.movedim(dim, 0)).movedim(0, dim)
+        models = self.split(input)  # (B, m, ...); an expanded view of a shared input
+        trailing = max(input.dim() - 2, 0)
         if channels > 1:
             weight = self.weight.view(self.batch, 1, channels, *([1] * trailing))
         else:

@@ -161,7 +161,7 @@ def check_merged_rows(x: Tensor, batch: int, owner: str, what: str = "input") ->
             f"samples-major merged order, got shape {tuple(x.shape)}; the model merged other dims into dim 0, "
             "which only the models-major order keeps correct: build the BatchModule with merged_order='models'"
         )
-    if x.dim() == 0 or rows % step != 0:
+    if x.dim() == 0 or (rows % step != 0 if step else rows != 0):  # n = 0: no rows
         where = f"B * n = {batch} * {context.samples}" if context is not None else f"B = {batch}"
         raise ValueError(
             f"{owner}: expected the {what}'s dim 0 to be a multiple of {where} (the merged model axis), got shape "
@@ -290,6 +290,12 @@ class AbstractBatchModule(nn.Module):
         return ", ".join(part for part in (inner, f"batch={self.batch}") if part)
 
 
+UNBATCHED = (
+    "an input without a batch dim (one sample, which torch accepts unbatched) is not supported here: give each "
+    "model's input a batch dim of one sample"
+)
+
+
 def autocast_dtype(device_type: str) -> torch.dtype | None:
     """The dtype autocast would compute in on ``device_type`` now, or None when autocast is off there."""
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
@@ -343,7 +349,7 @@ def shared_to_grouped(x: Tensor, batch: int) -> Tensor:
         n, channels, height, width = x.shape
         rows = x.permute(0, 2, 3, 1).unsqueeze(3).expand(n, height, width, batch, channels)
         return rows.reshape(n, height, width, batch * channels).permute(0, 3, 1, 2)
-    return x.unsqueeze(1).expand(x.shape[0], batch, *x.shape[1:]).reshape(x.shape[0], -1, *x.shape[2:])
+    return x.unsqueeze(1).expand(x.shape[0], batch, *x.shape[1:]).reshape(x.shape[0], batch * x.shape[1], *x.shape[2:])
 
 
 def from_grouped(y: Tensor, batch: int, order: MergedOrder = "models", channels_last: bool = False) -> Tensor:
@@ -361,5 +367,5 @@ def from_grouped(y: Tensor, batch: int, order: MergedOrder = "models", channels_
         return merged.view(batch * n, height, width, channels).permute(0, 3, 1, 2)
     if order == "samples":
         return y.reshape(n * batch, y.shape[1] // batch, *y.shape[2:])
-    y = y.view(n, batch, -1, *y.shape[2:]).transpose(0, 1)
+    y = y.view(n, batch, y.shape[1] // batch, *y.shape[2:]).transpose(0, 1)
     return y.reshape(batch * n, *y.shape[2:])

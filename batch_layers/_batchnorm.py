@@ -29,6 +29,7 @@ class _NormBase(AbstractBatchModule):
         batch: int,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        bias: bool = True,
     ) -> None:
         super().__init__(batch)
         factory_kwargs = {"device": device, "dtype": dtype}
@@ -39,7 +40,10 @@ class _NormBase(AbstractBatchModule):
         self.track_running_stats = track_running_stats
         if affine:
             self.weight = nn.Parameter(torch.empty(batch, num_features, **factory_kwargs))
-            self.bias = nn.Parameter(torch.empty(batch, num_features, **factory_kwargs))
+            if bias:
+                self.bias = nn.Parameter(torch.empty(batch, num_features, **factory_kwargs))
+            else:
+                self.register_parameter("bias", None)
         else:
             self.register_parameter("weight", None)
             self.register_parameter("bias", None)
@@ -65,7 +69,8 @@ class _NormBase(AbstractBatchModule):
         self.reset_running_stats()
         if self.affine:
             nn.init.ones_(self.weight)
-            nn.init.zeros_(self.bias)
+            if self.bias is not None:
+                nn.init.zeros_(self.bias)
 
     @classmethod
     def from_module(cls, module: nn.Module, batch: int) -> _NormBase:
@@ -79,6 +84,7 @@ class _NormBase(AbstractBatchModule):
             batch=batch,
             device=None if reference is None else reference.device,
             dtype=None if reference is None else reference.dtype,
+            bias=getattr(module, "bias", None) is not None,
         )
         copy_into_every_model(layer, module)
         return layer
@@ -104,14 +110,14 @@ class _BatchNorm(_NormBase):
                 f"got shape {tuple(x.shape)}"
             )
 
-    def forward(self, x: Tensor) -> Tensor:
-        self._check_input_dim(x)
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input_dim(input)
         batch = self.batch
-        if self.is_shared(x):
-            channels = shared_to_grouped(x, batch)
+        if self.is_shared(input):
+            channels = shared_to_grouped(input, batch)
         else:  # a channels-last input stays channels-last: cuDNN's NHWC batch norm
-            self.check_merged(x)
-            channels = to_grouped(x, batch, self.merged_order)
+            self.check_merged(input)
+            channels = to_grouped(input, batch, self.merged_order)
         use_batch_stats = self.training or not self.track_running_stats
         weight = None if self.weight is None else self.weight.reshape(-1)
         bias = None if self.bias is None else self.bias.reshape(-1)

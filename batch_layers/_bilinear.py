@@ -7,7 +7,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from ._base import AbstractBatchModule, copy_into_every_model
+from ._base import UNBATCHED, AbstractBatchModule, copy_into_every_model
 
 __all__ = ["Bilinear"]
 
@@ -94,6 +94,11 @@ class Bilinear(AbstractBatchModule):
         return layer
 
     def _check_inputs(self, x1: Tensor, x2: Tensor) -> None:
+        if x1.dim() < 2 or x2.dim() < 2:
+            raise ValueError(
+                f"Bilinear: expected inputs (B*n, *, features) with the model axis merged into dim 0, got shapes "
+                f"{tuple(x1.shape)} and {tuple(x2.shape)}; {UNBATCHED}"
+            )
         if x1.dim() == 0 or x1.shape[-1] != self.in1_features:
             raise ValueError(f"Bilinear: expected input1 of shape (B*n, *, {self.in1_features}), got {tuple(x1.shape)}")
         if x2.dim() == 0 or x2.shape[-1] != self.in2_features:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.utils import _ntuple
 
-from ._base import AbstractBatchModule, copy_into_every_model, from_grouped
+from ._base import UNBATCHED, AbstractBatchModule, copy_into_every_model, from_grouped
 from ._conv import grouped_conv, reset_conv_slices
 
 __all__ = ["ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d"]
@@ -114,13 +114,14 @@ class _ConvTransposeNd(AbstractBatchModule):
             raise ValueError(
                 f"{type(self).__name__}: expected a {self.dims + 2}-D input (B*n, {self.in_channels}, "
                 f"{', '.join('*' * self.dims)}) with the model axis merged into dim 0, got shape {tuple(x.shape)}"
+                + (f"; {UNBATCHED}" if x.dim() == self.dims + 1 else "")
             )
 
-    def forward(self, x: Tensor, output_size: list[int] | None = None) -> Tensor:
-        self._check_input(x)
+    def forward(self, input: Tensor, output_size: list[int] | None = None) -> Tensor:
+        self._check_input(input)
         output_padding = nn.modules.conv._ConvTransposeNd._output_padding(
             self,
-            x,
+            input,
             output_size,
             list(self.stride),
             list(self.padding),
@@ -131,17 +132,17 @@ class _ConvTransposeNd(AbstractBatchModule):
         conv = _CONV_TRANSPOSE[self.dims]
         batch, out_channels = self.batch, self.out_channels
         bias = None if self.bias is None else self.bias.reshape(-1)
-        if self.is_shared(x):
+        if self.is_shared(input):
             if self.groups == 1:
                 # (B, C_in, C_out, *k) -> (C_in, B*C_out, *k): every model's filters side by side, one dense conv.
                 weight = self.weight.transpose(0, 1).reshape(self.in_channels, batch * out_channels, *self.kernel_size)
-                y = conv(x, weight, bias, self.stride, self.padding, output_padding, 1, self.dilation)
+                y = conv(input, weight, bias, self.stride, self.padding, output_padding, 1, self.dilation)
                 return from_grouped(y, batch, self.merged_order)
-            x = self.expand_shared(x)
-        self.check_merged(x)
+            input = self.expand_shared(input)
+        self.check_merged(input)
         weight = self.weight.reshape(batch * self.in_channels, *self.weight.shape[2:])
         return grouped_conv(
-            x,
+            input,
             weight,
             bias,
             batch,

@@ -44,10 +44,10 @@ class _Dropout(AbstractBatchModule):
     def from_module(cls, module: nn.Module, batch: int) -> _Dropout:
         return cls(module.p, module.inplace, batch=batch)
 
-    def forward(self, x: Tensor) -> Tensor:
-        if self.training and self.p > 0 and self.is_shared(x):
-            x = self.expand_shared(x)  # one mask per model
-        return self.base_class.forward(self, x)
+    def forward(self, input: Tensor) -> Tensor:
+        if self.training and self.p > 0 and self.is_shared(input):
+            input = self.expand_shared(input)  # one mask per model
+        return self.base_class.forward(self, input)
 
 
 class Dropout(_Dropout):

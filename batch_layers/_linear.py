@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._base import AbstractBatchModule, autocast_dtype, copy_into_every_model
+from ._base import UNBATCHED, AbstractBatchModule, autocast_dtype, copy_into_every_model
 from ._checks import check_input_dtype, check_input_size
 
 __all__ = ["Linear"]
@@ -28,10 +28,10 @@ def _product(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 def _check_linear_input(layer: Linear, x: Tensor, weight: Tensor) -> None:
     owner = f"Linear(in_features={weight.shape[-1]}, out_features={weight.shape[-2]}, batch={layer.batch})"
     if x.dim() < 2:
-        raise RuntimeError(
+        raise ValueError(
             f"{owner}: expected an input (B*n, *, in_features), got shape {tuple(x.shape)}; every model's input "
             f"needs a sample axis n and the feature axis of size {weight.shape[-1]}, so a BatchModule's input is "
-            f"(B, n, *, {weight.shape[-1]})"
+            f"(B, n, *, {weight.shape[-1]}); {UNBATCHED}"
         )
     if x.shape[-1] != weight.shape[-1] and not layer.is_shared(x):
         layer.check_merged(x)  # a reshape that mixed models' rows is the cause to name, not the feature size
@@ -147,8 +147,8 @@ class Linear(AbstractBatchModule):
         copy_into_every_model(layer, module)
         return layer
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.linear_form(x, self.weight, self.bias)
+    def forward(self, input: Tensor) -> Tensor:
+        return self.linear_form(input, self.weight, self.bias)
 
     def linear_form(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         """``F.linear`` of a merged input with per-model ``(B, out, in)`` weights and ``(B, out)`` bias."""

@@ -136,20 +136,20 @@ class LayerNorm(_AffineNorm):
         copy_into_every_model(layer, module)
         return layer
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, input: Tensor) -> Tensor:
         k = len(self.normalized_shape)
-        if tuple(x.shape[x.dim() - k :]) != self.normalized_shape or x.dim() <= k:
+        if tuple(input.shape[input.dim() - k :]) != self.normalized_shape or input.dim() <= k:
             raise ValueError(
                 f"{type(self).__name__}: expected an input of shape (B*n, *, "
-                f"{', '.join(map(str, self.normalized_shape))}), got {tuple(x.shape)}"
+                f"{', '.join(map(str, self.normalized_shape))}), got {tuple(input.shape)}"
             )
         if self.weight is None:  # no parameters: per-sample, runs on any layout
-            return self._normalize(x)
-        if not self.is_shared(x):
-            dim = self.merged_dim(x, feature_dims=k)
+            return self._normalize(input)
+        if not self.is_shared(input):
+            dim = self.merged_dim(input, feature_dims=k)
             if dim:  # sequence-first layout: bring the model axis to the front
-                return self.forward(x.movedim(dim, 0)).movedim(0, dim)
-        return self._affine(self._normalize(x), self.weight, self.bias)
+                return self.forward(input.movedim(dim, 0)).movedim(0, dim)
+        return self._affine(self._normalize(input), self.weight, self.bias)
 
     def layer_norm_form(
         self,
@@ -212,6 +212,9 @@ class RMSNorm(LayerNorm):
         copy_into_every_model(layer, module)
         return layer
 
+    def forward(self, x: Tensor) -> Tensor:  # torch's RMSNorm names its argument x (LayerNorm: input)
+        return super().forward(x)
+
     def rms_norm_form(
         self, x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None = None, eps: float | None = None
     ) -> Tensor:
@@ -231,6 +234,7 @@ class GroupNorm(_AffineNorm):
         eps: added to the variance.
         affine: per-model ``weight`` (ones) and ``bias`` (zeros) of shape ``(B, C)``.
         batch: number of models B.
+        bias: whether the affine has a bias (torch's keyword-only ``bias``).
 
     Shape:
         - Input: ``(B*n, C, *)`` or the shared ``(n, C, *)``. Output: ``(B*n, C, *)``.
@@ -249,6 +253,7 @@ class GroupNorm(_AffineNorm):
         batch: int,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        bias: bool = True,
     ) -> None:
         super().__init__(batch)
         if num_groups < 1 or num_channels % num_groups:
@@ -260,7 +265,10 @@ class GroupNorm(_AffineNorm):
         self.affine = affine
         if affine:
             self.weight = nn.Parameter(torch.empty(batch, num_channels, **factory_kwargs))
-            self.bias = nn.Parameter(torch.empty(batch, num_channels, **factory_kwargs))
+            if bias:
+                self.bias = nn.Parameter(torch.empty(batch, num_channels, **factory_kwargs))
+            else:
+                self.register_parameter("bias", None)
         else:
             self.register_parameter("weight", None)
             self.register_parameter("bias", None)
@@ -270,7 +278,8 @@ class GroupNorm(_AffineNorm):
         """Every model's weight to ones and bias to zeros, as ``torch.nn.GroupNorm`` does."""
         if self.affine:
             nn.init.ones_(self.weight)
-            nn.init.zeros_(self.bias)
+            if self.bias is not None:
+                nn.init.zeros_(self.bias)
 
     @classmethod
     def from_module(cls, module: nn.GroupNorm, batch: int) -> GroupNorm:
@@ -282,16 +291,17 @@ class GroupNorm(_AffineNorm):
             batch=batch,
             device=None if module.weight is None else module.weight.device,
             dtype=None if module.weight is None else module.weight.dtype,
+            bias=module.bias is not None,
         )
         copy_into_every_model(layer, module)
         return layer
 
-    def forward(self, x: Tensor) -> Tensor:
-        if x.dim() < 2 or x.shape[1] != self.num_channels:
+    def forward(self, input: Tensor) -> Tensor:
+        if input.dim() < 2 or input.shape[1] != self.num_channels:
             raise ValueError(
-                f"GroupNorm: expected an input of shape (B*n, {self.num_channels}, *), got {tuple(x.shape)}"
+                f"GroupNorm: expected an input of shape (B*n, {self.num_channels}, *), got {tuple(input.shape)}"
             )
-        return self.group_norm_form(x, self.num_groups, self.weight, self.bias, self.eps)
+        return self.group_norm_form(input, self.num_groups, self.weight, self.bias, self.eps)
 
     def group_norm_form(
         self, x: Tensor, num_groups: int, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5
@@ -329,9 +339,18 @@ class _InstanceNorm(_NormBase, _AffineNorm):
         batch: int,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        bias: bool = True,
     ) -> None:
         super().__init__(
-            num_features, eps, momentum, affine, track_running_stats, batch=batch, device=device, dtype=dtype
+            num_features,
+            eps,
+            momentum,
+            affine,
+            track_running_stats,
+            batch=batch,
+            device=device,
+            dtype=dtype,
+            bias=bias,
         )
 
     def _check_input(self, x: Tensor) -> None:
@@ -353,26 +372,26 @@ class _InstanceNorm(_NormBase, _AffineNorm):
                 stacklevel=2,
             )
 
-    def forward(self, x: Tensor) -> Tensor:
-        self._check_input(x)
-        trailing = x.dim() - 2
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input(input)
+        trailing = input.dim() - 2
         if self.training or not self.track_running_stats:
-            y = F.instance_norm(x, None, None, None, None, True, 0.0, self.eps)
+            y = F.instance_norm(input, None, None, None, None, True, 0.0, self.eps)
             momentum = 0.0 if self.momentum is None else self.momentum
             if self.training and self.track_running_stats and momentum != 0.0:
-                self._update_running_stats(x, momentum)
+                self._update_running_stats(input, momentum)
             return self._affine(y, self.weight, self.bias, trailing)
-        # Evaluation with running statistics: y = x * scale + shift per model and channel.
+        # Evaluation with running statistics: y = input * scale + shift per model and channel.
         scale = torch.rsqrt(self.running_var + self.eps)
         if self.weight is not None:
             scale = scale * self.weight
         shift = -self.running_mean * scale
         if self.bias is not None:
             shift = shift + self.bias
-        models = self.split(x)
+        models = self.split(input)
         dims = models.dim()
         out = torch.addcmul(_per_model(shift, dims, trailing), models, _per_model(scale, dims, trailing))
-        return out.reshape(-1, *out.shape[2:]).to(x.dtype)
+        return out.reshape(-1, *out.shape[2:]).to(input.dtype)
 
     @torch.no_grad()
     def _update_running_stats(self, x: Tensor, momentum: float) -> None:

@@ -209,7 +209,7 @@ class _RNNBase(AbstractBatchModule):
         """The input as ``(T, B, N, F)`` and its layout: ``"batch_first"``, ``"seq_first"`` or ``"unbatched"``."""
         self._check_features(x)
         if x.dim() == 2:  # unbatched models: each (T, F), merged (B*T, F)
-            if _shared_rows(self.batch, x.shape[0]):
+            if self.is_shared(x):
                 return x.unsqueeze(1).unsqueeze(1).expand(-1, self.batch, 1, -1), "unbatched"
             if x.shape[0] % self.batch:
                 raise ValueError(
@@ -222,7 +222,7 @@ class _RNNBase(AbstractBatchModule):
         seq = x.transpose(0, 1) if self.batch_first else x  # (T, rows, F)
         layout = "batch_first" if self.batch_first else "seq_first"
         rows = seq.shape[1]
-        if _shared_rows(self.batch, rows):
+        if self.is_shared(x):
             return seq.unsqueeze(1).expand(-1, self.batch, -1, -1), layout
         context = current_forward()
         step = self.batch * (context.samples if context is not None else 1)
@@ -246,11 +246,13 @@ class _RNNBase(AbstractBatchModule):
             expected = (self.batch * layers, size)
             if tuple(state.shape) == expected:
                 return state.view(self.batch, layers, 1, size).transpose(0, 1)
+            if tuple(state.shape) == (layers, size) and self.is_shared(state):  # one shared unbatched state
+                return state.view(layers, 1, 1, size).expand(-1, self.batch, -1, -1)
         else:
             expected = (layers, self.batch * per_model, size)
             if tuple(state.shape) == expected:
                 return state.view(layers, self.batch, per_model, size)
-            if _shared_rows(self.batch, state.shape[1]) and tuple(state.shape) == (layers, per_model, size):
+            if self.is_shared(state) and tuple(state.shape) == (layers, per_model, size):
                 return state.unsqueeze(1).expand(-1, self.batch, -1, -1)
         raise ValueError(f"{type(self).__name__}: expected {what} of shape {expected}, got {tuple(state.shape)}")
 

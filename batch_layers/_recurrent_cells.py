@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from ._base import AbstractBatchModule, stack_copies
-from ._recurrent import _GATES, _bmm_t, _gru_cell, _lstm_cell, _rnn_cell, _shared_rows
+from ._recurrent import _GATES, _bmm_t, _gru_cell, _lstm_cell, _rnn_cell
 
 __all__ = ["GRUCell", "LSTMCell", "RNNCell"]
 
@@ -77,7 +77,7 @@ class _CellBase(AbstractBatchModule):
     def _rows(self, x: Tensor, size: int, what: str) -> tuple[Tensor, bool]:
         """``(B, N, size)`` from a merged ``(B*N, size)`` tensor or an unbatched models' ``(B*size,)``."""
         if x.dim() == 1:
-            if x.shape[0] == size and _shared_rows(self.batch, 1):
+            if x.shape[0] == size and self.is_shared(x):  # one shared unbatched sample
                 return x.expand(self.batch, 1, size), False
             if x.shape[0] != self.batch * size:
                 raise ValueError(
@@ -87,7 +87,7 @@ class _CellBase(AbstractBatchModule):
             return x.view(self.batch, 1, size), False
         if x.dim() != 2 or x.shape[1] != size:
             raise ValueError(f"{type(self).__name__}: expected {what} of shape (B*N, {size}), got {tuple(x.shape)}")
-        if _shared_rows(self.batch, x.shape[0]):
+        if self.is_shared(x):
             return x.expand(self.batch, *x.shape), True
         if x.shape[0] % self.batch:
             raise ValueError(

@@ -289,7 +289,7 @@ class BatchModule(SharedMarksKept, nn.Module):
         if len(args) == 1 and not kwargs and type(args[0]) is Tensor:  # the common call: no pytree walk
             (x,) = args
             samples = self._samples([x], shared_input)
-            out = self._run(samples, shared_input, x if shared_input else self._merge_input(x))
+            out, labels = self._run(samples, shared_input, x if shared_input else self._merge_input(x))
         else:
             leaves, spec = tree_flatten((args, kwargs))
             tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
@@ -297,7 +297,9 @@ class BatchModule(SharedMarksKept, nn.Module):
             if not shared_input:
                 leaves = [self._merge_input(leaf) if isinstance(leaf, Tensor) else leaf for leaf in leaves]
             call_args, call_kwargs = tree_unflatten(leaves, spec)
-            out = self._run(samples, shared_input, *call_args, **call_kwargs)
+            out, labels = self._run(samples, shared_input, *call_args, **call_kwargs)
+        if shared_input and labels is not None:
+            return tree_map(lambda value: self._split_shared_output(value, samples, labels), out)
         if type(out) is Tensor:
             return self._split_output(out, samples)
         return tree_map(lambda value: self._split_output(value, samples), out)
@@ -325,15 +327,18 @@ class BatchModule(SharedMarksKept, nn.Module):
                 )
         return tensors[0].shape[1]
 
-    def _run(self, samples: int, shared_input: bool, *args: Any, **kwargs: Any) -> Any:
+    def _run(self, samples: int, shared_input: bool, *args: Any, **kwargs: Any) -> tuple[Any, ModelDataTracker | None]:
+        """The model's merged output, and the tracker that labelled its tensors (if tracked)."""
         with forward_context(ForwardContext(self.batch, samples, shared_input, self.merged_order)):
             if not torch.compiler.is_compiling():  # compiled code is not tracked (a contextvar, Python modes)
                 check_decisions = self._first_forward or checking_decisions()
                 if shared_input or check_decisions:
                     return self._run_tracked(shared_input, check_decisions, args, kwargs)
-            return self.module(*args, **kwargs)
+            return self.module(*args, **kwargs), None
 
-    def _run_tracked(self, shared_input: bool, check_decisions: bool, args: tuple, kwargs: dict) -> Any:
+    def _run_tracked(
+        self, shared_input: bool, check_decisions: bool, args: tuple, kwargs: dict
+    ) -> tuple[Any, ModelDataTracker]:
         """Run the model labelling its tensors (see ``torchmb._tracking``): the shared input and what is
         computed from it are recognised by identity, and a Python decision on several models' data is
         refused in the first forward and under ``torchmb.testing``."""
@@ -342,11 +347,19 @@ class BatchModule(SharedMarksKept, nn.Module):
         with tracker, recognise_shared_by(tracker.is_shared):
             out = self.module(*args, **kwargs)
         self._first_forward = False
-        return out
+        return out, tracker
+
+    def _split_shared_output(self, value: Any, samples: int, labels: ModelDataTracker) -> Any:
+        """A shared-input forward's output: one computed without any model's state is every model's (a view)."""
+        if isinstance(value, Tensor) and labels.kind(value) is not Kind.PER_MODEL:
+            return value.expand(self.batch, *value.shape)
+        return self._split_output(value, samples)
 
     def _split_output(self, value: Any, samples: int) -> Any:
         if not isinstance(value, Tensor):
             return value
+        if value.shape == (self.batch,) and samples != 1:  # cannot be B * n rows: one number per model
+            return value  # (a loss with per-model class weights, computed per model by the torch.func path)
         if value.dim() == 0 or value.shape[0] % self.batch:
             raise ValueError(
                 f"the model returned a tensor of shape {tuple(value.shape)} whose dim 0 is not a multiple of "

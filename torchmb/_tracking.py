@@ -20,6 +20,10 @@ It serves two purposes:
   The code of torch, of the batched layers and of ``offload`` is trusted (their checks look at the whole
   batch on purpose), and :func:`allow_pooled_decisions` lets a model author decide for all models.
 
+In a shared-input forward, the model's own code combining a shared tensor with a per-model one gets the
+shared one as B merged copies (``torchmb._shared_operands``); in a checked forward, its reductions over
+dim 0 of per-model data are refused (``torchmb._dim0_reductions``).
+
 Every op of a tracked forward runs through Python (about 3 us), so ``BatchModule`` tracks only
 shared-input forwards and its first forward, and ``torchmb.testing`` every forward it runs.
 """
@@ -37,7 +41,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.module import register_module_forward_hook
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
@@ -45,7 +49,9 @@ import batch_layers
 import offload
 from batch_layers import AbstractBatchModule, is_shared_parameter
 
+from ._dim0_reductions import refuse_reduction_over_models
 from ._generic import is_generic
+from ._shared_operands import expand_shared_operands
 
 __all__ = [
     "Kind",
@@ -133,13 +139,16 @@ class ModelDataTracker(TorchFunctionMode):
         # id -> (weak reference, kind): a dead tensor's entry fails the identity check, so an id reused
         # by a new tensor inherits nothing (cheaper per op than torch.utils.weak's dictionaries).
         self._kinds: dict[int, tuple[weakref.ref, Kind]] = {}
-        self._hook: Any = None
+        self._hooks: list[Any] = []
+        self._shared_forward = False
+        self._layer_depth = 0  # > 0 inside a batched layer or a generic module, whose code is trusted
 
     def mark(self, tensors: Iterable[Any], kind: Kind) -> None:
         """Label every tensor among ``tensors`` (other values are skipped)."""
         for tensor in tensors:
             if isinstance(tensor, Tensor):
                 self._kinds[id(tensor)] = (weakref.ref(tensor), kind)
+                self._shared_forward = self._shared_forward or kind is Kind.SHARED
 
     def kind(self, tensor: Tensor) -> Kind | None:
         """``tensor``'s label: per-model, shared, or ``None`` for a constant."""
@@ -156,12 +165,20 @@ class ModelDataTracker(TorchFunctionMode):
         return self.kind(tensor) is Kind.SHARED
 
     def __enter__(self) -> ModelDataTracker:
-        self._hook = register_module_forward_hook(self._after_module)
+        self._hooks = [
+            register_module_forward_pre_hook(self._before_module),
+            register_module_forward_hook(self._after_module),
+        ]
         return super().__enter__()
 
     def __exit__(self, *exc_info: object) -> None:
         super().__exit__(*exc_info)
-        self._hook.remove()
+        for hook in self._hooks:
+            hook.remove()
+
+    def _before_module(self, module: nn.Module, args: Any) -> None:
+        if isinstance(module, AbstractBatchModule) or is_generic(module):
+            self._layer_depth += 1
 
     def _after_module(self, module: nn.Module, args: Any, output: Any) -> None:
         """Label a batched layer's new outputs per-model (whatever ops made them, seen by this mode or
@@ -170,6 +187,7 @@ class ModelDataTracker(TorchFunctionMode):
         generic = is_generic(module)
         if not (generic or isinstance(module, AbstractBatchModule)):
             return
+        self._layer_depth -= 1
         inputs = _tensors(args)
         kinds = [self.kind(value) for value in inputs]
         shared_only = not generic and bool(kinds) and all(kind is Kind.SHARED for kind in kinds)
@@ -187,6 +205,10 @@ class ModelDataTracker(TorchFunctionMode):
             kwargs = {}
         if self.check_decisions and func in _DECISIONS and self._kind_of(args, kwargs) is Kind.PER_MODEL:
             _refuse_pooled_decision(func)
+        if self.check_decisions and not self._layer_depth and args and self._labelled_per_model(args[0]):
+            refuse_reduction_over_models(func, args, kwargs)
+        if self._shared_forward and not self._layer_depth and self._mixes_shared_and_per_model(args, kwargs):
+            args, kwargs = expand_shared_operands(func, args, kwargs, self.is_shared, self._labelled_per_model)
         out = func(*args, **kwargs)
         if isinstance(out, Tensor):
             kind = self._kind_of(args, kwargs)
@@ -197,6 +219,21 @@ class ModelDataTracker(TorchFunctionMode):
             if kind is not None:
                 self.mark(out, kind)
         return out
+
+    def _labelled_per_model(self, tensor: Tensor) -> bool:
+        """Whether ``tensor`` is an activation labelled per-model (not a parameter or a ``vmap``-ed tensor)."""
+        entry = self._kinds.get(id(tensor))
+        return entry is not None and entry[0]() is tensor and entry[1] is Kind.PER_MODEL
+
+    def _mixes_shared_and_per_model(self, args: tuple, kwargs: dict) -> bool:
+        """Whether an op's operands hold both a shared tensor and a per-model activation."""
+        shared = per_model = False
+        for value in (*args, *kwargs.values()):
+            for tensor in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(tensor, Tensor):
+                    shared = shared or self.is_shared(tensor)
+                    per_model = per_model or self._labelled_per_model(tensor)
+        return shared and per_model
 
     def _kind_of(self, args: tuple, kwargs: dict) -> Kind | None:
         """An op's output label from its inputs': per-model over shared over constant."""
