@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ._base import autocast_dtype, current_forward
+from ._base import UNBATCHED, autocast_dtype, current_forward
 
 __all__ = ["check_conv_input", "check_input_dtype", "check_input_size"]
 
@@ -49,5 +49,6 @@ def check_conv_input(owner: str, x: Tensor, spatial_dims: int, in_channels: int,
         raise RuntimeError(
             f"{owner}: expected a {spatial_dims + 2}-d input (B*n, {layout}) with C = in_channels = {in_channels}, "
             f"got shape {tuple(x.shape)}, whose {_merged_rows(x, batch)}; each model's input is (n, {layout})"
+            + (f"; {UNBATCHED}" if x.dim() == spatial_dims + 1 else "")
         )
     check_input_size(owner, x, 1, in_channels, "in_channels", batch)

@@ -11,7 +11,6 @@ from torch.nn.modules.utils import _ntuple, _reverse_repeat_tuple
 
 from . import _kernel_table
 from ._base import (
-    UNBATCHED,
     AbstractBatchModule,
     autocast_dtype,
     copy_into_every_model,
@@ -283,12 +282,6 @@ class _ConvNd(AbstractBatchModule):
         return conv(x, weight, bias, self.stride, self.padding, self.dilation, groups)
 
     def forward(self, input: Tensor) -> Tensor:
-        if input.dim() != self.dims + 2:
-            raise ValueError(
-                f"{type(self).__name__}: expected a {self.dims + 2}-D input (B*n, {self.in_channels}, "
-                f"{', '.join('*' * self.dims)}) with the model axis merged into dim 0, got shape "
-                f"{tuple(input.shape)}; {UNBATCHED}"
-            )
         return self._conv_forward(input, self.weight, self.bias)
 
     def _conv_forward(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

@@ -28,7 +28,7 @@ def _product(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 def _check_linear_input(layer: Linear, x: Tensor, weight: Tensor) -> None:
     owner = f"Linear(in_features={weight.shape[-1]}, out_features={weight.shape[-2]}, batch={layer.batch})"
     if x.dim() < 2:
-        raise ValueError(
+        raise RuntimeError(
             f"{owner}: expected an input (B*n, *, in_features), got shape {tuple(x.shape)}; every model's input "
             f"needs a sample axis n and the feature axis of size {weight.shape[-1]}, so a BatchModule's input is "
             f"(B, n, *, {weight.shape[-1]}); {UNBATCHED}"

@@ -301,8 +301,8 @@ class BatchModule(SharedMarksKept, nn.Module):
         if shared_input and labels is not None:
             return tree_map(lambda value: self._split_shared_output(value, samples, labels), out)
         if type(out) is Tensor:
-            return self._split_output(out, samples)
-        return tree_map(lambda value: self._split_output(value, samples), out)
+            return split_output(out, self.batch, samples, self.merged_order)
+        return tree_map(lambda value: split_output(value, self.batch, samples, self.merged_order), out)
 
     def _merge_input(self, x: Tensor) -> Tensor:
         """``(B, n, ...)`` to the merged ``(B*n, ...)`` in this module's order (samples-major: a copy)."""
@@ -353,27 +353,7 @@ class BatchModule(SharedMarksKept, nn.Module):
         """A shared-input forward's output: one computed without any model's state is every model's (a view)."""
         if isinstance(value, Tensor) and labels.kind(value) is not Kind.PER_MODEL:
             return value.expand(self.batch, *value.shape)
-        return self._split_output(value, samples)
-
-    def _split_output(self, value: Any, samples: int) -> Any:
-        if not isinstance(value, Tensor):
-            return value
-        if value.shape == (self.batch,) and samples != 1:  # cannot be B * n rows: one number per model
-            return value  # (a loss with per-model class weights, computed per model by the torch.func path)
-        if value.dim() == 0 or value.shape[0] % self.batch:
-            raise ValueError(
-                f"the model returned a tensor of shape {tuple(value.shape)} whose dim 0 is not a multiple of "
-                f"batch={self.batch}; outputs must keep the merged (B*n) axis in dim 0"
-            )
-        if self.merged_order == "models":
-            return value.view(self.batch, -1, *value.shape[1:])
-        if value.shape[0] != self.batch * samples:
-            raise SamplesOrderError(
-                f"the model returned a tensor of shape {tuple(value.shape)}; in the samples-major merged order "
-                f"outputs must have exactly B * n = {self.batch} * {samples} rows in dim 0 (build the "
-                "BatchModule with merged_order='models' for a model that merges other dims into dim 0)"
-            )
-        return value.view(samples, self.batch, *value.shape[1:]).transpose(0, 1).contiguous()
+        return split_output(value, self.batch, samples, self.merged_order)
 
     # -- per-model state --------------------------------------------------------------------------
     def _is_per_model(self, key: str, value: Tensor) -> bool:
@@ -501,3 +481,25 @@ def _state_restored(module: nn.Module, *, always: bool) -> Iterator[None]:
         raise
     if always:
         restore()
+
+
+def split_output(value: Any, batch: int, samples: int, merged_order: str) -> Any:
+    """An output tensor of the merged forward as ``(B, n, ...)``: other values pass through unchanged."""
+    if not isinstance(value, Tensor):
+        return value
+    if value.shape == (batch,) and samples != 1:  # cannot be B * n rows: one number per model
+        return value  # (a loss with per-model class weights, computed per model by the torch.func path)
+    if value.dim() == 0 or value.shape[0] % batch:
+        raise ValueError(
+            f"the model returned a tensor of shape {tuple(value.shape)} whose dim 0 is not a multiple of "
+            f"batch={batch}; outputs must keep the merged (B*n) axis in dim 0"
+        )
+    if merged_order == "models":
+        return value.view(batch, -1, *value.shape[1:])
+    if value.shape[0] != batch * samples:
+        raise SamplesOrderError(
+            f"the model returned a tensor of shape {tuple(value.shape)}; in the samples-major merged order "
+            f"outputs must have exactly B * n = {batch} * {samples} rows in dim 0 (build the "
+            "BatchModule with merged_order='models' for a model that merges other dims into dim 0)"
+        )
+    return value.view(samples, batch, *value.shape[1:]).transpose(0, 1).contiguous()

@@ -22,12 +22,11 @@ _BY_NAME = {
     "timm.layers.std_conv.ScaledStdConv2d": batch_layers.ScaledStdConv2d,
     "timm.layers.std_conv.ScaledStdConv2dSame": batch_layers.ScaledStdConv2dSame,
 }
-_REFUSED = set(batch_layers.OUT_OF_SCOPE)  # never built: conversion refuses them
 
 
 def _registered() -> list[tuple[type[nn.Module], type[nn.Module]]]:
     registered = torchmb.registered_batch_modules().items()
-    pairs = [(plain, batched) for plain, batched in registered if batched not in _REFUSED]
+    pairs = list(registered)  # refused types are not registered (torchmb.refused_batch_modules)
     import_torchvision()
     for name, batched in _BY_NAME.items():
         module, _, cls = name.rpartition(".")
