@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("torchmb", "batch_layers", "offload")
+PACKAGES = ("torchmb", "batch_layers", "offload", "torchmb_config")
 QUICKSTART = re.compile(r"^## Quickstart\n.*?^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
 # What the build needs of the checkout; the rest (a virtualenv, build output, caches) stays behind.
 NOT_SOURCE = shutil.ignore_patterns(".venv", ".git", "build", "dist", "*.egg-info", "__pycache__", "_build",
@@ -24,7 +24,7 @@ NOT_SOURCE = shutil.ignore_patterns(".venv", ".git", "build", "dist", "*.egg-inf
 
 
 def subpackages() -> list[str]:
-    """Every package of the checkout, as a dotted name: each directory of the three holding ``__init__.py``."""
+    """Every package of the checkout, as a dotted name: each directory of the four holding ``__init__.py``."""
     return sorted(".".join(init.parent.relative_to(ROOT).parts)
                   for name in PACKAGES for init in (ROOT / name).rglob("__init__.py"))
 
@@ -70,9 +70,14 @@ def test_wheel_installs_and_runs_the_quickstart_outside_the_checkout(dist: Path,
 
     quickstart = QUICKSTART.search((ROOT / "README.md").read_text())
     assert quickstart, "README.md has no python block under '## Quickstart'"
+    # The integrations import Lightning and transformers, which import torchvision: beside this machine's CPU
+    # torch, PyPI's torchvision needs tests/support's declarations of its operators (torchvision_ops.py).
     check = textwrap.dedent(f"""
         import importlib, importlib.metadata, pkgutil, sys
         from pathlib import Path
+        sys.path.append({str(ROOT / "tests")!r})
+        from support.torchvision_ops import import_torchvision
+        import_torchvision()
         site = Path({str(site)!r})
         for name in {PACKAGES!r}:
             package = importlib.import_module(name)

@@ -17,9 +17,12 @@ import types
 from pathlib import Path
 from typing import Any
 
+from support.torchvision_ops import import_torchvision
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("torchmb", "batch_layers", "offload")
 # An autodoc directive, its target, and the indented option lines below it (``:members:`` may wrap).
+import_torchvision()  # the integrations import Lightning and transformers, which import torchvision
 DIRECTIVE = re.compile(r"^\.\. auto\w+::[ \t]*(\S+)[ \t]*\n((?:[ \t]+\S[^\n]*\n?)*)", re.MULTILINE)
 MEMBERS = re.compile(r":members:(.*?)(?=\s:[\w-]+:|$)")
 

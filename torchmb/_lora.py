@@ -43,6 +43,7 @@ class LoraDropout(AbstractBatchModule):
         self.dropping = False  # host-side: whether any model drops (checked once, where p is set)
 
     def set_probabilities(self, p: Tensor) -> None:
+        """Take ``p``, one dropout probability per model (``(B,)``), as this module's."""
         with torch.no_grad():
             self.p = p.to(self.p.device, torch.float64).clone()
         self.batch = len(p)

@@ -307,6 +307,8 @@ def _ratio_cell(row: dict, key: str) -> str:
 
 
 def table(rows: list[dict]) -> str:
+    """The rows as a Markdown table: model-steps per second, the ratios to eager vmap and to the limit, memory
+    and compile time."""
     lines = [
         "| workload | B | impl | model-steps/s (range) | vs eager vmap | vs limit | limit | peak MiB "
         "| first-step peak MiB | compile s |",
@@ -389,6 +391,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> list[dict]:
+    """``python -m torchmb bench`` with its parsed ``args``: time the rows, print the table, return the rows."""
     device = torch.device(args.device)
     workloads = list(ZOO_MODELS) if args.zoo else [w for w in args.workloads.split(",") if w]
     unknown = sorted(set(workloads) - set(WORKLOADS))

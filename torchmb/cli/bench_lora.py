@@ -84,10 +84,12 @@ class LoraSteps:
         self.lrs = [1e-4 * math.sqrt(2) ** (i % 6) for i in range(batch)]
 
     def builders(self) -> dict[str, Callable[[], Step]]:
+        """The step builder of each implementation, by name."""
         builders = {
             "torchmb": lambda: self._torchmb(),
             "torchmb+compile": lambda: self._torchmb(compiled=True),
             "limit": self._limit,
+            "limit+compile": lambda: self._limit(compiled=True),
         }
         if self.batch <= 64:
             builders["loop"] = self._loop
@@ -120,7 +122,7 @@ class LoraSteps:
         step.model = batched  # for inspection
         return step
 
-    def _limit(self) -> Step:
+    def _limit(self, compiled: bool = False) -> Step:
         one = self._peft_model(max(self.ranks), 2.0 * max(self.ranks))
         optimizer = torch.optim.AdamW([p for p in one.parameters() if p.requires_grad], lr=self.lrs[0])
         x, y = self.x.flatten(0, 1), self.y.flatten(0, 1)
@@ -129,7 +131,7 @@ class LoraSteps:
             with self._amp():
                 return F.cross_entropy(one(input_ids=x).logits.flatten(0, 1), y.flatten())
 
-        return _step(loss_of, optimizer, x, y)
+        return _step(torch.compile(loss_of) if compiled else loss_of, optimizer, x, y)
 
     def _loop(self) -> Step:
         plain = [self._peft_model(r, a) for r, a in zip(self.ranks, self.alphas)]
