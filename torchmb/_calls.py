@@ -13,7 +13,8 @@ kinds of call in its code, and one kind of read, bypass that, and all would comp
   that uses it.
 - **A read of a child's per-model tensor** (``self.fc.weight.norm()``, a tied head ``h @ self.emb.weight.t()``,
   ``self.position_embedding.weight.shape[0]``): on the merged axis it is all models' stacked tensor, ``(B, ...)``.
-  Reads of metadata that every model shares (``.dtype``, ``.device``) are not counted.
+  Reads of metadata that every model shares (``.dtype``, ``.device``) are not counted, nor torch's own
+  modules' reads (their fast-path checks).
 
 Run per model instead, under ``vmap`` as a region (``torchmb._generic``), the caller's code is right by
 construction: the child's state is each model's slice, the method's calls of registered layers escape, and
@@ -70,7 +71,7 @@ def per_model_call(module: nn.Module, stateful: Callable[[nn.Module], bool]) -> 
         if definition is None or not definition.args.args:
             continue
         self_name = definition.args.args[0].arg
-        read = _per_model_read(module, definition, self_name)
+        read = None if _torch_code(function) else _per_model_read(module, definition, self_name)
         if read is not None:
             return f"{name} {read}"
         data = _data_names(definition)
@@ -105,6 +106,12 @@ def _per_model(
     if target is not None and stateful(target) and not any(_reads_data(arg, data) for arg in arguments):
         return f"calls {ast.unparse(callee)}, a module with per-model state, on constants alone"
     return None
+
+
+def _torch_code(function: Callable) -> bool:
+    """Whether ``function`` is torch's own: its reads of a child's weights (``nn.TransformerEncoderLayer``
+    checking its fast path) only look at what every model shares."""
+    return getattr(inspect.getmodule(function), "__name__", "").startswith("torch.")
 
 
 def _per_model_read(module: nn.Module, definition: ast.AST, self_name: str) -> str | None:

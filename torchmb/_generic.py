@@ -14,7 +14,8 @@ exactly as it would anywhere else in the model, and its outputs are handed back 
 per-model tensors. So a root that owns a ``cls_token`` keeps every registered layer below it on its fast
 path, and a parameter of a child read directly by the region's code (``self.qkv.weight``) is that
 model's slice. Inside a region, tensors created from nothing (``torch.empty``, ``x.new_zeros``) are made
-per model, so in-place randomness on them (``torch.empty(s).bernoulli_(p)``) draws for each model, and
+per model, so in-place randomness on them (``torch.empty(s).bernoulli_(p)``) draws for each model, as do
+random tensors drawn from sizes alone (``torch.rand([])``), and
 ``out=`` arguments (which ``vmap`` cannot batch) are written by ``copy_``.
 
 A generic module's methods other than ``forward`` run per model only when called from a region (the
@@ -309,6 +310,7 @@ class _PerModelTensors(TorchFunctionMode):
             Tensor.new_empty, Tensor.new_zeros, Tensor.new_ones, Tensor.new_full,
         }
     )  # fmt: skip
+    DRAWN = frozenset({torch.rand, torch.randn, torch.randint, torch.randperm, torch.normal})
 
     def __init__(self, level: int, batch: int) -> None:
         super().__init__()
@@ -327,6 +329,10 @@ class _PerModelTensors(TorchFunctionMode):
             result = func(*args, **{k: v for k, v in kwargs.items() if k != "out"})
             return out.copy_(result)
         result = func(*args, **kwargs)
+        if func in self.DRAWN and isinstance(result, Tensor) and functorch.maybe_get_level(result) != self.level:
+            # A draw from sizes alone (LayerDrop's torch.rand([])): each model draws its own.
+            physical = torch.stack([result, *(func(*args, **kwargs) for _ in range(self.batch - 1))])
+            return functorch._add_batch_dim(physical, 0, self.level)
         if func in self.FRESH and isinstance(result, Tensor) and functorch.maybe_get_level(result) != self.level:
             physical = result.unsqueeze(0).expand(self.batch, *result.shape).contiguous()
             return functorch._add_batch_dim(physical, 0, self.level)

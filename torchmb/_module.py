@@ -21,12 +21,12 @@ from batch_layers import (
     recognise_shared_by,
 )
 
-from ._convert import ConversionEntry, convert, warn_if_mostly_generic
+from ._convert import ConversionEntry, convert, run_per_model, stacked_state, warn_if_mostly_generic
 from ._generic import is_generic
 from ._init import build_with_seed, random_state_kept, reset_uncovered, reset_with_seed
 from ._select import commit_survivors, gather_survivors, survivor_index
 from ._state_dicts import is_per_model, load_plain_states
-from ._tracking import Kind, ModelDataTracker, checking_decisions
+from ._tracking import Kind, ModelDataTracker, PerModelCodeFound, checking_decisions
 
 __all__ = ["BatchModule"]
 
@@ -315,12 +315,26 @@ class BatchModule(nn.Module):
         """Run the model labelling its tensors (see ``torchmb._tracking``): the shared input and what is
         computed from it are recognised by identity, and a Python decision on several models' data is
         refused in the first forward and under ``torchmb.testing``."""
-        tracker = ModelDataTracker(check_decisions=check_decisions)
-        tracker.mark(tree_flatten((args, kwargs))[0], Kind.SHARED if shared_input else Kind.PER_MODEL)
-        with tracker, recognise_shared_by(tracker.is_shared):
-            out = self.module(*args, **kwargs)
-        self._first_forward = False
-        return out
+        while True:
+            stacked = stacked_state(self.module) if check_decisions else None
+            tracker = ModelDataTracker(check_decisions=check_decisions, stacked=stacked)
+            tracker.mark(tree_flatten((args, kwargs))[0], Kind.SHARED if shared_input else Kind.PER_MODEL)
+            try:
+                with _state_restored(self, always=False), tracker, recognise_shared_by(tracker.is_shared):
+                    out = self.module(*args, **kwargs)
+            except PerModelCodeFound as found:  # run that module per model, and the forward again
+                self._run_per_model(found)
+                continue
+            self._first_forward = False
+            return out
+
+    def _run_per_model(self, found: PerModelCodeFound) -> None:
+        entry = run_per_model(self.module, found.module, self.batch, found.reason, self._conversion)
+        self.generic_modules.append(entry.name or entry.type)
+        logger.info("torchmb: %s runs per model: %s", entry.name or entry.type, found.reason)
+        if self.merged_order != "models":  # the torch.func path splits models-major
+            self._set_order("models")
+            self._order_on_trial = False
 
     def _split_output(self, value: Any, samples: int) -> Any:
         if not isinstance(value, Tensor):
