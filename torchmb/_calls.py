@@ -13,8 +13,8 @@ kinds of call in its code, and one kind of read, bypass that, and all would comp
   that uses it.
 - **A read of a child's per-model tensor** (``self.fc.weight.norm()``, a tied head ``h @ self.emb.weight.t()``,
   ``self.position_embedding.weight.shape[0]``): on the merged axis it is all models' stacked tensor, ``(B, ...)``.
-  Reads of metadata that every model shares (``.dtype``, ``.device``) are not counted, nor torch's own
-  modules' reads (their fast-path checks).
+  Reads of metadata that every model shares (``.dtype``, ``.device``) are not counted, nor the fast-path
+  checks of torch's Transformer layers.
 
 Run per model instead, under ``vmap`` as a region (``torchmb._generic``), the caller's code is right by
 construction: the child's state is each model's slice, the method's calls of registered layers escape, and
@@ -46,6 +46,7 @@ __all__ = ["per_model_call"]
 
 _MODULE_API = frozenset(dir(nn.Module))  # parameters(), train(), ...: nn.Module's own, which any module offers
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+_TRANSFORMER_LAYERS = (nn.TransformerEncoder, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 _CONTAINER_API = frozenset().union(*(dir(container) for container in _CONTAINERS))  # items(), append(), ...
 _METADATA_ATTRIBUTES = frozenset({"shape", "ndim", "dtype", "device", "layout", "is_cuda", "requires_grad"})
 _METADATA_METHODS = frozenset({"size", "dim", "numel", "get_device"})
@@ -71,7 +72,7 @@ def per_model_call(module: nn.Module, stateful: Callable[[nn.Module], bool]) -> 
         if definition is None or not definition.args.args:
             continue
         self_name = definition.args.args[0].arg
-        read = None if _torch_code(function) else _per_model_read(module, definition, self_name)
+        read = None if _fast_path_check(module, function) else _per_model_read(module, definition, self_name)
         if read is not None:
             return f"{name} {read}"
         data = _data_names(definition)
@@ -108,10 +109,12 @@ def _per_model(
     return None
 
 
-def _torch_code(function: Callable) -> bool:
-    """Whether ``function`` is torch's own: its reads of a child's weights (``nn.TransformerEncoderLayer``
-    checking its fast path) only look at what every model shares."""
-    return getattr(inspect.getmodule(function), "__name__", "").startswith("torch.")
+def _fast_path_check(module: nn.Module, function: Callable) -> bool:
+    """Whether ``function`` is torch's code of a Transformer layer, whose reads of its attention's weights only
+    check what every model shares (device, ``requires_grad``) before its inference fast path, which
+    ``BatchModule`` turns off."""
+    torch_code = getattr(inspect.getmodule(function), "__name__", "").startswith("torch.")
+    return torch_code and isinstance(module, _TRANSFORMER_LAYERS)
 
 
 def _per_model_read(module: nn.Module, definition: ast.AST, self_name: str) -> str | None:

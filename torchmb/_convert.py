@@ -73,6 +73,7 @@ def convert(model: nn.Module, batch: int) -> tuple[nn.Module, list[ConversionEnt
     walk = _Walk(batch)
     ties = _tied_parameters(model)
     converted = walk.convert(model, "")
+    converted._torchmb_outermost = True  # its outputs are the model's: never broadcast over the samples
     _retie(converted, ties)
     for module in converted.modules():
         if is_generic(module) and not module._torchmb_whole:

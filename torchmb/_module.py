@@ -316,25 +316,13 @@ class BatchModule(nn.Module):
         computed from it are recognised by identity, and a Python decision on several models' data is
         refused in the first forward and under ``torchmb.testing``."""
         while True:
-            stacked = stacked_state(self.module) if check_decisions else None
-            tracker = ModelDataTracker(check_decisions=check_decisions, stacked=stacked)
-            tracker.mark(tree_flatten((args, kwargs))[0], Kind.SHARED if shared_input else Kind.PER_MODEL)
             try:
-                with _state_restored(self, always=False), tracker, recognise_shared_by(tracker.is_shared):
-                    out = self.module(*args, **kwargs)
+                out = _tracked_forward(self, shared_input, check_decisions, args, kwargs)
             except PerModelCodeFound as found:  # run that module per model, and the forward again
-                self._run_per_model(found)
+                _run_per_model(self, found)
                 continue
             self._first_forward = False
             return out
-
-    def _run_per_model(self, found: PerModelCodeFound) -> None:
-        entry = run_per_model(self.module, found.module, self.batch, found.reason, self._conversion)
-        self.generic_modules.append(entry.name or entry.type)
-        logger.info("torchmb: %s runs per model: %s", entry.name or entry.type, found.reason)
-        if self.merged_order != "models":  # the torch.func path splits models-major
-            self._set_order("models")
-            self._order_on_trial = False
 
     def _split_output(self, value: Any, samples: int) -> Any:
         if not isinstance(value, Tensor):
@@ -342,7 +330,9 @@ class BatchModule(nn.Module):
         if value.dim() == 0 or value.shape[0] % self.batch:
             raise ValueError(
                 f"the model returned a tensor of shape {tuple(value.shape)} whose dim 0 is not a multiple of "
-                f"batch={self.batch}; outputs must keep the merged (B*n) axis in dim 0"
+                f"batch={self.batch}; outputs must keep the merged (B*n) axis in dim 0. A loss reduced in the "
+                "model's forward (transformers' labels=) is one value for all models' samples: compute each "
+                "model's loss from its outputs with torchmb.batch_loss"
             )
         if self.merged_order == "models":
             return value.view(self.batch, -1, *value.shape[1:])
@@ -436,6 +426,25 @@ class BatchModule(nn.Module):
         listed = ", ".join(names[:5]) + (f", ... ({len(names)} in all, see conversion_report())" if names[5:] else "")
         generic = f", torch.func path: {listed}" if names else ""
         return f"batch={self.batch}, merged_order={self.merged_order!r}{generic}"
+
+
+def _tracked_forward(batched: BatchModule, shared_input: bool, check_decisions: bool, args: tuple, kwargs: dict) -> Any:
+    """One forward under a :class:`ModelDataTracker`; buffers and the random state are restored if it raises."""
+    stacked = stacked_state(batched.module) if check_decisions else None
+    tracker = ModelDataTracker(check_decisions=check_decisions, stacked=stacked)
+    tracker.mark(tree_flatten((args, kwargs))[0], Kind.SHARED if shared_input else Kind.PER_MODEL)
+    with _state_restored(batched, always=False), tracker, recognise_shared_by(tracker.is_shared):
+        return batched.module(*args, **kwargs)
+
+
+def _run_per_model(batched: BatchModule, found: PerModelCodeFound) -> None:
+    """Make the module the first forward found mixing the models run per model (``torchmb._tracking``)."""
+    entry = run_per_model(batched.module, found.module, batched.batch, found.reason, batched._conversion)
+    batched.generic_modules.append(entry.name or entry.type)
+    logger.info("torchmb: %s runs per model: %s", entry.name or entry.type, found.reason)
+    if batched.merged_order != "models":  # the torch.func path splits models-major
+        batched._set_order("models")
+        batched._order_on_trial = False
 
 
 def _reorder_around(module: AbstractBatchModule) -> None:

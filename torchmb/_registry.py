@@ -80,13 +80,14 @@ def register_batch_module(batch_class, *, overwrite=False):
 
 
 # Layers of optional libraries with a batched class, by the plain class's qualified name (torchmb imports
-# neither library; a model holding one has imported it).
+# none of these libraries; a model holding one has imported it).
 _BY_NAME: dict[str, type[AbstractBatchModule]] = {
     "torchvision.ops.misc.FrozenBatchNorm2d": batch_layers.FrozenBatchNorm2d,
     "timm.layers.std_conv.StdConv2d": batch_layers.StdConv2d,
     "timm.layers.std_conv.StdConv2dSame": batch_layers.StdConv2dSame,
     "timm.layers.std_conv.ScaledStdConv2d": batch_layers.ScaledStdConv2d,
     "timm.layers.std_conv.ScaledStdConv2dSame": batch_layers.ScaledStdConv2dSame,
+    "transformers.pytorch_utils.Conv1D": batch_layers.TransposedLinear,
 }
 
 # Subclasses of registered torch layers whose ``forward`` (checked for each name) reaches the layer's

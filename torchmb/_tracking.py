@@ -59,7 +59,7 @@ import batch_layers
 import offload
 from batch_layers import AbstractBatchModule, current_forward
 
-from ._generic import is_generic
+from ._generic import is_generic, looping_over_models
 from ._merged_ops import PooledSize, Recipes, random_draw, sample_axis_op, shared_metadata
 
 __all__ = [
@@ -317,6 +317,8 @@ class ModelDataTracker(TorchFunctionMode):
 
     def _decision(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """The value of a Python decision that every model takes alike, or ``_UNDECIDED`` to run it."""
+        if _in_region():
+            return _UNDECIDED  # each model's own decision (vmap refuses one it cannot take per model)
         kind = self._kind_of(args, kwargs)
         if kind is Kind.RANDOM and not _POOLED_ALLOWED.get() and not _trusted(_caller()):
             raise PooledDecisionError(
@@ -355,8 +357,9 @@ def _rows_alike(tensor: Tensor) -> bool:
 
 
 def _in_region() -> bool:
-    """Whether the code running is a region's, under ``vmap``: each model's own (``torchmb._generic``)."""
-    return torch._C._functorch.peek_interpreter_stack() is not None
+    """Whether the code running is each model's own: a region's, under ``vmap``, or a subtree's run once per
+    model (``torchmb._generic``)."""
+    return torch._C._functorch.peek_interpreter_stack() is not None or looping_over_models()
 
 
 def _random_broadcast(tensors: list[Tensor], kinds: list[Kind | None]) -> str:
