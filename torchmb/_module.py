@@ -442,9 +442,11 @@ def _run_per_model(batched: BatchModule, found: PerModelCodeFound) -> None:
     entry = run_per_model(batched.module, found.module, batched.batch, found.reason, batched._conversion)
     batched.generic_modules.append(entry.name or entry.type)
     logger.info("torchmb: %s runs per model: %s", entry.name or entry.type, found.reason)
-    if batched.merged_order != "models":  # the torch.func path splits models-major
-        batched._set_order("models")
-        batched._order_on_trial = False
+    if batched.merged_order != "models":  # the inputs were merged samples-major: merge them again
+        raise SamplesOrderError(
+            f"{entry.name or entry.type} runs per model through torch.func, which splits the merged axis "
+            "models-major: build the BatchModule with merged_order='models'"
+        )
 
 
 def _reorder_around(module: AbstractBatchModule) -> None:
