@@ -33,7 +33,7 @@ PARAMS = [
 def test_page_code_runs(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     blocks = BLOCK.findall(page.read_text())
     assert blocks, f"{page.name} has no python block to run"
-    if any("import timm" in block or "import torchvision" in block for block in blocks):
+    if any(f"import {name}" in block for block in blocks for name in ("timm", "torchvision", "transformers")):
         import_torchvision()  # this machine's torch may be the CPU build (see tests/support/torchvision_ops.py)
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": f"docs_{page.stem}"}

@@ -8,10 +8,12 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from support.torchvision_ops import import_torchvision
 from torch import Tensor, nn
 
 from torchmb import BatchModule, batch_loss
 
+import_torchvision()  # transformers imports torchvision, whose operators need not load beside a CPU torch
 transformers = pytest.importorskip("transformers")
 
 B, N, SEQ, VOCAB = 2, 3, 8, 100
