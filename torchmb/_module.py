@@ -108,6 +108,7 @@ class BatchModule(nn.Module):
             raise ValueError(f"merged_order must be 'auto', 'models' or 'samples', got {merged_order!r}")
         self.batch = batch
         self._first_forward = True  # checked for Python decisions on several models' data
+        self._dry_run = False  # the first forward's eager run before torch.compile traces one
         # A pristine copy to build plain models from (unbatch); kept out of the module tree on purpose.
         object.__setattr__(self, "_template", copy.deepcopy(model))
         self.module, self._conversion = convert(copy.deepcopy(model), batch)  # first: refuses what can't batch
@@ -247,14 +248,18 @@ class BatchModule(nn.Module):
         return self._settle_order(args, shared_input, kwargs)
 
     def _settle_order(self, args: tuple, shared_input: bool, kwargs: dict) -> str:
-        """The trial as a dry run (torch.compile traces the forward afterwards): a forward without
-        gradients whose effects on buffers and the random state are undone either way."""
-        if self._order_on_trial:
+        """The trial and the first forward's checks as a dry run (torch.compile traces the forward afterwards,
+        untracked): a forward without gradients whose effects on buffers and the random state are undone."""
+        while self._order_on_trial or self._first_forward:
+            self._dry_run = True  # tracked although dynamo is compiling: this runs eagerly
             try:
                 with _state_restored(self, always=True), torch.no_grad():
                     self._forward(args, shared_input, kwargs)
             except SamplesOrderError as error:
                 self._keep_models_major(error)
+                continue
+            finally:
+                self._dry_run = False
             self._order_on_trial = False
         return self.merged_order
 
@@ -305,7 +310,7 @@ class BatchModule(nn.Module):
 
     def _run(self, samples: int, shared_input: bool, *args: Any, **kwargs: Any) -> Any:
         with forward_context(ForwardContext(self.batch, samples, shared_input, self.merged_order)):
-            if not torch.compiler.is_compiling():  # compiled code is not tracked (a contextvar, Python modes)
+            if self._dry_run or not torch.compiler.is_compiling():  # compiled code is not tracked (Python modes)
                 check_decisions = self._first_forward or checking_decisions()
                 if shared_input or check_decisions:
                     return self._run_tracked(shared_input, check_decisions, args, kwargs)

@@ -183,3 +183,18 @@ def test_one_random_draw_broadcast_over_every_model_becomes_each_models() -> Non
         kept |= {tuple(bool(v) for v in out[:, 0, 0] > 50)}
     assert "broadcasts one random draw of shape (1, 1)" in paths(batched)[""][1]
     assert len(kept) > 1 and any(len(set(row)) > 1 for row in kept)  # models draw apart
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace the builtin")  # a region breaks the graph
+@pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")  # dynamo, as in test_docs
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+def test_a_compiled_first_forward_finds_it_too() -> None:
+    """torch.compile traces no mode: the first forward's checks run eagerly before tracing."""
+    torch.manual_seed(0)
+    batched = BatchModule(Siamese().double(), B)
+    x = (torch.randn(B, N, 5, dtype=torch.float64), torch.randn(B, N, 5, dtype=torch.float64))
+    out = torch.compile(batched, backend="eager")(*x)
+    assert paths(batched)[""][0] == "generic-own"
+    for i in range(B):
+        torch.testing.assert_close(out[i], batched.unbatch(i)(x[0][i], x[1][i]), **DOUBLE)
