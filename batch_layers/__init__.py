@@ -36,6 +36,7 @@ from ._recurrent import GRU, LSTM, RNN
 from ._recurrent_cells import GRUCell, LSTMCell, RNNCell
 from ._std_conv import ScaledStdConv2d, ScaledStdConv2dSame, StdConv2d, StdConv2dSame
 from ._subclass import batched_subclass
+from ._transposed_linear import TransposedLinear
 
 __all__ = [
     "GRU",
@@ -83,6 +84,7 @@ __all__ = [
     "ScaledStdConv2dSame",
     "StdConv2d",
     "StdConv2dSame",
+    "TransposedLinear",
     "batched_embedding",
     "batched_subclass",
     "check_indices",

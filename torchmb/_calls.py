@@ -2,7 +2,7 @@
 
 A module without per-model state of its own runs on the merged ``(B*n, ...)`` axis, and only the
 ``forward`` of a module it calls is batched (a registered layer's, or a generic module's ``vmap``). Two
-kinds of call in its code bypass that, and both would compute garbage on the merged axis:
+kinds of call in its code, and one kind of read, bypass that, and all would compute garbage on the merged axis:
 
 - **A method other than ``forward``** of a child holding per-model state (``self.rel_pos.get_bias()``:
   timm's attention asks its relative-position module for the bias). The method's code runs in the caller's
@@ -11,6 +11,10 @@ kinds of call in its code bypass that, and both would compute garbage on the mer
 - **A child holding per-model state called on constants alone** (``self.mlp(self.coords)``: a registered
   MLP over a coordinate table). Its result is one per model, but has no sample axis for the merged code
   that uses it.
+- **A read of a child's per-model tensor** (``self.fc.weight.norm()``, a tied head ``h @ self.emb.weight.t()``,
+  ``self.position_embedding.weight.shape[0]``): on the merged axis it is all models' stacked tensor, ``(B, ...)``.
+  Reads of metadata that every model shares (``.dtype``, ``.device``) are not counted, nor the fast-path
+  checks of torch's Transformer layers.
 
 Run per model instead, under ``vmap`` as a region (``torchmb._generic``), the caller's code is right by
 construction: the child's state is each model's slice, the method's calls of registered layers escape, and
@@ -42,10 +46,13 @@ __all__ = ["per_model_call"]
 
 _MODULE_API = frozenset(dir(nn.Module))  # parameters(), train(), ...: nn.Module's own, which any module offers
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+_TRANSFORMER_LAYERS = (nn.TransformerEncoder, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 _CONTAINER_API = frozenset().union(*(dir(container) for container in _CONTAINERS))  # items(), append(), ...
 _METADATA_ATTRIBUTES = frozenset({"shape", "ndim", "dtype", "device", "layout", "is_cuda", "requires_grad"})
 _METADATA_METHODS = frozenset({"size", "dim", "numel", "get_device"})
 _METADATA_FUNCTIONS = frozenset({"len", "isinstance"})
+# What a stacked tensor has in common with each model's slice (unlike .shape, whose dim 0 is B)
+_SHARED_METADATA = frozenset({"dtype", "device", "layout", "is_cuda", "requires_grad", "is_floating_point"})
 
 
 def per_model_call(module: nn.Module, stateful: Callable[[nn.Module], bool]) -> str | None:
@@ -65,6 +72,9 @@ def per_model_call(module: nn.Module, stateful: Callable[[nn.Module], bool]) -> 
         if definition is None or not definition.args.args:
             continue
         self_name = definition.args.args[0].arg
+        read = None if _fast_path_check(module, function) else _per_model_read(module, definition, self_name)
+        if read is not None:
+            return f"{name} {read}"
         data = _data_names(definition)
         for call in _calls(definition):
             found = _per_model(module, call, self_name, data, stateful)
@@ -96,6 +106,34 @@ def _per_model(
     arguments = [*call.args, *(keyword.value for keyword in call.keywords)]
     if target is not None and stateful(target) and not any(_reads_data(arg, data) for arg in arguments):
         return f"calls {ast.unparse(callee)}, a module with per-model state, on constants alone"
+    return None
+
+
+def _fast_path_check(module: nn.Module, function: Callable) -> bool:
+    """Whether ``function`` is torch's code of a Transformer layer, whose reads of its attention's weights only
+    check what every model shares (device, ``requires_grad``) before its inference fast path, which
+    ``BatchModule`` turns off."""
+    torch_code = getattr(inspect.getmodule(function), "__name__", "").startswith("torch.")
+    return torch_code and isinstance(module, _TRANSFORMER_LAYERS)
+
+
+def _per_model_read(module: nn.Module, definition: ast.AST, self_name: str) -> str | None:
+    """The first read of a per-model parameter or buffer of a module below ``module`` (``self.fc.weight``)
+    other than of its metadata that every model shares (``self.fc.weight.dtype``), described."""
+    shared_metadata = {
+        id(node.value)
+        for node in ast.walk(definition)
+        if isinstance(node, ast.Attribute) and node.attr in _SHARED_METADATA
+    }
+    for node in ast.walk(definition):
+        if not isinstance(node, ast.Attribute) or id(node) in shared_metadata:
+            continue
+        owner = _submodule(module, node.value, self_name)
+        if owner is None or owner is module:
+            continue
+        persistent = node.attr in owner._buffers and node.attr not in owner._non_persistent_buffers_set
+        if (owner._parameters.get(node.attr) is not None) or (persistent and owner._buffers[node.attr] is not None):
+            return f"reads {ast.unparse(node)}, a per-model tensor of a module below it"
     return None
 
 

@@ -36,10 +36,10 @@ from torch.utils._pytree import tree_map
 from batch_layers import AbstractBatchModule, is_shared_parameter
 
 from ._calls import _CONTAINERS, per_model_call
-from ._generic import batch_generically, escape_from_regions, is_generic
+from ._generic import batch_generically, escape_from_regions, is_generic, is_per_model
 from ._registry import lookup_batch_module, registered_batch_modules
 
-__all__ = ["ConversionEntry", "convert", "warn_if_mostly_generic"]
+__all__ = ["ConversionEntry", "convert", "run_per_model", "stacked_state", "warn_if_mostly_generic"]
 
 
 ConversionPath = Literal["registered", "generic-whole", "generic-own", "passthrough", "shared"]
@@ -79,11 +79,50 @@ def convert(model: nn.Module, batch: int) -> tuple[nn.Module, list[ConversionEnt
     walk = _Walk(batch)
     ties = _tied_parameters(model)
     converted = walk.convert(model, "")
+    converted._torchmb_outermost = True  # its outputs are the model's: never broadcast over the samples
     _retie(converted, ties)
     for module in converted.modules():
         if is_generic(module) and not module._torchmb_whole:
             _escape_below(module)
     return converted, walk.entries
+
+
+def run_per_model(
+    root: nn.Module, module: nn.Module, batch: int, reason: str, entries: list[ConversionEntry]
+) -> ConversionEntry:
+    """Make ``module``, a module of the converted ``root`` without state of its own whose code the first
+    forward found mixing the models, run its code per model (a region); its entry in ``entries`` says why.
+    Returns the new entry."""
+    name = next(n for n, m in root.named_modules(remove_duplicate=False) if m is module)
+    if _owns_parameters(module) or is_generic(module) or isinstance(module, AbstractBatchModule):
+        raise RuntimeError(f"torchmb cannot run {name or 'the model'} per model: {reason}")
+    position = next(i for i, entry in enumerate(entries) if entry.name == name)
+    entry = ConversionEntry(
+        name,
+        entries[position].type,
+        "generic-own",
+        f"no parameters; at the first forward, its code {reason}: its code runs per model",
+        0,
+    )
+    entries[position] = entry
+    batch_generically(module, batch, whole=False)
+    _escape_below(module)
+    return entry
+
+
+def stacked_state(root: nn.Module) -> dict[int, tuple[Tensor, str]]:
+    """Every per-model parameter and buffer of the batched layers and generic modules of ``root``, by
+    ``id``, with its qualified name: tensors of all B models, which only their owner's code may read."""
+    found = {}
+    for module_name, module in root.named_modules():
+        if not (isinstance(module, AbstractBatchModule) or is_generic(module)):
+            continue
+        batch = module.batch if isinstance(module, AbstractBatchModule) else module._torchmb_batch
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is not None and is_per_model(module, name, tensor, batch):
+                    found[id(tensor)] = (tensor, f"{module_name}.{name}" if module_name else name)
+    return found
 
 
 def _escape_below(module: nn.Module) -> None:

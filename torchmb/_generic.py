@@ -14,8 +14,13 @@ exactly as it would anywhere else in the model, and its outputs are handed back 
 per-model tensors. So a root that owns a ``cls_token`` keeps every registered layer below it on its fast
 path, and a parameter of a child read directly by the region's code (``self.qkv.weight``) is that
 model's slice. Inside a region, tensors created from nothing (``torch.empty``, ``x.new_zeros``) are made
-per model, so in-place randomness on them (``torch.empty(s).bernoulli_(p)``) draws for each model, and
+per model, so in-place randomness on them (``torch.empty(s).bernoulli_(p)``) draws for each model, as do
+random tensors drawn from sizes alone (``torch.rand([])``), and
 ``out=`` arguments (which ``vmap`` cannot batch) are written by ``copy_``.
+
+A subtree batched whole whose code ``vmap`` cannot run (an op with a data-dependent shape such as
+``nonzero``, a Python decision on each model's data: mixture-of-experts routing) runs once per model
+instead, from its first such forward on, on each model's slices.
 
 A generic module's methods other than ``forward`` run per model only when called from a region (the
 conversion walk makes a module whose code calls them one, ``torchmb._calls``); called on the merged axis
@@ -54,7 +59,7 @@ from batch_layers import (
 
 from ._calls import _MODULE_API  # nn.Module's own names, which torch's machinery calls: never guarded
 
-__all__ = ["batch_generically", "escape_from_regions", "is_generic"]
+__all__ = ["batch_generically", "escape_from_regions", "is_generic", "looping_over_models"]
 
 _GENERIC_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
 _MODULE_BASES = frozenset(nn.Module.__mro__)
@@ -150,6 +155,8 @@ def _make_guarded(cls: type[nn.Module], name: str, method: Callable[..., Any]) -
 def _make_extra_repr(original_extra_repr: Callable[[nn.Module], str]) -> Callable[[nn.Module], str]:
     def extra_repr(self: nn.Module) -> str:
         scope = "whole subtree" if self._torchmb_whole else "own state"
+        if getattr(self, "_torchmb_looped", False):
+            scope += ", one model after the other: vmap cannot run its code"
         own = original_extra_repr(self)
         return ", ".join(p for p in (own, f"batch={self._torchmb_batch}, batched via torch.func ({scope})") if p)
 
@@ -308,10 +315,10 @@ class _PerModelTensors(TorchFunctionMode):
     FRESH = frozenset(
         {
             torch.empty, torch.zeros, torch.ones, torch.full,
-            torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like,
             Tensor.new_empty, Tensor.new_zeros, Tensor.new_ones, Tensor.new_full,
         }
-    )  # fmt: skip
+    )  # fmt: skip (``zeros_like(x)`` has x's model axis, or none: T5's bucket arithmetic on constants)
+    DRAWN = frozenset({torch.rand, torch.randn, torch.randint, torch.randperm, torch.normal})
 
     def __init__(self, level: int, batch: int) -> None:
         super().__init__()
@@ -330,6 +337,10 @@ class _PerModelTensors(TorchFunctionMode):
             result = func(*args, **{k: v for k, v in kwargs.items() if k != "out"})
             return out.copy_(result)
         result = func(*args, **kwargs)
+        if func in self.DRAWN and isinstance(result, Tensor) and functorch.maybe_get_level(result) != self.level:
+            # A draw from sizes alone (LayerDrop's torch.rand([])): each model draws its own.
+            physical = torch.stack([result, *(func(*args, **kwargs) for _ in range(self.batch - 1))])
+            return functorch._add_batch_dim(physical, 0, self.level)
         if func in self.FRESH and isinstance(result, Tensor) and functorch.maybe_get_level(result) != self.level:
             physical = result.unsqueeze(0).expand(self.batch, *result.shape).contiguous()
             return functorch._add_batch_dim(physical, 0, self.level)
@@ -410,15 +421,96 @@ def _vmapped_call(module: nn.Module, original_forward: Callable[..., Any], *args
                     )
                 reassigned_shared[key] = reassigned.pop(key)
         out_leaves, out_spec = tree_flatten(out)
-        output_spec.append((out_spec, [None if isinstance(t, Tensor) else t for t in out_leaves]))
+        output_spec.append((out_spec, [_TENSOR if isinstance(t, Tensor) else t for t in out_leaves]))
         return [t for t in out_leaves if isinstance(t, Tensor)], reassigned
 
+    rows = mapped_inputs[0].shape[1] if mapped_inputs and mapped_inputs[0].dim() > 1 else 1
+    if getattr(module, "_torchmb_outermost", False):
+        rows = 1  # the model's own output: BatchModule returns it as it is, (B, 1, ...)
+    if module._torchmb_whole and getattr(module, "_torchmb_looped", False):
+        return _looped_call(module, original_forward, leaves, spec, dict(zip(positions, mapped_inputs)), rows)
     mapped_state = [real[key] for key in mapped_keys]
-    outputs, reassigned = vmap(one_model, randomness="different")(mapped_state, *mapped_inputs)
+    try:
+        outputs, reassigned = vmap(one_model, randomness="different")(mapped_state, *mapped_inputs)
+    except RuntimeError as error:
+        if not (module._torchmb_whole and _data_dependent(error)):
+            raise
+        module._torchmb_looped = True  # from now on, one model after the other
+        return _looped_call(module, original_forward, leaves, spec, dict(zip(positions, mapped_inputs)), rows)
     _swap(module, {**reassigned_shared, **reassigned})
     out_spec, out_leaves = output_spec[0]
-    tensors = iter(t.reshape(-1, *t.shape[2:]) for t in outputs)
-    return tree_unflatten([next(tensors) if leaf is None else leaf for leaf in out_leaves], out_spec)
+    tensors = iter(_broadcast_one_row(t, rows).reshape(-1, *t.shape[2:]) for t in outputs)
+    return tree_unflatten([next(tensors) if leaf is _TENSOR else leaf for leaf in out_leaves], out_spec)
+
+
+def _data_dependent(error: RuntimeError) -> bool:
+    """Whether ``vmap`` refused an op whose result's shape or a Python decision depends on each model's data
+    (``nonzero``, ``if x.any():``, ``.item()``)."""
+    message = str(error)
+    return "vmap" in message and any(
+        clue in message for clue in ("data-dependent", "dynamic shape", ".item()", "Tensor.item()")
+    )
+
+
+def _looped_call(
+    module: nn.Module,
+    original_forward: Callable[..., Any],
+    leaves: list,
+    spec: Any,
+    inputs: dict[int, Tensor],
+    rows: int,
+) -> Any:
+    """A subtree batched whole whose code ``vmap`` cannot run (mixture-of-experts routing through
+    ``nonzero``): its forward runs once per model, on that model's slices of the stacked state and of the
+    per-model arguments, and the outputs are stacked."""
+    batch = module._torchmb_batch
+    state = _region_state(module)
+    real = {key: tensor for key, tensor, _ in state}
+    mapped = [key for key, _, per_model in state if per_model]
+    outputs, reassigned = [], []
+    token = _LOOPING.set(True)
+    try:
+        for model in range(batch):
+            slices = {key: real[key][model] for key in mapped}
+            call_leaves = [inputs[i][model] if i in inputs else leaf for i, leaf in enumerate(leaves)]
+            call_args, call_kwargs = tree_unflatten(call_leaves, spec)
+            _swap(module, slices)
+            try:
+                outputs.append(tree_flatten(original_forward(module, *call_args, **call_kwargs)))
+                reassigned.append(_reassigned_buffers(module, slices))
+            finally:
+                _swap(module, real)
+    finally:
+        _LOOPING.reset(token)
+    _swap(module, {key: torch.stack([each[key] for each in reassigned]) for key in reassigned[0]})
+    out_leaves, out_spec = outputs[0]
+    merged = []
+    for i, leaf in enumerate(out_leaves):
+        if isinstance(leaf, Tensor):
+            stacked = _broadcast_one_row(torch.stack([leaves_of[0][i] for leaves_of in outputs]), rows)
+            leaf = stacked.reshape(-1, *stacked.shape[2:])
+        merged.append(leaf)
+    return tree_unflatten(merged, out_spec)
+
+
+_LOOPING: contextvars.ContextVar[bool] = contextvars.ContextVar("torchmb_looping", default=False)
+
+
+def looping_over_models() -> bool:
+    """Whether the code running is one model's, in a subtree run once per model (see ``_looped_call``)."""
+    return _LOOPING.get()
+
+
+_TENSOR = object()  # where a tensor stands in a generic module's output (a None there is the module's own)
+
+
+def _broadcast_one_row(stacked: Tensor, rows: int) -> Tensor:
+    """A ``(B, 1, ...)`` output of a module called on ``(B, rows, ...)`` data as ``(B, rows, ...)``: one row
+    per model that the plain model broadcasts over its samples (BART's positions, ``(1, seq, d)``; T5's
+    position bias), given to the merged axis for each of the model's samples."""
+    if rows > 1 and stacked.dim() > 1 and stacked.shape[1] == 1:
+        return stacked.expand(stacked.shape[0], rows, *stacked.shape[2:])
+    return stacked
 
 
 def _reassigned_buffers(module: nn.Module, given: dict[tuple[int, str], Tensor]) -> dict[tuple[int, str], Tensor]:

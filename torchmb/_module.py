@@ -21,14 +21,14 @@ from batch_layers import (
     recognise_shared_by,
 )
 
-from ._convert import ConversionEntry, convert, warn_if_mostly_generic
+from ._convert import ConversionEntry, convert, run_per_model, stacked_state, warn_if_mostly_generic
 from ._generic import is_generic
 from ._init import build_with_seed, random_state_kept, reset_uncovered, reset_with_seed
 from ._late_parameters import watch_late_parameters
 from ._select import commit_survivors, gather_survivors, survivor_index
 from ._shared import SharedMarksKept, SharedSpec, copy_sharing, shared_keys, shared_names, shared_summary
 from ._state_dicts import is_per_model, load_plain_states, loading_plan, model_index, plain_model
-from ._tracking import Kind, ModelDataTracker, checking_decisions
+from ._tracking import Kind, ModelDataTracker, PerModelCodeFound, checking_decisions
 
 __all__ = ["BatchModule"]
 
@@ -124,6 +124,7 @@ class BatchModule(SharedMarksKept, nn.Module):
             raise ValueError(f"merged_order must be 'auto', 'models' or 'samples', got {merged_order!r}")
         self.batch = batch
         self._first_forward = True  # checked for Python decisions on several models' data
+        self._dry_run = False  # the first forward's eager run before torch.compile traces one
         # A pristine copy to build plain models from (unbatch), kept out of the module tree on purpose; it and
         # the batched module hold the shared parameters as one tensor each, so a backbone is held once.
         template, model_copy = copy_sharing(model, shared_names(model, shared))
@@ -269,14 +270,18 @@ class BatchModule(SharedMarksKept, nn.Module):
         return self._settle_order(args, shared_input, kwargs)
 
     def _settle_order(self, args: tuple, shared_input: bool, kwargs: dict) -> str:
-        """The trial as a dry run (torch.compile traces the forward afterwards): a forward without
-        gradients whose effects on buffers and the random state are undone either way."""
-        if self._order_on_trial:
+        """The trial and the first forward's checks as a dry run (torch.compile traces the forward afterwards,
+        untracked): a forward without gradients whose effects on buffers and the random state are undone."""
+        while self._order_on_trial or self._first_forward:
+            self._dry_run = True  # tracked although dynamo is compiling: this runs eagerly
             try:
                 with _state_restored(self, always=True), torch.no_grad():
                     self._forward(args, shared_input, kwargs)
             except SamplesOrderError as error:
                 self._keep_models_major(error)
+                continue
+            finally:
+                self._dry_run = False
             self._order_on_trial = False
         return self.merged_order
 
@@ -330,7 +335,7 @@ class BatchModule(SharedMarksKept, nn.Module):
     def _run(self, samples: int, shared_input: bool, *args: Any, **kwargs: Any) -> tuple[Any, ModelDataTracker | None]:
         """The model's merged output, and the tracker that labelled its tensors (if tracked)."""
         with forward_context(ForwardContext(self.batch, samples, shared_input, self.merged_order)):
-            if not torch.compiler.is_compiling():  # compiled code is not tracked (a contextvar, Python modes)
+            if self._dry_run or not torch.compiler.is_compiling():  # compiled code is not tracked (Python modes)
                 check_decisions = self._first_forward or checking_decisions()
                 if shared_input or check_decisions:
                     return self._run_tracked(shared_input, check_decisions, args, kwargs)
@@ -342,12 +347,14 @@ class BatchModule(SharedMarksKept, nn.Module):
         """Run the model labelling its tensors (see ``torchmb._tracking``): the shared input and what is
         computed from it are recognised by identity, and a Python decision on several models' data is
         refused in the first forward and under ``torchmb.testing``."""
-        tracker = ModelDataTracker(check_decisions=check_decisions)
-        tracker.mark(tree_flatten((args, kwargs))[0], Kind.SHARED if shared_input else Kind.PER_MODEL)
-        with tracker, recognise_shared_by(tracker.is_shared):
-            out = self.module(*args, **kwargs)
-        self._first_forward = False
-        return out, tracker
+        while True:
+            try:
+                out, tracker = _tracked_forward(self, shared_input, check_decisions, args, kwargs)
+            except PerModelCodeFound as found:  # run that module per model, and the forward again
+                _run_per_model(self, found)
+                continue
+            self._first_forward = False
+            return out, tracker
 
     def _split_shared_output(self, value: Any, samples: int, labels: ModelDataTracker) -> Any:
         """A shared-input forward's output: one computed without any model's state is every model's (a view)."""
@@ -437,6 +444,31 @@ class BatchModule(SharedMarksKept, nn.Module):
 
 
 
+def _tracked_forward(
+    batched: BatchModule, shared_input: bool, check_decisions: bool, args: tuple, kwargs: dict
+) -> tuple[Any, ModelDataTracker]:
+    """One forward under a :class:`ModelDataTracker`, and the tracker that labelled its tensors; buffers and
+    the random state are restored if it raises."""
+    stacked = stacked_state(batched.module) if check_decisions else None
+    tracker = ModelDataTracker(check_decisions=check_decisions, stacked=stacked)
+    tracker.mark(tree_flatten((args, kwargs))[0], Kind.SHARED if shared_input else Kind.PER_MODEL)
+    with _state_restored(batched, always=False), tracker, recognise_shared_by(tracker.is_shared):
+        out = batched.module(*args, **kwargs)
+    return out, tracker
+
+
+def _run_per_model(batched: BatchModule, found: PerModelCodeFound) -> None:
+    """Make the module the first forward found mixing the models run per model (``torchmb._tracking``)."""
+    entry = run_per_model(batched.module, found.module, batched.batch, found.reason, batched._conversion)
+    batched.generic_modules.append(entry.name or entry.type)
+    logger.info("torchmb: %s runs per model: %s", entry.name or entry.type, found.reason)
+    if batched.merged_order != "models":  # the inputs were merged samples-major: merge them again
+        raise SamplesOrderError(
+            f"{entry.name or entry.type} runs per model through torch.func, which splits the merged axis "
+            "models-major: build the BatchModule with merged_order='models'"
+        )
+
+
 def _reorder_around(module: AbstractBatchModule) -> None:
     """Give a module that declares ``merged_order = "samples"`` (torchmb 0.2's layout) its layout."""
 
@@ -492,7 +524,9 @@ def split_output(value: Any, batch: int, samples: int, merged_order: str) -> Any
     if value.dim() == 0 or value.shape[0] % batch:
         raise ValueError(
             f"the model returned a tensor of shape {tuple(value.shape)} whose dim 0 is not a multiple of "
-            f"batch={batch}; outputs must keep the merged (B*n) axis in dim 0"
+            f"batch={batch}; outputs must keep the merged (B*n) axis in dim 0. A loss reduced in the "
+            "model's forward (transformers' labels=) is one value for all models' samples: compute each "
+            "model's loss from its outputs with torchmb.batch_loss"
         )
     if merged_order == "models":
         return value.view(batch, -1, *value.shape[1:])

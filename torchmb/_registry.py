@@ -93,6 +93,7 @@ _BY_NAME: dict[str, type[AbstractBatchModule]] = {
     "timm.layers.std_conv.ScaledStdConv2d": batch_layers.ScaledStdConv2d,
     "timm.layers.std_conv.ScaledStdConv2dSame": batch_layers.ScaledStdConv2dSame,
     "peft.tuners.lora.layer.Linear": LoraLinear,
+    "transformers.pytorch_utils.Conv1D": batch_layers.TransposedLinear,
 }
 
 # Subclasses of registered torch layers whose ``forward`` (checked for each name) reaches the layer's

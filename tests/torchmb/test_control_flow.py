@@ -57,6 +57,8 @@ class AssertsOnData(nn.Module):
 @pytest.mark.parametrize("shared_input", [False, True], ids=["per-model", "shared"])
 def test_a_decision_on_several_models_data_is_refused_at_the_first_forward(make: type, shared_input: bool) -> None:
     batched = BatchModule(make(), B, init="independent", seed=0)
+    with torch.no_grad():  # the models' hidden means take opposite signs: their decisions differ
+        batched.module.a.bias.copy_(torch.tensor([10.0, -10.0, 10.0]).unsqueeze(1))
     x = torch.randn(5, 4) if shared_input else torch.randn(B, 5, 4)
     refused = r"test_control_flow.py:\d+\): Python control flow on it would decide once for all models"
     with pytest.raises(PooledDecisionError, match=refused):

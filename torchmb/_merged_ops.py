@@ -1,0 +1,168 @@
+"""Which ops of a model's own code mix the models on the merged ``(B*n, ...)`` axis, and each model's value
+of a tensor reduced over it.
+
+A ``BatchModule``'s first forward runs under ``torchmb._tracking``'s tracker, which asks this module about
+each op of code that is neither torch's nor a batched layer's:
+
+- :func:`sample_axis_op`: concatenating or splitting per-model tensors along dim 0 (``torch.cat([a, b])``,
+  ``x.chunk(2)``, ``x[:k]``). On the merged axis ``torch.cat([image1, image2])`` puts every model's first
+  images before every model's second images, and ``x[:k]`` takes the first models' rows.
+- :func:`random_draw`: a random tensor drawn from constants alone (``torch.rand([])``): one draw for all
+  models, where each model would draw its own.
+- :func:`per_model_values`: a Python decision (``bool``, ``.item()``) on a tensor reduced over several
+  models' data (``padding_mask.all()``) is each model's own decision when every model's value is the same;
+  this recomputes the tensor for each model from the recorded ops that made it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch._C._functorch as functorch
+from torch import Tensor
+from torch.utils._pytree import tree_map
+
+__all__ = ["PooledSize", "Recipes", "random_draw", "sample_axis_op", "shared_metadata"]
+
+_CONCATENATIONS = frozenset({torch.cat, torch.concat, torch.concatenate})
+_SPLITS = frozenset(
+    {
+        torch.chunk, Tensor.chunk, torch.split, Tensor.split, torch.tensor_split, Tensor.tensor_split,
+        torch.narrow, Tensor.narrow, torch.split_with_sizes, Tensor.split_with_sizes,
+    }
+)  # fmt: skip
+_RANDOM = frozenset(
+    {
+        torch.rand, torch.randn, torch.randint, torch.randperm, torch.rand_like, torch.randn_like,
+        torch.randint_like, torch.bernoulli, torch.normal, torch.multinomial, torch.poisson,
+        Tensor.bernoulli, Tensor.bernoulli_, Tensor.uniform_, Tensor.normal_, Tensor.random_,
+        Tensor.exponential_, Tensor.geometric_, Tensor.cauchy_, Tensor.log_normal_, Tensor.multinomial,
+    }
+)  # fmt: skip
+# What a stacked (B, ...) tensor shares with each model's slice; its shape and sizes it does not.
+_SHARED_METADATA = frozenset({"dtype", "device", "layout", "is_cuda", "requires_grad", "is_leaf", "grad_fn"})
+
+
+def shared_metadata(func: Callable) -> bool:
+    """Whether ``func`` reads only what every model's slice of a stacked tensor shares with it."""
+    getter = getattr(func, "__self__", None)
+    return getattr(func, "__name__", None) == "__get__" and getattr(getter, "__name__", None) in _SHARED_METADATA
+
+
+def random_draw(func: Callable) -> bool:
+    return func in _RANDOM
+
+
+def _is_merged(tensor: Any, rows: int) -> bool:
+    """Whether ``tensor`` is a merged tensor of the models' data: dim 0 a multiple of ``B * n``, not a
+    ``torch.func`` batched tensor (inside a region each model's code sees its own rows)."""
+    return (
+        isinstance(tensor, Tensor)
+        and tensor.dim() > 0
+        and tensor.shape[0] % rows == 0
+        and not functorch.is_batchedtensor(tensor)
+    )
+
+
+def _dim(args: tuple, kwargs: dict, position: int, default: int = 0) -> int:
+    dim = kwargs.get("dim", kwargs.get("axis", args[position] if len(args) > position else default))
+    return dim if isinstance(dim, int) else 1  # a tuple of dims: not along the sample axis
+
+
+def sample_axis_op(func: Callable, args: tuple, kwargs: dict, is_per_model: Callable[[Tensor], bool], rows: int) -> str:
+    """``""``, or what ``func`` does along the merged sample axis of a per-model tensor that mixes models."""
+    if func in _CONCATENATIONS:
+        tensors = args[0] if args else kwargs.get("tensors", ())
+        merged = [t for t in tensors if _is_merged(t, rows) and is_per_model(t)]
+        if merged and _dim(args, kwargs, 1) % merged[0].dim() == 0:
+            return f"{func.__name__} along dim 0"
+        return ""
+    if not args or not (_is_merged(args[0], rows) and is_per_model(args[0])):
+        return ""
+    x = args[0]
+    if func in _SPLITS:
+        position = 1 if func in (torch.narrow, Tensor.narrow) else 2
+        return f"{func.__name__} along dim 0" if _dim(args, kwargs, position) % x.dim() == 0 else ""
+    if func is Tensor.__getitem__:
+        index = args[1]
+        first = index[0] if isinstance(index, tuple) and index else index
+        if isinstance(first, slice) and first == slice(None):
+            return ""
+        if isinstance(first, (int, slice)) and not isinstance(first, bool):
+            return f"indexing [{_describe_index(first)}] of dim 0"
+    return ""
+
+
+def _describe_index(index: int | slice) -> str:
+    if isinstance(index, slice):
+        parts = ["" if v is None else str(v) for v in (index.start, index.stop)]
+        return ":".join(parts) + ("" if index.step is None else f":{index.step}")
+    return repr(index)
+
+
+class PooledSize(int):
+    """``numel()`` of a per-model merged tensor: the pooled count, which remembers each model's count so that
+    a decision recomputed per model (``mask.sum() == mask.numel()``) compares with that."""
+
+    per_model: int
+
+    def __new__(cls, pooled: int, batch: int) -> PooledSize:
+        size = super().__new__(cls, pooled)
+        size.per_model = pooled // batch
+        return size
+
+
+class Recipes:
+    """The ops that reduced per-model merged tensors to tensors without the merged axis (``mask.all()``),
+    kept so that each model's value can be recomputed from its own rows."""
+
+    def __init__(self, batch: int, rows: int, order: str) -> None:
+        self.batch, self.rows, self.order = batch, rows, order
+        self._made: dict[int, tuple[weakref.ref, Callable, tuple, dict]] = {}
+
+    def record(self, out: Tensor, func: Callable, args: tuple, kwargs: dict, is_per_model: Callable) -> None:
+        """Keep how ``out`` was made if it came from per-model tensors but lost their merged axis."""
+        if _is_merged(out, self.rows):
+            return
+        inputs = [t for t in _tensors(args, kwargs) if is_per_model(t)]
+        if inputs and all(_is_merged(t, self.rows) or id(t) in self._made for t in inputs):
+            self._made[id(out)] = (weakref.ref(out), func, args, kwargs)
+
+    def per_model_values(self, tensor: Tensor, is_per_model: Callable[[Tensor], bool]) -> list[Tensor] | None:
+        """Each model's value of ``tensor``, or None when its making was not recorded."""
+        try:
+            return [self._model_value(tensor, model, is_per_model) for model in range(self.batch)]
+        except _Unknown:
+            return None
+
+    def _model_value(self, value: Any, model: int, is_per_model: Callable[[Tensor], bool]) -> Any:
+        if isinstance(value, PooledSize):
+            return value.per_model
+        if not isinstance(value, Tensor) or not is_per_model(value):
+            return value
+        entry = self._made.get(id(value))
+        if entry is not None and entry[0]() is value:
+            _, func, args, kwargs = entry
+            recompute = lambda leaf: self._model_value(leaf, model, is_per_model)  # noqa: E731
+            return func(*tree_map(recompute, args), **tree_map(recompute, kwargs))
+        if not _is_merged(value, self.rows):
+            raise _Unknown
+        if self.order == "models":
+            return value.view(self.batch, -1, *value.shape[1:])[model]
+        return value.view(-1, self.batch, *value.shape[1:])[:, model]
+
+
+class _Unknown(Exception):
+    """A per-model tensor whose models' values cannot be told apart."""
+
+
+def _tensors(args: tuple, kwargs: dict) -> list[Tensor]:
+    found = []
+    for value in (*args, *kwargs.values()):
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, Tensor):
+                found.append(item)
+    return found
