@@ -211,7 +211,7 @@ class ModelDataTracker(TorchFunctionMode):
 
     def __enter__(self) -> ModelDataTracker:
         context = current_forward()
-        if self.check_decisions and context is not None:
+        if self.check_decisions and context is not None and context.samples:  # n = 0: no rows to decide on
             self._recipes = Recipes(context.batch, context.batch * context.samples, context.order)
         self._hooks = [
             register_module_forward_pre_hook(self._before_module),
@@ -331,8 +331,8 @@ class ModelDataTracker(TorchFunctionMode):
         """Raise :class:`PerModelCodeFound` where the model's own code mixes the models on the merged axis."""
         module = self._running[-1] if self._running else None
         context = current_forward()
-        if module is None or context is None or _runs_its_own_way(module) or _in_region():
-            return
+        if module is None or context is None or not context.samples or _runs_its_own_way(module) or _in_region():
+            return  # (n = 0: no model has a row to mix)
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
         read = next((self._stacked[id(t)][1] for t in tensors if self._stacked.get(id(t), (None,))[0] is t), None)
         kinds = {self.kind(t) for t in tensors}

@@ -22,10 +22,15 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.testing._internal.common_modules import ModuleInfo, module_db
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 import torchmb
+
+# torch's test utilities import what the machine has (numba.cuda on a CUDA machine), whose own imports may
+# warn of NumPy deprecations: not ours to fail on.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from torch.testing._internal.common_modules import ModuleInfo, module_db
 
 # Importing torch's test utilities freezes torch.backends' flags (torch.backends.disable_global_flags), which
 # tests/conftest.py and other tests set: thaw them again (the flag is a global of torch.backends' functions).
