@@ -1,5 +1,13 @@
+import os
+import tempfile
+
 import pytest
 import torch
+
+# Inductor's on-disk caches outlive a run (/tmp/torchinductor_<user>): artifacts compiled by another checkout
+# of this code, with other batched layers, were seen to be reused here and to train LeNet wrongly. Each run
+# compiles afresh in a directory of its own (set before torch compiles anything).
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="torchmb-tests-inductor-"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
