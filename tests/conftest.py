@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -7,7 +9,9 @@ import torch
 # Inductor's on-disk caches outlive a run (/tmp/torchinductor_<user>): artifacts compiled by another checkout
 # of this code, with other batched layers, were seen to be reused here and to train LeNet wrongly. Each run
 # compiles afresh in a directory of its own (set before torch compiles anything).
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="torchmb-tests-inductor-"))
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="torchmb-tests-inductor-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
