@@ -127,7 +127,7 @@ class Recipes:
         """Keep how ``out`` was made if it came from per-model tensors but lost their merged axis."""
         if _is_merged(out, self.rows):
             return
-        inputs = [t for t in _tensors(args, kwargs) if is_per_model(t)]
+        inputs = [t for t in operand_tensors(args, kwargs) if is_per_model(t)]
         if inputs and all(_is_merged(t, self.rows) or id(t) in self._made for t in inputs):
             self._made[id(out)] = (weakref.ref(out), func, args, kwargs)
 
@@ -159,7 +159,8 @@ class _Unknown(Exception):
     """A per-model tensor whose models' values cannot be told apart."""
 
 
-def _tensors(args: tuple, kwargs: dict) -> list[Tensor]:
+def operand_tensors(args: tuple, kwargs: dict) -> list[Tensor]:
+    """The tensors among an op's arguments, and inside its tuple and list arguments (``torch.cat``'s)."""
     found = []
     for value in (*args, *kwargs.values()):
         for item in value if isinstance(value, (tuple, list)) else (value,):

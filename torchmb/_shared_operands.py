@@ -18,6 +18,8 @@ from torch import Tensor
 
 from batch_layers import current_forward
 
+from ._merged_ops import operand_tensors
+
 __all__ = ["expand_shared_operands", "is_in_place"]
 
 
@@ -48,7 +50,7 @@ def expand_shared_operands(
     if context is None:
         return args, kwargs
     batch = context.batch
-    per_model = [t for t in _operands(args, kwargs) if is_per_model(t)]
+    per_model = [t for t in operand_tensors(args, kwargs) if is_per_model(t)]
 
     def expanded(value: Any) -> Any:
         if not isinstance(value, Tensor) or not value.dim() or value.shape[0] == 1 or not is_shared(value):
@@ -89,12 +91,3 @@ def _refuse_model_axis_elsewhere(func: Any, shared: Tensor, per_model: Tensor, b
                 f"is in dim {dim} (a sequence-first layout); torchmb's merged model axis stands in dim 0 at the "
                 "BatchModule boundary: give the model batch-first inputs (batch_first=True) and let it transpose"
             )
-
-
-def _operands(args: tuple, kwargs: dict) -> list[Tensor]:
-    found = []
-    for value in (*args, *kwargs.values()):
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(item, Tensor):
-                found.append(item)
-    return found

@@ -183,14 +183,7 @@ def load_checkpoint(
     Returns:
         The ``extra`` saved with the checkpoint (``None`` if none).
     """
-    files = checkpoint_files.open_checkpoint(path, verify_checksums=verify_checksums)
-    contents_file = os.path.join(files.path, _CONTENTS)
-    if not files.verified and not os.path.isfile(contents_file):
-        raise FileNotFoundError(f"{contents_file} does not exist: not a torchmb checkpoint directory")
-    contents = files.read_json(_CONTENTS)
-    if not isinstance(contents, dict) or contents.get("format") != CHECKPOINT_FORMAT:
-        got = contents.get("format") if isinstance(contents, dict) else contents
-        raise ValueError(f"{contents_file}: expected format {CHECKPOINT_FORMAT!r}, got {got!r}")
+    files, contents = open_with_contents(path, _CONTENTS, CHECKPOINT_FORMAT, "a torchmb checkpoint", verify_checksums)
     objects = {"models": models, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler, "sweep": sweep}
     saved = contents["objects"]
     states: dict[str, Any] = {}
@@ -217,3 +210,18 @@ def load_checkpoint(
         _set_rng_state(rng_state)
     return extra
 
+
+def open_with_contents(
+    path: str | os.PathLike[str], contents_name: str, expected_format: str, what: str, verify_checksums: bool
+) -> tuple[checkpoint_files.CheckpointFiles, dict[str, Any]]:
+    """Open the checkpoint directory ``path`` and read its JSON file ``contents_name``, which must name
+    ``expected_format`` (``what`` names the kind of checkpoint in the errors)."""
+    files = checkpoint_files.open_checkpoint(path, verify_checksums=verify_checksums)
+    contents_file = os.path.join(files.path, contents_name)
+    if not files.verified and not os.path.isfile(contents_file):
+        raise FileNotFoundError(f"{contents_file} does not exist: not {what} directory")
+    contents = files.read_json(contents_name)
+    if not isinstance(contents, dict) or contents.get("format") != expected_format:
+        got = contents.get("format") if isinstance(contents, dict) else contents
+        raise ValueError(f"{contents_file}: expected format {expected_format!r}, got {got!r}")
+    return files, contents

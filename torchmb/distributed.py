@@ -38,6 +38,7 @@ import torchmb_config
 from offload import checkpoint_files
 
 from ._module import BatchModule
+from .checkpoint import open_with_contents
 from .lr_scheduler import BatchLRScheduler
 from .optim import BatchOptimizer
 
@@ -578,15 +579,7 @@ def _barrier(group: Any) -> None:
 
 def _read_index(path: str | os.PathLike[str], verify_checksums: bool = True
                 ) -> tuple[checkpoint_files.CheckpointFiles, dict[str, Any]]:
-    files = checkpoint_files.open_checkpoint(path, verify_checksums=verify_checksums)
-    file = os.path.join(files.path, _INDEX)
-    if not files.verified and not os.path.isfile(file):
-        raise FileNotFoundError(f"{file} does not exist: not a torchmb.distributed checkpoint directory")
-    index = files.read_json(_INDEX)
-    if not isinstance(index, dict) or index.get("format") != CHECKPOINT_FORMAT:
-        got = index.get("format") if isinstance(index, dict) else index
-        raise ValueError(f"{file}: expected format {CHECKPOINT_FORMAT!r}, got {got!r}")
-    return files, index
+    return open_with_contents(path, _INDEX, CHECKPOINT_FORMAT, "a torchmb.distributed checkpoint", verify_checksums)
 
 
 def checkpoint_batch(path: str | os.PathLike[str]) -> int:
