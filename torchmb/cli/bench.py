@@ -51,6 +51,7 @@ from .bench_zoo import ZOO_MODELS
 
 __all__ = ["DEFAULT_IMPLEMENTATIONS", "IMPLEMENTATIONS", "WORKLOADS", "largest_batches", "main", "run", "table"]
 
+#: The implementations a default run times, in this order.
 DEFAULT_IMPLEMENTATIONS = ("torchmb", "torchmb+compile", "vmap", "vmap+compile", "limit", "limit+compile")
 DEFAULT_WORKLOADS = ("mlp", "lenet", "transformer", "resnet18")  # the quickest to compile first
 ZOO_IMPLEMENTATIONS = ("torchmb", "vmap", "loop", "limit")

@@ -159,6 +159,7 @@ def _step(loss_of: Callable, optimizer: torch.optim.Optimizer, x: torch.Tensor, 
     return step
 
 
+#: ``lora-llama``: 16 LoRA adapters on a 134M-parameter Llama decoder (see the module docstring).
 LORA_LLAMA = register_workload(
     Workload(
         "lora-llama",

@@ -48,6 +48,7 @@ def _tokens(lead: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.randint(0, 1000, (*lead, 64), device=device)
 
 
+#: Every workload ``--workloads`` accepts, by name (:func:`register_workload` adds one).
 WORKLOADS = {
     "mlp": Workload("mlp", models.MLP, _images(1, 28), (16, 64, 256), compile_all=True),
     "lenet": Workload("lenet", models.LeNet5, _images(1, 28), (16, 64, 256), compile_all=True),
@@ -71,6 +72,7 @@ def register_workload(workload: Workload) -> Workload:
     return workload
 
 
+#: Every implementation ``--impls`` accepts.
 IMPLEMENTATIONS = (
     "torchmb",
     "torchmb+compile",

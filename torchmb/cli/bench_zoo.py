@@ -31,8 +31,9 @@ def _timm(name: str, **kwargs: object) -> Callable[[], nn.Module]:
     return build
 
 
-# name -> (builder, uses attention): the families the issue names, each through its library's own code path
-# (torchvision's in-place activations and stochastic depth, timm's norm-act layers and layer scales).
+#: The zoo of ``bench --zoo``: name -> (builder of the plain model, whether it holds attention), each family
+#: through its library's own code path (torchvision's in-place activations and stochastic depth, timm's
+#: norm-act layers and layer scales).
 ZOO_MODELS: dict[str, tuple[Callable[[], nn.Module], bool]] = {
     "tv-resnet18": (_torchvision("resnet18"), False),
     "tv-mobilenet_v3_small": (_torchvision("mobilenet_v3_small"), False),
