@@ -135,6 +135,9 @@ def two_rank_save(path: Path, runs: list, version: int, store: Path) -> None:
         assert os.waitstatus_to_exitcode(status) == 0
 
 
+# Slow, and on a loaded 2-core machine its kills can all miss the save (it once saw none land mid-save in
+# CI's conditions); the single-process and one-rank kill tests stay in the default run.
+@pytest.mark.slow
 def test_two_rank_save_killed_at_random_moments_leaves_old_or_new(tmp_path: Path) -> None:
     path, store = tmp_path / "out" / "ckpt", tmp_path / "store"
     path.parent.mkdir()
