@@ -30,6 +30,7 @@ from ._embedding_multi import MultiEmbedding
 from ._embedding_offload import OffloadedBatchEmbedding, offload_embeddings
 from ._frozen_batchnorm import FrozenBatchNorm2d
 from ._kernel_table import explain_kernels
+from ._layout import Layout
 from ._linear import Linear
 from ._norm import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm, RMSNorm
 from ._recurrent import GRU, LSTM, RNN
@@ -72,6 +73,7 @@ __all__ = [
     "InstanceNorm3d",
     "LSTMCell",
     "LayerNorm",
+    "Layout",
     "Linear",
     "MultiEmbedding",
     "MultiheadAttention",

@@ -21,10 +21,12 @@ import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
+
+from ._layout import Layout, MergedOrder, is_channels_last
 
 __all__ = [
     "AbstractBatchModule",
@@ -38,9 +40,6 @@ __all__ = [
     "mark_shared_parameter",
     "recognise_shared_by",
 ]
-
-MergedOrder = Literal["models", "samples"]
-
 
 @dataclass(frozen=True)
 class ForwardContext:
@@ -149,13 +148,15 @@ def recognise_shared_by(recognise: Callable[[Tensor], bool]) -> Iterator[None]:
         _SHARED_TENSORS.reset(token)
 
 
-def check_merged_rows(x: Tensor, batch: int, owner: str, what: str = "input") -> None:
+def check_merged_rows(
+    x: Tensor, batch: int, owner: str, what: str = "input", order: MergedOrder = "models"
+) -> None:
     """Refuse a tensor whose dim 0 is not a multiple of ``B * n``, the merged model axis (exactly ``B * n``
-    in the samples-major order, where merging other dims into dim 0 would interleave models)."""
+    in the samples-major ``order``, where merging other dims into dim 0 would interleave models)."""
     context = current_forward()
     rows = x.shape[0] if x.dim() else 0
     step = batch * (context.samples if context is not None else 1)
-    if context is not None and context.order == "samples" and rows != step and x.dim():
+    if order == "samples" and context is not None and rows != step and x.dim():
         raise SamplesOrderError(
             f"{owner}: expected the {what}'s dim 0 to be exactly B * n = {batch} * {context.samples} in the "
             f"samples-major merged order, got shape {tuple(x.shape)}; the model merged other dims into dim 0, "
@@ -213,13 +214,18 @@ class AbstractBatchModule(nn.Module):
         """A batched layer with ``module``'s hyperparameters; every model starts from its weights."""
         raise NotImplementedError(f"{cls.__name__} must implement from_module(module, batch)")
 
+    @property
+    def layout(self) -> Layout:
+        """The layout of this layer's merged inputs and outputs: its ``batch`` and ``merged_order``."""
+        return Layout(self.batch, self.merged_order)
+
     def is_shared(self, x: Tensor) -> bool:
         """Whether ``x`` is the shared ``(n, ...)`` input of a shared-input forward, not a merged tensor."""
         return is_shared_input(x, self.batch)
 
     def check_merged(self, x: Tensor, what: str = "input") -> None:
         """Refuse a tensor whose dim 0 cannot hold B models' samples."""
-        check_merged_rows(x, self.batch, type(self).__name__, what)
+        check_merged_rows(x, self.batch, type(self).__name__, what, self.merged_order)
 
     @classmethod
     def runs_in(cls, order: MergedOrder) -> bool:
@@ -271,9 +277,7 @@ class AbstractBatchModule(nn.Module):
         if self.is_shared(x):
             return x.expand(self.batch, *x.shape)
         self.check_merged(x)
-        if self.merged_order == "models":
-            return x.view(self.batch, -1, *x.shape[1:])
-        return x.view(-1, self.batch, *x.shape[1:]).transpose(0, 1)
+        return self.layout.split(x)
 
     def merge(self, y: Tensor) -> Tensor:
         """Inverse of :meth:`split`: ``(B, m, ...)`` to this module's merged ``(B*m, ...)`` layout."""
@@ -281,9 +285,7 @@ class AbstractBatchModule(nn.Module):
             raise ValueError(
                 f"{type(self).__name__}: expected a leading model axis of {self.batch}, got {tuple(y.shape)}"
             )
-        if self.merged_order == "models":
-            return y.reshape(-1, *y.shape[2:])
-        return y.transpose(0, 1).reshape(-1, *y.shape[2:])
+        return self.layout.merge(y)
 
     def extra_repr(self) -> str:
         inner = self.base_class.extra_repr(self) if self.base_class is not nn.Module else ""
@@ -315,57 +317,3 @@ def copy_into_every_model(layer: AbstractBatchModule, module: nn.Module) -> None
 def stack_copies(tensor: Tensor, batch: int) -> Tensor:
     """``(B, *tensor.shape)``: ``batch`` copies of one model's tensor (for ``from_module``)."""
     return tensor.detach().unsqueeze(0).repeat(batch, *([1] * tensor.dim())).clone()
-
-
-def is_channels_last(x: Tensor) -> bool:
-    """Whether a 4-D tensor is stored channels-last (and not also plainly contiguous, as when C == 1)."""
-    return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
-
-
-def to_grouped(x: Tensor, batch: int, order: MergedOrder = "models", keep_channels_last: bool = True) -> Tensor:
-    """``(B*n, C, *S)`` in the merged ``order`` to ``(n, B*C, *S)``: the models become channel groups.
-
-    Samples-major, this is a view of a contiguous input. A channels-last input gives a channels-last
-    result, ``(n, H, W, B*C)`` in memory, so cuDNN runs its NHWC kernels, unless ``keep_channels_last`` is
-    false; any other gives a contiguous one.
-    """
-    n = x.shape[0] // batch
-    if keep_channels_last and is_channels_last(x):
-        channels, height, width = x.shape[1:]
-        if order == "models":
-            grouped = x.view(batch, n, channels, height, width).permute(1, 3, 4, 0, 2).contiguous()
-        else:
-            grouped = x.view(n, batch, channels, height, width).permute(0, 3, 4, 1, 2).contiguous()
-        return grouped.view(n, height, width, batch * channels).permute(0, 3, 1, 2)
-    if order == "samples":
-        return x.reshape(n, batch * x.shape[1], *x.shape[2:])
-    return x.reshape(batch, n, *x.shape[1:]).transpose(0, 1).reshape(n, batch * x.shape[1], *x.shape[2:])
-
-
-def shared_to_grouped(x: Tensor, batch: int) -> Tensor:
-    """A shared ``(n, C, *S)`` input as the grouped ``(n, B*C, *S)`` input of B models (one copy), keeping a
-    channels-last layout."""
-    if is_channels_last(x):
-        n, channels, height, width = x.shape
-        rows = x.permute(0, 2, 3, 1).unsqueeze(3).expand(n, height, width, batch, channels)
-        return rows.reshape(n, height, width, batch * channels).permute(0, 3, 1, 2)
-    return x.unsqueeze(1).expand(x.shape[0], batch, *x.shape[1:]).reshape(x.shape[0], batch * x.shape[1], *x.shape[2:])
-
-
-def from_grouped(y: Tensor, batch: int, order: MergedOrder = "models", channels_last: bool = False) -> Tensor:
-    """``(n, B*C, *S)`` back to the merged ``(B*n, C, *S)`` in ``order``, keeping a channels-last layout
-    (and giving a 4-D result one where ``channels_last`` asks for it, in the same single copy)."""
-    n = y.shape[0]
-    if is_channels_last(y) or (channels_last and y.dim() == 4):
-        height, width = y.shape[2:]
-        channels = y.shape[1] // batch
-        rows = y.permute(0, 2, 3, 1).unflatten(3, (batch, channels))
-        if order == "models":
-            merged = rows.permute(3, 0, 1, 2, 4).contiguous()
-        else:
-            merged = rows.permute(0, 3, 1, 2, 4).contiguous()
-        return merged.view(batch * n, height, width, channels).permute(0, 3, 1, 2)
-    if order == "samples":
-        return y.reshape(n * batch, y.shape[1] // batch, *y.shape[2:])
-    y = y.view(n, batch, y.shape[1] // batch, *y.shape[2:]).transpose(0, 1)
-    return y.reshape(batch * n, *y.shape[2:])

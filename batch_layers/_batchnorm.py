@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._base import AbstractBatchModule, copy_into_every_model, from_grouped, shared_to_grouped, to_grouped
+from ._base import AbstractBatchModule, copy_into_every_model
+from ._layout import from_grouped, shared_to_grouped, to_grouped
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d"]  # and _NormBase, shared with instance norm
 

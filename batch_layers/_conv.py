@@ -10,18 +10,12 @@ from torch import Tensor, nn
 from torch.nn.modules.utils import _ntuple, _reverse_repeat_tuple
 
 from . import _kernel_table
-from ._base import (
-    AbstractBatchModule,
-    autocast_dtype,
-    copy_into_every_model,
-    from_grouped,
-    is_channels_last,
-    to_grouped,
-)
+from ._base import AbstractBatchModule, autocast_dtype, copy_into_every_model
 from ._checks import check_conv_input, check_input_dtype
 from ._conv_triton import grouped_conv2d, input_grad, runs_on_triton
 from ._depthwise_triton import depthwise_weight_grad, runs_depthwise_grad
 from ._kernel_table import CHANNELS_LAST, TRITON_GROUPED_INPUT_GRAD
+from ._layout import from_grouped, is_channels_last, to_grouped
 
 __all__ = ["Conv1d", "Conv2d", "Conv3d"]
 

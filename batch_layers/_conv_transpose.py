@@ -7,8 +7,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.utils import _ntuple
 
-from ._base import UNBATCHED, AbstractBatchModule, copy_into_every_model, from_grouped
+from ._base import UNBATCHED, AbstractBatchModule, copy_into_every_model
 from ._conv import grouped_conv, reset_conv_slices
+from ._layout import from_grouped
 
 __all__ = ["ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d"]
 

@@ -9,8 +9,9 @@ from support.layer_cases import LayerCase, run_case
 from torch import nn
 
 import batch_layers
-from batch_layers._base import ForwardContext, forward_context, from_grouped, is_channels_last, to_grouped
+from batch_layers._base import ForwardContext, forward_context
 from batch_layers._conv import grouped_conv
+from batch_layers._layout import from_grouped, is_channels_last, to_grouped
 from torchmb import BatchModule
 
 

@@ -1,0 +1,100 @@
+"""The layout of B models' tensors on one merged dim 0, as a value.
+
+Between layers, a tensor that belongs to all B models has the model axis merged into dim 0, in one of two
+orders: **models-major** (row ``b * n + i`` is sample ``i`` of model ``b``: ``x.view(B, -1, ...)`` recovers
+the model axis for free) or **samples-major** (row ``i * B + b``: the grouped ``(n, B*C, H, W)`` layout of
+convolutions and batch norms is then a free view). ``BatchModule`` decides the order once and gives every
+batched layer its :class:`Layout`; the functions of ``batch_layers.functional`` take it as an argument and
+read it from nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = ["Layout", "MergedOrder", "from_grouped", "is_channels_last", "shared_to_grouped", "to_grouped"]
+
+MergedOrder = Literal["models", "samples"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How B models' tensors share dim 0.
+
+    Attributes:
+        batch: the number of models B.
+        order: ``"models"`` (row ``b * n + i``) or ``"samples"`` (row ``i * B + b``).
+    """
+
+    batch: int
+    order: MergedOrder = "models"
+
+    def split(self, x: Tensor) -> Tensor:
+        """View a merged ``(B*m, ...)`` tensor as ``(B, m, ...)`` (samples-major: a strided view)."""
+        if self.order == "models":
+            return x.view(self.batch, -1, *x.shape[1:])
+        return x.view(-1, self.batch, *x.shape[1:]).transpose(0, 1)
+
+    def merge(self, y: Tensor) -> Tensor:
+        """Inverse of :meth:`split`: ``(B, m, ...)`` to the merged ``(B*m, ...)`` (samples-major: a copy)."""
+        if self.order == "models":
+            return y.reshape(-1, *y.shape[2:])
+        return y.transpose(0, 1).reshape(-1, *y.shape[2:])
+
+
+def is_channels_last(x: Tensor) -> bool:
+    """Whether a 4-D tensor is stored channels-last (and not also plainly contiguous, as when C == 1)."""
+    return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+
+
+def to_grouped(x: Tensor, batch: int, order: MergedOrder = "models", keep_channels_last: bool = True) -> Tensor:
+    """``(B*n, C, *S)`` in the merged ``order`` to ``(n, B*C, *S)``: the models become channel groups.
+
+    Samples-major, this is a view of a contiguous input. A channels-last input gives a channels-last
+    result, ``(n, H, W, B*C)`` in memory, so cuDNN runs its NHWC kernels, unless ``keep_channels_last`` is
+    false; any other gives a contiguous one.
+    """
+    n = x.shape[0] // batch
+    if keep_channels_last and is_channels_last(x):
+        channels, height, width = x.shape[1:]
+        if order == "models":
+            grouped = x.view(batch, n, channels, height, width).permute(1, 3, 4, 0, 2).contiguous()
+        else:
+            grouped = x.view(n, batch, channels, height, width).permute(0, 3, 4, 1, 2).contiguous()
+        return grouped.view(n, height, width, batch * channels).permute(0, 3, 1, 2)
+    if order == "samples":
+        return x.reshape(n, batch * x.shape[1], *x.shape[2:])
+    return x.reshape(batch, n, *x.shape[1:]).transpose(0, 1).reshape(n, batch * x.shape[1], *x.shape[2:])
+
+
+def shared_to_grouped(x: Tensor, batch: int) -> Tensor:
+    """A shared ``(n, C, *S)`` input as the grouped ``(n, B*C, *S)`` input of B models (one copy), keeping a
+    channels-last layout."""
+    if is_channels_last(x):
+        n, channels, height, width = x.shape
+        rows = x.permute(0, 2, 3, 1).unsqueeze(3).expand(n, height, width, batch, channels)
+        return rows.reshape(n, height, width, batch * channels).permute(0, 3, 1, 2)
+    return x.unsqueeze(1).expand(x.shape[0], batch, *x.shape[1:]).reshape(x.shape[0], batch * x.shape[1], *x.shape[2:])
+
+
+def from_grouped(y: Tensor, batch: int, order: MergedOrder = "models", channels_last: bool = False) -> Tensor:
+    """``(n, B*C, *S)`` back to the merged ``(B*n, C, *S)`` in ``order``, keeping a channels-last layout
+    (and giving a 4-D result one where ``channels_last`` asks for it, in the same single copy)."""
+    n = y.shape[0]
+    if is_channels_last(y) or (channels_last and y.dim() == 4):
+        height, width = y.shape[2:]
+        channels = y.shape[1] // batch
+        rows = y.permute(0, 2, 3, 1).unflatten(3, (batch, channels))
+        if order == "models":
+            merged = rows.permute(3, 0, 1, 2, 4).contiguous()
+        else:
+            merged = rows.permute(0, 3, 1, 2, 4).contiguous()
+        return merged.view(batch * n, height, width, channels).permute(0, 3, 1, 2)
+    if order == "samples":
+        return y.reshape(n * batch, y.shape[1] // batch, *y.shape[2:])
+    y = y.view(n, batch, y.shape[1] // batch, *y.shape[2:]).transpose(0, 1)
+    return y.reshape(batch * n, *y.shape[2:])

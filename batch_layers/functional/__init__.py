@@ -1,0 +1,11 @@
+"""Batched functionals: what ``torch.nn.functional`` computes for one model, computed for B models at once.
+
+Every function takes the merged input (B models' samples on dim 0, see :class:`Layout`), the per-model
+weights stacked on a leading model axis, ``(B, *plain_shape)``, and the :class:`Layout` as an argument: it
+reads the layout from nowhere else. The batched layers of ``batch_layers`` are thin modules over these
+functions, as ``torch.nn``'s are over ``torch.nn.functional``.
+"""
+
+from .._layout import Layout, MergedOrder
+
+__all__ = ["Layout", "MergedOrder"]
