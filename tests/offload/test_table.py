@@ -297,14 +297,14 @@ def test_pool_threads_do_the_work(monkeypatch):
     from offload import _row_copy
     _pool_settings(monkeypatch, 4, 64 * 20)
     seen = set()
-    real = _row_copy._take
+    real = _row_copy.take_rows
 
     def spy(src, idx, out):
         seen.add(threading.get_ident())
         time.sleep(0.002)  # long enough that the caller cannot take every piece before a worker wakes
         real(src, idx, out)
 
-    monkeypatch.setattr(_row_copy, "_take", spy)
+    monkeypatch.setattr(_row_copy, "take_rows", spy)
     src, t = _table_of(rows=2000, dim=16)
     idx = torch.arange(0, 2000, 3)
     assert torch.equal(t.gather(idx, unique=True), src[idx])
@@ -380,11 +380,11 @@ def test_hybrid_lone_split_matches_brute_force(monkeypatch, dim, dtype):
     expected = lone_positions(uniq.tolist(), row_bytes, _engine_hybrid.LONE_BLOCK_BYTES)
     assert 0 < len(expected) < 3000  # both parts have rows
     monkeypatch.setattr(_engine_hybrid, "HYBRID_MIN_LONE_BYTES", 1)
-    lone, near = _engine_hybrid.lone_split(t, uniq)
+    lone, near = _engine_hybrid.lone_split(t.storage, uniq)
     assert lone.tolist() == expected
     assert near.tolist() == sorted(set(range(3000)) - set(expected))
     monkeypatch.setattr(_engine_hybrid, "HYBRID_MIN_LONE_BYTES", len(expected) * row_bytes + 1)
-    assert _engine_hybrid.lone_split(t, uniq) is None  # too few
+    assert _engine_hybrid.lone_split(t.storage, uniq) is None  # too few
     monkeypatch.setattr(_engine_hybrid, "HYBRID_MIN_LONE_BYTES", row_bytes)
     dense = torch.arange(0, num_rows, 2)  # 12 rows a block: uniformly spread, 0.15 lone rows expected
 
@@ -392,9 +392,9 @@ def test_hybrid_lone_split_matches_brute_force(monkeypatch, dim, dtype):
         raise AssertionError("counted lone rows where none were expected")
 
     monkeypatch.setattr(torch, "nonzero", no_count)
-    assert _engine_hybrid.lone_split(t, dense) is None
+    assert _engine_hybrid.lone_split(t.storage, dense) is None
     monkeypatch.setattr(_engine_hybrid, "LONE_BLOCK_BYTES", row_bytes)  # a row per block: nothing gained
-    assert _engine_hybrid.lone_split(t, uniq) is None
+    assert _engine_hybrid.lone_split(t.storage, uniq) is None
 
 
 def test_worker_exception_reaches_the_caller(monkeypatch):
@@ -441,7 +441,7 @@ def test_worker_exception_reaches_the_caller(monkeypatch):
     assert running[0] == 0
 
     src, t = _table_of(rows=500, dim=4)
-    real = _row_copy._take
+    real = _row_copy.take_rows
 
     def broken(s, idx, out):
         if threading.get_ident() != main:
@@ -449,9 +449,9 @@ def test_worker_exception_reaches_the_caller(monkeypatch):
         time.sleep(0.005)  # the caller is slow: the workers get pieces
         real(s, idx, out)
 
-    monkeypatch.setattr(_row_copy, "_take", broken)
+    monkeypatch.setattr(_row_copy, "take_rows", broken)
     with pytest.raises(OSError, match="worker could not read the table"):
         for _ in range(5):  # until a worker (not the caller) takes a piece
             t.gather(torch.arange(0, 500, 2), unique=True)
-    monkeypatch.setattr(_row_copy, "_take", real)
+    monkeypatch.setattr(_row_copy, "take_rows", real)
     assert torch.equal(t.gather(torch.arange(0, 500, 2), unique=True), src[::2])
