@@ -40,7 +40,8 @@ TABLE: Callable[..., MeasuredTable] | None = None
 """The table class that :func:`engine_choice` measures on: :class:`~offload.HostTable`, which sets it
 here when it is defined (``offload._table`` imports this module; this module does not import it)."""
 
-_REGISTERED = (_engine_cpu, _engine_hybrid, _engine_uva)  # importing an engine's module registers it
+_REGISTERED = (_engine_cpu, _engine_hybrid, _engine_uva)
+"""The engine modules (importing one registers its engine): adding an engine adds its module here."""
 Engine = Literal["auto", "uva", "cpu", "hybrid"]
 ENV_ENGINE = "TORCHMB_OFFLOAD_ENGINE"
 

@@ -7,14 +7,14 @@ core of a call: the table's storage (:class:`RowStorage`: the host tensor and wh
 distinct, bounds-checked indices on the device and a contiguous tensor of the table's dtype.
 
 Adding an engine: subclass :class:`RowEngine` in a module of its own, ``register_engine`` an instance there,
-and import that module in :mod:`offload._choice` (which validates engine names against this registry); it
-can then be named by ``engine=`` and :func:`~offload.set_engine`. ``"auto"`` picks only among the engines
-that :func:`~offload.engine_choice` measures.
+and add that module to ``_REGISTERED`` in :mod:`offload._choice` (which imports it, and validates engine names
+against this registry); it can then be named by ``engine=`` and :func:`~offload.set_engine`. ``"auto"``
+picks only among the engines that :func:`~offload.engine_choice` measures.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -59,8 +59,9 @@ class RowStorage(Protocol):
     def synchronize(self, *, reads: bool = True) -> None:
         """:meth:`land`, then :meth:`wait_gpu`: before the CPU touches the rows."""
 
-    def note_gpu_access(self, kind: Literal["read", "write"]) -> None:
-        """Record that work on the current stream reads or writes the host rows (see :meth:`wait_gpu`)."""
+    def note_gpu_access(self, kind: str) -> None:
+        """Record that work on the current stream reads (``kind="read"``) or writes (``"write"``) the host rows
+        (see :meth:`wait_gpu`)."""
 
     def side_stream(self) -> torch.cuda.Stream:
         """The table's side stream (prefetches, the hybrid engine's CPU part)."""

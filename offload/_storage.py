@@ -9,7 +9,7 @@ patch. Everything that touches the host rows goes through it, so each access wai
 from __future__ import annotations
 
 import weakref
-from typing import Literal, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -106,8 +106,9 @@ class HostStorage:
         self.land()
         self.wait_gpu(reads=reads)
 
-    def note_gpu_access(self, kind: Literal["read", "write"]) -> None:
-        """Record that work on the current stream reads or writes the host rows (see :meth:`wait_gpu`)."""
+    def note_gpu_access(self, kind: str) -> None:
+        """Record that work on the current stream reads (``kind="read"``) or writes (``"write"``) the host rows
+        (see :meth:`wait_gpu`)."""
         events = self._write_events if kind == "write" else self._read_events
         stream = torch.cuda.current_stream(self.device)
         ev = events.get(stream.cuda_stream)

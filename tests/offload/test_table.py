@@ -166,6 +166,53 @@ def test_host_array_and_batches(device, tmp_path):
         next(offload.batches(xs, offload.HostArray(torch.zeros(3)), batch_size=2))
 
 
+def test_host_array_over_npy_maps_the_file(tmp_path):
+    """HostArray.from_npy maps the file (rows of any shape): read-only by default (its table refuses
+    scatters), with ``mmap_mode="r+"`` written in place."""
+    x = np.arange(4 * 2 * 3, dtype=np.float32).reshape(4, 2, 3)
+    np.save(tmp_path / "x.npy", x)
+    ro = offload.HostArray.from_npy(tmp_path / "x.npy", device="cpu")
+    assert ro.shape == (4, 2, 3) and torch.equal(ro[torch.tensor([3, 0])], torch.from_numpy(x)[[3, 0]])
+    with pytest.raises(RuntimeError, match="read-only memory map"):
+        ro.table.scatter(torch.tensor([1]), torch.zeros(1, 6))
+    rw = offload.HostArray.from_npy(tmp_path / "x.npy", mmap_mode="r+", device="cpu")
+    rw.table.scatter(torch.tensor([2]), torch.full((1, 6), -1.0))
+    rw.table.synchronize()
+    assert np.load(tmp_path / "x.npy")[2].tolist() == [[-1.0] * 3] * 2
+    assert torch.equal(ro[torch.tensor([2])], torch.full((1, 2, 3), -1.0))  # the same file, mapped twice
+
+
+def test_engines_get_the_tables_storage(monkeypatch):
+    """An engine is handed the table's storage, never the table: an object with every member of the
+    engine interface's protocol (offload._engine.RowStorage), over the table's rows."""
+    from offload import _engine
+    seen = []
+
+    class Probe(_engine.RowEngine):
+        name = "probe"
+
+        def check(self, storage):
+            seen.append(storage)
+
+    monkeypatch.setitem(_engine.ENGINES, "probe", Probe())
+    src = torch.arange(12.0).view(6, 2)
+    t = offload.HostTable.from_tensor(src, device="cpu", engine="probe")
+    assert t.resolved_engine("gather") == "probe"
+    (storage,) = seen
+    assert storage is t.storage and not isinstance(storage, offload.HostTable)
+    protocol = _engine.RowStorage
+    members = set(protocol.__annotations__) | {n for n in vars(protocol) if not n.startswith("_")}
+    assert {"tensor", "device", "land", "note_gpu_access", "patch_prefetches"} <= members
+    assert all(hasattr(storage, m) for m in members), sorted(m for m in members if not hasattr(storage, m))
+    assert torch.equal(storage.tensor, src) and (storage.num_rows, storage.dim, storage.row_bytes) == (6, 2, 8)
+    p = t.prefetch(torch.tensor([4, 1]))
+    assert storage.watched
+    t.scatter(torch.tensor([1]), torch.full((1, 2), -3.0))  # patched into the prefetched rows
+    assert p.result().tolist() == [[8.0, 9.0], [-3.0, -3.0]]
+    p.release()
+    assert not storage.watched
+
+
 def _advised_huge(ptr: int) -> bool:
     """Whether the mapping holding ``ptr`` carries the MADV_HUGEPAGE advice ("hg" in /proc/self/smaps)."""
     inside = False
