@@ -7,40 +7,85 @@ CRC-32s) and loaded memory-mapped after checking it; the optimizer state is resu
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from . import _gpu_cache, _npy, checkpoint_files
+from . import _npy, checkpoint_files
+from ._emb_prefetch import Prefetcher
+from ._gpu_cache import GpuCache
+from ._optim_state import OptimizerState
+from ._row_tables import RowTables
 from ._table import HostTable
-
-if TYPE_CHECKING:
-    from ._embedding import OffloadedEmbedding
 
 _META = "meta.json"
 
 
-def save(emb: OffloadedEmbedding, path: str | os.PathLike) -> None:
-    """:meth:`OffloadedEmbedding.save <offload.OffloadedEmbedding.save>`: the checkpoint of ``emb`` in the
-    directory ``path``, atomically."""
-    emb._require_idle("save")
-    _gpu_cache.flush(emb)
-    opt = emb._optimizer() if emb._optimizer is not None else None
-    scalars = {}
-    if opt is not None:
-        for k, v in opt.state.get(emb.weight, {}).items():
-            if k not in emb._spec:
-                scalars[k] = _scalar_to_json(k, v)
-    meta = {"format": 1, "num_embeddings": emb.num_embeddings, "embedding_dim": emb.embedding_dim,
-            "dtype": str(emb.table.dtype).removeprefix("torch."), "padding_idx": emb.padding_idx,
-            "optimizer": type(opt).__name__ if opt is not None else None,
-            "row_state": sorted(emb._spec) if opt is not None else [], "scalars": scalars}
-    with checkpoint_files.saving(path, markers=(_META,)) as writer:
-        writer.write("weight.npy", lambda f: _npy.write_table(emb.table, f))
-        for k, t in emb._state_tables.items():
-            writer.write(f"state.{k}.npy", lambda f, t=t: _npy.write_table(t, f))
-        writer.write_json(_META, meta)
+class Checkpoints:
+    """The checkpoint writer of an embedding whose rows live in ``tables``: it saves them with the optimizer
+    state that ``optim`` switches (flushing ``cache`` first), and loads a checkpoint in their place
+    (dropping ``cache`` and what ``prefetcher`` holds). The embedding checks first that no step is under way."""
+
+    def __init__(self, tables: RowTables, optim: OptimizerState, cache: GpuCache, prefetcher: Prefetcher):
+        self.tables = tables
+        self.optim = optim
+        self.cache = cache
+        self.prefetcher = prefetcher
+
+    def save(self, path: str | os.PathLike, weight: Tensor, padding_idx: int | None) -> None:
+        """:meth:`OffloadedEmbedding.save <offload.OffloadedEmbedding.save>`: the tables, and the attached
+        optimizer's state for ``weight`` (the working parameter), in the directory ``path``, atomically."""
+        self.cache.flush()
+        tables = self.tables
+        opt = self.optim.optimizer
+        scalars = {}
+        if opt is not None:
+            for k, v in opt.state.get(weight, {}).items():
+                if k not in tables.spec:
+                    scalars[k] = _scalar_to_json(k, v)
+        meta = {"format": 1, "num_embeddings": tables.num_rows, "embedding_dim": tables.dim,
+                "dtype": str(tables.dtype).removeprefix("torch."), "padding_idx": padding_idx,
+                "optimizer": type(opt).__name__ if opt is not None else None,
+                "row_state": sorted(tables.spec) if opt is not None else [], "scalars": scalars}
+        with checkpoint_files.saving(path, markers=(_META,)) as writer:
+            writer.write("weight.npy", lambda f: _npy.write_array(tables.weight.data, f))
+            for k, t in tables.states.items():
+                writer.write(f"state.{k}.npy", lambda f, t=t: _npy.write_array(t.data, f))
+            writer.write_json(_META, meta)
+
+    def load(self, path: str | os.PathLike, weight: Tensor, *, engine, mmap_mode: str | None = "c",
+             pin: bool | None = None, verify_checksums: bool = True) -> torch.optim.Optimizer | None:
+        """:meth:`OffloadedEmbedding.load <offload.OffloadedEmbedding.load>`: the checkpoint in ``path`` in
+        place of the tables (new tables made with ``engine``, on ``weight``'s device). The attached optimizer
+        is detached and its state for ``weight`` dropped; it is returned when the checkpoint holds optimizer
+        state, for the embedding to attach it again (which resumes that state), else ``None``."""
+        files, meta = _open(path, mmap_mode, verify_checksums)
+        tables = self.tables
+        dtype = getattr(torch, meta["dtype"])
+        if (meta["num_embeddings"], meta["embedding_dim"]) != (tables.num_rows, tables.dim):
+            raise ValueError(f"{files.path} holds a ({meta['num_embeddings']}, {meta['embedding_dim']}) table; "
+                             f"this module has ({tables.num_rows}, {tables.dim})")
+        if dtype != tables.dtype:
+            raise ValueError(f"{files.path} holds a {dtype} table; this module's is {tables.dtype}")
+        table = _table(files, "weight.npy", meta, mmap_mode=mmap_mode, device=weight.device, pin=pin, engine=engine)
+        try:
+            loaded = resumable(files, meta, mmap_mode=mmap_mode, device=table.device, pin=pin, engine=engine)
+            files.check_unchanged()  # never the tables of two saves
+        except BaseException:
+            table.close()
+            raise
+        old_table, tables.weight = tables.weight, table
+        old_table.close()
+        self.cache.drop()
+        self.prefetcher.clear()
+        tables.set_states({}, {})
+        opt = self.optim.optimizer
+        self.optim.optimizer = None
+        self.optim.loaded = loaded
+        if opt is None:
+            return None
+        opt.state.pop(weight, None)
+        return opt if loaded is not None else None
 
 
 def _open(path: str | os.PathLike, mmap_mode: str | None, verify_checksums: bool
@@ -75,80 +120,42 @@ def _table(files: checkpoint_files.CheckpointFiles, name: str, meta: dict, *, mm
     return table
 
 
-def _resumable(emb: OffloadedEmbedding, files: checkpoint_files.CheckpointFiles, meta: dict,
-               mmap_mode: str | None, pin: bool | None) -> dict | None:
+def open_checkpoint(path: str | os.PathLike, *, mmap_mode: str | None, verify_checksums: bool, device, pin,
+                    engine) -> tuple[HostTable, dict, checkpoint_files.CheckpointFiles]:
+    """:meth:`OffloadedEmbedding.from_checkpoint <offload.OffloadedEmbedding.from_checkpoint>`'s reading:
+    ``(the weight's table, meta.json, the checkpoint's files)``, every file checked (see :func:`resumable`
+    for the optimizer state, and ``check_unchanged`` of the files once it is opened)."""
+    files, meta = _open(path, mmap_mode, verify_checksums)
+    table = _table(files, "weight.npy", meta, mmap_mode=mmap_mode, device=device, pin=pin, engine=engine)
+    return table, meta, files
+
+
+def resumable(files: checkpoint_files.CheckpointFiles, meta: dict, *, mmap_mode: str | None, device, pin,
+              engine) -> dict | None:
     """What :func:`resume_state` needs, the state tables opened now: a later save to the same path cannot
     change what this load resumes."""
     if meta["optimizer"] is None:
         return None
-    tables = {k: _table(files, f"state.{k}.npy", meta, mmap_mode=mmap_mode, device=emb.table.device, pin=pin,
-                        engine=emb._engine) for k in meta["row_state"]}
+    tables = {k: _table(files, f"state.{k}.npy", meta, mmap_mode=mmap_mode, device=device, pin=pin,
+                        engine=engine) for k in meta["row_state"]}
     return {"path": files.path, "optimizer": meta["optimizer"], "row_state": meta["row_state"],
             "scalars": meta["scalars"], "tables": tables}
 
 
-def load(emb: OffloadedEmbedding, path: str | os.PathLike, *, mmap_mode: str | None = "c",
-         pin: bool | None = None, verify_checksums: bool = True) -> None:
-    """:meth:`OffloadedEmbedding.load <offload.OffloadedEmbedding.load>`: the checkpoint in ``path`` into ``emb``."""
-    emb._require_idle("load")
-    files, meta = _open(path, mmap_mode, verify_checksums)
-    dtype = getattr(torch, meta["dtype"])
-    if (meta["num_embeddings"], meta["embedding_dim"]) != (emb.num_embeddings, emb.embedding_dim):
-        raise ValueError(f"{files.path} holds a ({meta['num_embeddings']}, {meta['embedding_dim']}) table; this "
-                         f"module has ({emb.num_embeddings}, {emb.embedding_dim})")
-    if dtype != emb.table.dtype:
-        raise ValueError(f"{files.path} holds a {dtype} table; this module's is {emb.table.dtype}")
-    table = _table(files, "weight.npy", meta, mmap_mode=mmap_mode, device=emb.weight.device, pin=pin,
-                   engine=emb._engine)
-    old_table, emb.table = emb.table, table
-    try:
-        loaded = _resumable(emb, files, meta, mmap_mode, pin)
-        files.check_unchanged()  # never the tables of two saves
-    except BaseException:
-        emb.table = old_table
-        table.close()
-        raise
-    old_table.close()
-    emb._drop_cache()
-    emb._state_tables = {}
-    emb._spec = {}
-    emb._pending = None
-    opt = emb._optimizer() if emb._optimizer is not None else None
-    emb._optimizer = None
-    emb._loaded = loaded
-    if opt is not None:
-        opt.state.pop(emb.weight, None)
-        if emb._loaded is not None:
-            emb._attach(opt)
-
-
-def from_checkpoint(cls: type[OffloadedEmbedding], path: str | os.PathLike, *, mmap_mode: str | None = "c",
-                    device=None, pin: bool | None = None, engine=None, verify_checksums: bool = True,
-                    **kwargs) -> OffloadedEmbedding:
-    """:meth:`OffloadedEmbedding.from_checkpoint <offload.OffloadedEmbedding.from_checkpoint>`."""
-    files, meta = _open(path, mmap_mode, verify_checksums)
-    table = _table(files, "weight.npy", meta, mmap_mode=mmap_mode, device=device, pin=pin, engine=engine)
-    kwargs.setdefault("padding_idx", meta["padding_idx"])
-    emb = cls(meta["num_embeddings"], meta["embedding_dim"], device=device, dtype=getattr(torch, meta["dtype"]),
-              table=table, pin=pin, engine=engine, **kwargs)
-    emb._loaded = _resumable(emb, files, meta, mmap_mode, pin)
-    files.check_unchanged()  # never the tables of two saves
-    return emb
-
-
-def resume_state(emb: OffloadedEmbedding, optimizer: torch.optim.Optimizer, spec: dict[str, float],
+def resume_state(weight: Tensor, optimizer: torch.optim.Optimizer, spec: dict[str, float],
                  loaded: dict) -> dict[str, HostTable]:
-    """The per-row state tables of a loaded checkpoint (``loaded``, kept by :func:`load` until the next
-    :func:`~offload.attach`) for ``optimizer``, whose state for the weight becomes the checkpoint's scalars.
+    """The per-row state tables of a loaded checkpoint (``loaded``, kept by :meth:`Checkpoints.load` until
+    the next :func:`~offload.attach`) for ``optimizer``, whose state for ``weight`` becomes the checkpoint's
+    scalars.
     Refuses an optimizer of another class or other per-row state."""
     if loaded["optimizer"] != type(optimizer).__name__ or sorted(loaded["row_state"]) != sorted(spec):
         raise ValueError(f"the checkpoint holds state of {loaded['optimizer']} "
                          f"({sorted(loaded['row_state'])}); cannot resume it with "
                          f"{type(optimizer).__name__} ({sorted(spec)})")
-    state = optimizer.state[emb.weight]
+    state = optimizer.state[weight]
     state.clear()
     for k, v in loaded["scalars"].items():
-        state[k] = _scalar_from_json(v, emb.weight.device)
+        state[k] = _scalar_from_json(v, weight.device)
     return dict(loaded["tables"])
 
 

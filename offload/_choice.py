@@ -8,10 +8,11 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Callable, Iterator
+from typing import Literal, Protocol
 
 import torch
+from torch import Tensor
 
 import torchmb_config
 
@@ -19,16 +20,28 @@ from . import _engine_cpu, _engine_hybrid, _engine_uva, _row_copy, _staging, _uv
 from ._engine import ENGINES
 from ._memory import host_memory_available
 
-if TYPE_CHECKING:
-    from ._table import HostTable
-
 __all__ = ["engine_choice", "get_engine", "set_engine", "use_engine"]
 
-TABLE: type[HostTable] | None = None
+
+class MeasuredTable(Protocol):
+    """What :func:`engine_choice` uses of the table it measures on (a :class:`~offload.HostTable`)."""
+
+    engine: str | None
+
+    def gather_distinct(self, ids: Tensor, out: Tensor, *, engine: str | None = None) -> None: ...
+    def scatter_distinct(self, ids: Tensor, rows: Tensor, *, engine: str | None = None) -> None: ...
+    def gather(self, idx, *, unique: bool = False, out: Tensor | None = None) -> Tensor: ...
+    def scatter(self, idx, rows: Tensor, *, unique: bool = False) -> None: ...
+    def synchronize(self, *, reads: bool = True) -> None: ...
+    def close(self) -> None: ...
+
+
+TABLE: Callable[..., MeasuredTable] | None = None
 """The table class that :func:`engine_choice` measures on: :class:`~offload.HostTable`, which sets it
 here when it is defined (``offload._table`` imports this module; this module does not import it)."""
 
-_REGISTERED = (_engine_cpu, _engine_hybrid, _engine_uva)  # importing an engine's module registers it
+_REGISTERED = (_engine_cpu, _engine_hybrid, _engine_uva)
+"""The engine modules (importing one registers its engine): adding an engine adds its module here."""
 Engine = Literal["auto", "uva", "cpu", "hybrid"]
 ENV_ENGINE = "TORCHMB_OFFLOAD_ENGINE"
 
@@ -139,7 +152,8 @@ def engine_choice(device: torch.device | str | int | None = None) -> dict[str, s
 
 def _set_way(key: tuple[int, str], way: tuple[str, int, int]) -> None:
     """Set the CPU engine's way of copying rows for ``key`` (see :data:`CPU_CHOICES`)."""
-    _row_copy._movers[key], _staging._chunks[key], _row_copy._threads[key] = way[0], way[1] << 20, way[2]
+    _row_copy.set_copy_way(key, way[0], way[2])
+    _staging.set_chunk_bytes(key, way[1] << 20)
 
 
 def _fastest_way(key: tuple[int, str], choices, timer) -> tuple[dict, float]:
@@ -188,7 +202,7 @@ def _measure(device: torch.device) -> dict[str, str]:
                 if op == "gather":
                     table.gather_distinct(idx_dev, buf, engine=eng)
                 else:
-                    table._scatter_unique(idx_dev, None, buf, eng)
+                    table.scatter_distinct(idx_dev, buf, engine=eng)
 
             def timed(eng, run=run):
                 run(eng)

@@ -9,8 +9,8 @@ The module composes its parts, each an object of its own module that owns its st
 row (:class:`~offload._row_tables.RowTables`), the GPU cache of hot rows (:class:`~offload._gpu_cache.GpuCache`),
 a step's working set (:class:`~offload._working_set.WorkingSet`, with the lookups of :mod:`offload._lookup`),
 the prefetcher (:class:`~offload._emb_prefetch.Prefetcher`) and the optimizer-state switcher around
-``optimizer.step()`` (:class:`~offload._optim_state.OptimizerState`); checkpoints are in
-:mod:`offload._checkpoint`. :func:`attach` and :func:`detach` (the step hooks) are here.
+``optimizer.step()`` (:class:`~offload._optim_state.OptimizerState`) and the checkpoint writer
+(:class:`~offload._checkpoint.Checkpoints`). :func:`attach` and :func:`detach` (the step hooks) are here.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _checkpoint, _lookup, _working_set
-from ._checkpoint_fields import CheckpointFields
+from ._checkpoint import Checkpoints
 from ._emb_prefetch import Prefetcher
 from ._gpu_cache import GpuCache
 from ._index import _as_index
@@ -39,7 +39,7 @@ _ALL: weakref.WeakSet[OffloadedEmbedding] = weakref.WeakSet()
 """Every OffloadedEmbedding, for :func:`attach` to find those whose weight an optimizer holds."""
 
 
-class OffloadedEmbedding(CheckpointFields, nn.Module):
+class OffloadedEmbedding(nn.Module):
     r"""A drop-in for :class:`torch.nn.Embedding` whose table lives in page-locked host memory.
 
     The first arguments are those of ``nn.Embedding``. ``emb.weight`` is the *working parameter*: the
@@ -144,6 +144,7 @@ class OffloadedEmbedding(CheckpointFields, nn.Module):
         self._prefetcher = Prefetcher(self._tables, self._cache)
         self._work = WorkingSet(self._tables, self._cache, self._prefetcher)
         self._optim = OptimizerState(self._tables, self._cache, self._work)
+        self._checkpoints = Checkpoints(self._tables, self._optim, self._cache, self._prefetcher)
         if fresh:
             self.reset_parameters()
         _ALL.add(self)
@@ -353,7 +354,7 @@ class OffloadedEmbedding(CheckpointFields, nn.Module):
         self._drop_cache()
         loaded, self._optim.loaded = self._optim.loaded, None
         if loaded is not None:
-            tables = _checkpoint.resume_state(self, optimizer, spec, loaded)
+            tables = _checkpoint.resume_state(self.weight, optimizer, spec, loaded)
         else:
             tables = {k: HostTable(self.num_embeddings, self.embedding_dim, self.table.dtype, device=self.table.device,
                                    pin=self._pin, engine=self._engine, fill=fill) for k, fill in spec.items()}
@@ -387,7 +388,8 @@ class OffloadedEmbedding(CheckpointFields, nn.Module):
         Optimizer hyperparameters and other parameters' state are saved the usual way
         (``optimizer.state_dict()``).
         """
-        _checkpoint.save(self, path)
+        self._require_idle("save")
+        self._checkpoints.save(path, self.weight, self.padding_idx)
 
     def load(self, path: str | os.PathLike, *, mmap_mode: str | None = "c", pin: bool | None = None,
              verify_checksums: bool = True) -> None:
@@ -401,7 +403,11 @@ class OffloadedEmbedding(CheckpointFields, nn.Module):
         ``verify_checksums=False``: a full read of the files); a missing, truncated or altered file raises
         :class:`offload.checkpoint_files.DamagedFileError` naming it, and the module stays as it was.
         """
-        _checkpoint.load(self, path, mmap_mode=mmap_mode, pin=pin, verify_checksums=verify_checksums)
+        self._require_idle("load")
+        optimizer = self._checkpoints.load(path, self.weight, engine=self._engine, mmap_mode=mmap_mode, pin=pin,
+                                           verify_checksums=verify_checksums)
+        if optimizer is not None:
+            self._attach(optimizer)  # resumes the checkpoint's optimizer state
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, *, mmap_mode: str | None = "c", device=None,
@@ -409,8 +415,15 @@ class OffloadedEmbedding(CheckpointFields, nn.Module):
                         **kwargs) -> OffloadedEmbedding:
         """A new module over a checkpoint written by :meth:`save` (see :meth:`load`); ``kwargs`` go to
         ``__init__`` (``padding_idx``, ``cache_rows``, ...)."""
-        return _checkpoint.from_checkpoint(cls, path, mmap_mode=mmap_mode, device=device, pin=pin, engine=engine,
-                                           verify_checksums=verify_checksums, **kwargs)
+        table, meta, files = _checkpoint.open_checkpoint(path, mmap_mode=mmap_mode, verify_checksums=verify_checksums,
+                                                         device=device, pin=pin, engine=engine)
+        kwargs.setdefault("padding_idx", meta["padding_idx"])
+        emb = cls(meta["num_embeddings"], meta["embedding_dim"], device=device, dtype=getattr(torch, meta["dtype"]),
+                  table=table, pin=pin, engine=engine, **kwargs)
+        emb._optim.loaded = _checkpoint.resumable(files, meta, mmap_mode=mmap_mode, device=emb.table.device, pin=pin,
+                                                  engine=engine)
+        files.check_unchanged()  # never the tables of two saves
+        return emb
 
 
 _HOOKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -4,16 +4,12 @@ lone rows (see :data:`LONE_BLOCK_BYTES`) on a side stream while the UVA kernel m
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from . import _engine_cpu, _uva
-from ._engine import RowEngine, register_engine
-
-if TYPE_CHECKING:
-    from ._table import HostTable
+from ._engine import RowEngine, RowStorage, register_engine
 
 LONE_BLOCK_BYTES = 128 << 10
 """The hybrid engine's split: a row of a call is *lone* when no other row of the call lies in the same
@@ -32,16 +28,16 @@ kernel loses on a few lone rows. Calls whose lone rows, were the rows spread uni
 skip the count (and its synchronisation) altogether."""
 
 
-def lone_split(table: HostTable, uniq: Tensor) -> tuple[Tensor, Tensor] | None:
+def lone_split(storage: RowStorage, uniq: Tensor) -> tuple[Tensor, Tensor] | None:
     """The hybrid's split of distinct GPU indices: the positions of the lone rows and of the others (each
     in the order of ``uniq``, which should be ascending: neighbours are compared), or ``None`` where the
     lone rows are too few to hand to the CPU engine (see :data:`HYBRID_MIN_LONE_BYTES`)."""
     n = uniq.numel()
-    row_bytes = table.dim * table._data.element_size()
+    row_bytes = storage.row_bytes
     rows_per_block = LONE_BLOCK_BYTES / row_bytes
     if rows_per_block < 2 or n < 2:  # a row as long as a block reaches its addresses in one sweep
         return None
-    expected = n * math.exp(-n * rows_per_block / max(1, table.num_rows))  # lone rows if spread uniformly
+    expected = n * math.exp(-n * rows_per_block / max(1, storage.num_rows))  # lone rows if spread uniformly
     if expected * row_bytes < HYBRID_MIN_LONE_BYTES:
         return None
     block = uniq * row_bytes // LONE_BLOCK_BYTES
@@ -53,38 +49,38 @@ def lone_split(table: HostTable, uniq: Tensor) -> tuple[Tensor, Tensor] | None:
     return lone, torch.nonzero_static(near, size=n - lone.numel()).squeeze(1)
 
 
-def hybrid(table: HostTable, op: str, uniq: Tensor, rows: Tensor) -> None:
-    """``rows[:] = table[uniq]`` (gather) or ``table[uniq] = rows`` (scatter) for checked, distinct
+def hybrid(storage: RowStorage, op: str, uniq: Tensor, rows: Tensor) -> None:
+    """``rows[:] = storage[uniq]`` (gather) or ``storage[uniq] = rows`` (scatter) for checked, distinct
     (best ascending) GPU indices by both engines at once: the UVA kernel on the current stream, the CPU
     engine's copies of the lone rows on a side stream, so that GPU-initiated and DMA transfers share the
     PCIe link (see :data:`LONE_BLOCK_BYTES`)."""
-    split = lone_split(table, uniq)
+    split = lone_split(storage, uniq)
     if split is None:
-        (_uva.gather_rows if op == "gather" else _uva.scatter_rows)(table._data, uniq, rows)
-        table._note_gpu_access("read" if op == "gather" else "write")
+        (_uva.gather_rows if op == "gather" else _uva.scatter_rows)(storage.tensor, uniq, rows)
+        storage.note_gpu_access("read" if op == "gather" else "write")
         return
     lone, near = split
-    table.synchronize(reads=op == "scatter")  # the CPU part must not overtake earlier GPU accesses
-    main = torch.cuda.current_stream(table.device)
-    side = table._side_stream()
+    storage.synchronize(reads=op == "scatter")  # the CPU part must not overtake earlier GPU accesses
+    main = torch.cuda.current_stream(storage.device)
+    side = storage.side_stream()
     lone_idx = torch.empty(lone.numel(), dtype=torch.int64, pin_memory=True)
     lone_idx.copy_(uniq.index_select(0, lone), non_blocking=True)
-    staged = (torch.empty(lone.numel(), table.dim, dtype=table.dtype, device=table.device) if op == "gather"
+    staged = (torch.empty(lone.numel(), storage.dim, dtype=storage.dtype, device=storage.device) if op == "gather"
               else rows.index_select(0, lone))
     ready = torch.cuda.Event()
     ready.record(main)  # before the kernel: the CPU part need not wait for it
     if op == "gather":
-        _uva.gather_tables([table._data], uniq.index_select(0, near), [rows], pos=near)
+        _uva.gather_tables([storage.tensor], uniq.index_select(0, near), [rows], pos=near)
     else:
-        _uva.scatter_tables([table._data], uniq.index_select(0, near), [rows], pos=near)
-    table._note_gpu_access("read" if op == "gather" else "write")
+        _uva.scatter_tables([storage.tensor], uniq.index_select(0, near), [rows], pos=near)
+    storage.note_gpu_access("read" if op == "gather" else "write")
     ready.synchronize()
     side.wait_event(ready)
     with torch.cuda.stream(side):
         if op == "gather":
-            _engine_cpu.gather_cpu(table, lone_idx, staged)
+            _engine_cpu.gather_cpu(storage, lone_idx, staged)
         else:
-            _engine_cpu.scatter_cpu(table, lone_idx, staged)
+            _engine_cpu.scatter_cpu(storage, lone_idx, staged)
     main.wait_stream(side)
     staged.record_stream(side)
     if op == "gather":
@@ -94,16 +90,16 @@ def hybrid(table: HostTable, op: str, uniq: Tensor, rows: Tensor) -> None:
 class HybridEngine(RowEngine):
     name = "hybrid"
 
-    def check(self, table: HostTable) -> None:
-        self._require_gpu(self.name, table)
+    def check(self, storage: RowStorage) -> None:
+        self._require_gpu(self.name, storage)
 
-    def gather(self, table: HostTable, uniq: Tensor, uniq_cpu: Tensor | None, out: Tensor,
+    def gather(self, storage: RowStorage, uniq: Tensor, uniq_cpu: Tensor | None, out: Tensor,
                pos: Tensor | None) -> None:
-        hybrid(table, "gather", uniq, out)
+        hybrid(storage, "gather", uniq, out)
 
-    def scatter(self, table: HostTable, uniq: Tensor, uniq_cpu: Tensor | None, rows: Tensor,
+    def scatter(self, storage: RowStorage, uniq: Tensor, uniq_cpu: Tensor | None, rows: Tensor,
                 pos: Tensor | None) -> None:
-        hybrid(table, "scatter", uniq, rows)
+        hybrid(storage, "scatter", uniq, rows)
 
 
 register_engine(HybridEngine())

@@ -264,8 +264,3 @@ def install(cache: CacheSlots, slots: Tensor, ids: Tensor, use: int, old_ids: Te
         cache.fresh.index_fill_(0, slots, gen)
     if chunk_slots is not None:
         chunk_slots.index_copy_(0, miss_pos[: slots.numel()], slots)
-
-
-def flush(emb) -> None:
-    """``emb.flush()``: what :mod:`offload._checkpoint` calls until it calls the embedding's method."""
-    emb.flush()

@@ -15,7 +15,7 @@ from torch import Tensor
 from ._choice import Engine
 from ._index import _quiet_readonly
 from ._prefetch import Prefetch
-from ._table import HostTable
+from ._table import HostTable, table_over
 
 __all__ = ["HostArray", "batches"]
 
@@ -65,9 +65,8 @@ class HostArray:
         else:
             with _quiet_readonly():
                 data = torch.from_numpy(flat)
-            table = HostTable.__new__(HostTable)
-            table._init(data, device=device, pin=bool(pin), engine=engine, keepalive=arr)
-            table._readonly = mmap_mode == "r"
+            table = table_over(data, keepalive=arr, writable=mmap_mode != "r", device=device, pin=bool(pin),
+                               engine=engine)
         return cls(None, _table=table, _row_shape=row_shape)
 
     def __len__(self) -> int:

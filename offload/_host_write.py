@@ -52,24 +52,24 @@ def cache_engine(table: HostTable, op: str) -> str:
 
 def _check_writable(tables: list[HostTable]) -> None:
     for t in tables:
-        t._check_writable()
+        t.storage.check_writable()
 
 
 def _land(tables: list[HostTable]) -> None:
     """Before a kernel of ours touches their rows: the tables' deferred host writes are written first (as
     their gathers and scatters do)."""
     for t in tables:
-        t._land()
+        t.storage.land()
 
 
 def _prepare_uva(op: str, tables: list[HostTable], ids: Tensor, devs: list[Tensor],
                  pos: Tensor | None = None) -> list[tuple]:
     """The UVA launches that move rows ``ids`` of ``tables`` to or from ``devs`` (see :func:`_uva.prepare`):
     one per four tables of one shape and dtype (a row's weight and its optimizer state move together)."""
-    t0 = tables[0]._data
-    if all(t._data.shape == t0.shape and t._data.dtype == t0.dtype for t in tables):
-        return _uva.prepare(op, [t._data for t in tables], ids, devs, pos)
-    return [x for t, d in zip(tables, devs, strict=True) for x in _uva.prepare(op, [t._data], ids, [d], pos)]
+    hosts = [t.storage.tensor for t in tables]
+    if all(h.shape == hosts[0].shape and h.dtype == hosts[0].dtype for h in hosts):
+        return _uva.prepare(op, hosts, ids, devs, pos)
+    return [x for h, d in zip(hosts, devs, strict=True) for x in _uva.prepare(op, [h], ids, [d], pos)]
 
 
 def _noted(tables: list[HostTable], kind: str, ids: Tensor, rows: list[Tensor], pos: Tensor | None = None) -> None:
@@ -77,9 +77,9 @@ def _noted(tables: list[HostTable], kind: str, ids: Tensor, rows: list[Tensor], 
     them; written rows (``rows[j][pos]``, or ``rows[j]`` in the order of ``ids``) are patched into pending
     :meth:`HostTable.prefetch` copies."""
     for t, r in zip(tables, rows, strict=True):
-        t._note_gpu_access(kind)
-        if kind == "write" and t._prefetches:
-            t._patch_prefetches(ids, r if pos is None else r.index_select(0, pos))
+        t.storage.note_gpu_access(kind)
+        if kind == "write" and t.storage.watched:
+            t.storage.patch_prefetches(ids, r if pos is None else r.index_select(0, pos))
 
 
 def commit(ids: Tensor, writes: list[tuple[HostTable, Tensor]], engines: list[str] | None = None) -> None:
@@ -114,10 +114,10 @@ def commit(ids: Tensor, writes: list[tuple[HostTable, Tensor]], engines: list[st
         ids = ids.contiguous()
         rows_list = [rows.detach().to(t.dtype).contiguous() for t, rows in writes]
         for (t, _), rows in zip(writes, rows_list, strict=True):
-            _uva.check_and_compile(t._data, ids, rows)
+            _uva.check_and_compile(t.storage.tensor, ids, rows)
         with _signals_deferred():
             for (t, _), rows, engine in zip(writes, rows_list, engines, strict=True):
-                t._scatter_unique(ids, None, rows, engine)
+                t.scatter_distinct(ids, rows, engine=engine)
         return
     ids_cpu = ids.cpu()
     staged = [stage_rows(rows) for _, rows in writes]
@@ -127,8 +127,8 @@ def commit(ids: Tensor, writes: list[tuple[HostTable, Tensor]], engines: list[st
         table.synchronize()
     with _signals_deferred():
         for (table, rows), host_rows in zip(writes, staged, strict=True):
-            table._data.index_copy_(0, ids_cpu, host_rows)
-            table._patch_prefetches(ids, rows)
+            table.storage.tensor.index_copy_(0, ids_cpu, host_rows)
+            table.storage.patch_prefetches(ids, rows)
 
 
 def move(op: str, tables: list[HostTable], ids: Tensor, devs: list[Tensor], pos: Tensor | None,

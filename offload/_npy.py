@@ -1,11 +1,13 @@
-"""``.npy`` files as tables: :meth:`HostTable.from_npy <offload.HostTable.from_npy>` (memory-mapped or read,
-a truncated file refused) and :meth:`HostTable.save_npy <offload.HostTable.save_npy>` (atomic, through
-:func:`offload.checkpoint_files.write_file_atomically`), with bfloat16 stored as uint16."""
+"""``.npy`` files as host tensors, for tables: :func:`read_array` (memory-mapped or read, a truncated file
+refused) behind :meth:`HostTable.from_npy <offload.HostTable.from_npy>`, and :func:`write_array` /
+:func:`save_array` (atomic, through :func:`offload.checkpoint_files.write_file_atomically`) behind
+:meth:`HostTable.save_npy <offload.HostTable.save_npy>` and the embedding's checkpoints, with bfloat16
+stored as uint16."""
 
 from __future__ import annotations
 
 import os
-from typing import IO, TYPE_CHECKING
+from typing import IO
 
 import numpy as np
 import torch
@@ -14,9 +16,6 @@ from torch import Tensor
 from ._index import _quiet_readonly
 from ._memory import allocate_host
 from .checkpoint_files import DamagedFileError, remove_orphans, write_file_atomically
-
-if TYPE_CHECKING:
-    from ._table import HostTable
 
 _NP_STORE = {torch.bfloat16: np.uint16}
 
@@ -31,8 +30,10 @@ def _torch_dtype(np_dtype) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype=np_dtype)).dtype
 
 
-def load_table(cls: type[HostTable], path, *, mmap_mode, dtype, device, pin, engine) -> HostTable:
-    """A ``cls`` over the 2-D ``.npy`` file ``path`` (see :meth:`HostTable.from_npy`)."""
+def read_array(path, *, mmap_mode, dtype) -> tuple[Tensor, np.ndarray | None]:
+    """The 2-D ``.npy`` file ``path`` as a CPU tensor (see :meth:`HostTable.from_npy`): a view of its memory
+    map with ``mmap_mode`` (returned second: it must outlive the tensor), else read into host memory (and
+    ``None``). ``dtype`` reinterprets the stored bytes."""
     remove_orphans(path)  # what killed save_npy calls left beside it
     _check_length(os.fspath(path))
     arr = np.load(os.fspath(path), mmap_mode=mmap_mode)
@@ -48,12 +49,7 @@ def load_table(cls: type[HostTable], path, *, mmap_mode, dtype, device, pin, eng
         keepalive = arr
     if dtype is not None and dtype != data.dtype:
         data = data.view(dtype)
-    if pin is None:
-        pin = mmap_mode is None and torch.cuda.is_available()
-    self = cls.__new__(cls)
-    self._init(data, device=device, pin=pin, engine=engine, keepalive=keepalive)
-    self._readonly = mmap_mode == "r"
-    return self
+    return data, keepalive
 
 
 def _check_length(path: str) -> None:
@@ -81,21 +77,21 @@ def _check_length(path: str) -> None:
 _WRITE_CHUNK = 64 << 20
 
 
-def write_table(table: HostTable, file: IO[bytes]) -> None:
-    """Write ``table`` as ``.npy`` to the binary ``file``: the header, then the table's memory as it is
-    (``np.save`` to a file object copies it chunk by chunk first)."""
-    table.synchronize()
-    arr = np.ascontiguousarray(_numpy_view(table._data))
+def write_array(data: Tensor, file: IO[bytes]) -> None:
+    """Write the 2-D CPU tensor ``data`` (a table's rows, landed: see :attr:`HostTable.data`) as ``.npy`` to
+    the binary ``file``: the header, then the memory as it is (``np.save`` to a file object copies it chunk
+    by chunk first)."""
+    arr = np.ascontiguousarray(_numpy_view(data))
     header = np.lib.format.header_data_from_array_1_0(arr)
     try:
         np.lib.format.write_array_header_1_0(file, header)
     except ValueError:  # a header over 64 KiB
         np.lib.format.write_array_header_2_0(file, header)
-    data = memoryview(arr.reshape(-1)).cast("B")
-    for start in range(0, len(data), _WRITE_CHUNK):
-        file.write(data[start:start + _WRITE_CHUNK])
+    raw = memoryview(arr.reshape(-1)).cast("B")
+    for start in range(0, len(raw), _WRITE_CHUNK):
+        file.write(raw[start:start + _WRITE_CHUNK])
 
 
-def save_table(table: HostTable, path) -> None:
-    """Write ``table`` to ``path`` as ``.npy``, atomically (see :meth:`HostTable.save_npy`)."""
-    write_file_atomically(path, lambda f: write_table(table, f))
+def save_array(data: Tensor, path) -> None:
+    """Write ``data`` to ``path`` as ``.npy``, atomically (see :meth:`HostTable.save_npy`)."""
+    write_file_atomically(path, lambda f: write_array(data, f))

@@ -1,18 +1,13 @@
 """Prefetch: a table's rows gathered on a side stream ahead of their use, patched by later scatters so
-they never go stale (:meth:`HostTable.prefetch <offload.HostTable.prefetch>` starts one)."""
+they never go stale (:meth:`HostTable.prefetch <offload.HostTable.prefetch>` starts one and hands it to
+the table's storage, which patches it until :meth:`Prefetch.release`)."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from . import _engine_cpu
-from ._index import _as_index, _check_host_bounds, _device_index, _host_flat, check_unique
-
-if TYPE_CHECKING:
-    from ._table import HostTable
+from ._storage import HostStorage
 
 
 class Prefetch:
@@ -24,16 +19,19 @@ class Prefetch:
             ``unique=True``).
     """
 
-    def __init__(self, table: HostTable, indices: Tensor, inverse: Tensor | None, buf: Tensor, event,
+    def __init__(self, storage: HostStorage, indices: Tensor, inverse: Tensor | None, buf: Tensor, event,
                  sorted_: bool = False):
-        self.table = table
+        self.storage = storage
         self.indices = indices
         self.inverse = inverse
         self._buf = buf
         self._event = event
         self._sorted = sorted_
+        storage.watch(self)
 
-    def _patch(self, idx: Tensor, rows: Tensor) -> None:
+    def patch(self, idx: Tensor, rows: Tensor) -> None:
+        """Write ``rows``, just written to rows ``idx`` of the table, into the prefetched rows they are among
+        (the table's storage calls this for each write until :meth:`release`)."""
         n = self.indices.numel()
         if n == 0:
             return
@@ -42,7 +40,7 @@ class Prefetch:
         else:
             keys, order = torch.sort(self.indices)
         if self._event is not None:
-            stream = torch.cuda.current_stream(self.table.device)
+            stream = torch.cuda.current_stream(self.storage.device)
             stream.wait_event(self._event)
             self._buf.record_stream(stream)
         pos = torch.searchsorted(keys, idx).clamp_(max=n - 1)
@@ -57,7 +55,7 @@ class Prefetch:
     def rows(self) -> Tensor:
         """The ``(len(indices), dim)`` rows of :attr:`indices`, valid on the current stream."""
         if self._event is not None:
-            stream = torch.cuda.current_stream(self.table.device)
+            stream = torch.cuda.current_stream(self.storage.device)
             stream.wait_event(self._event)
             for t in (self._buf, self.indices, self.inverse):
                 if t is not None and t.numel():
@@ -71,62 +69,4 @@ class Prefetch:
 
     def release(self) -> None:
         """Stop patching this prefetch (call when its rows have been consumed)."""
-        self.table._prefetches.discard(self)
-
-
-def start(table: HostTable, idx, *, unique: bool = False, _checked: bool = False) -> Prefetch:
-    """:meth:`HostTable.prefetch <offload.HostTable.prefetch>`: the rows ``idx`` of ``table`` gathered on its
-    side stream (see there)."""
-    if unique and not _checked and table._host_route(idx, "gather"):
-        return _start_host(table, idx)
-    if table.device.type != "cuda":
-        uniq, inverse, ascending = _indices(table, idx, unique, _checked)
-        buf = torch.empty(uniq.numel() + 1, table.dim, dtype=table.dtype)
-        if uniq.numel():
-            table._gather_ordered(uniq, ascending, buf[:-1], "cpu")
-        p = Prefetch(table, uniq, inverse, buf, None, sorted_=inverse is not None or _checked)
-        table._prefetches.add(p)
-        return p
-    side = table._side_stream()
-    side.wait_stream(torch.cuda.current_stream(table.device))
-    with torch.cuda.stream(side):
-        uniq, inverse, ascending = _indices(table, idx, unique, _checked)
-        buf = torch.empty(uniq.numel() + 1, table.dim, dtype=table.dtype, device=table.device)
-        if uniq.numel():
-            table._gather_ordered(uniq, ascending, buf[:-1], table.resolved_engine("gather"))
-        ev = torch.cuda.Event()
-        ev.record(side)
-    p = Prefetch(table, uniq, inverse, buf, ev, sorted_=inverse is not None or _checked)
-    table._prefetches.add(p)
-    return p
-
-
-def _start_host(table: HostTable, idx) -> Prefetch:
-    """:func:`start` of distinct host indices with the CPU engine: checked on the host, the rows staged
-    now, their copy (and the indices' copy, for patching) queued on the side stream."""
-    flat, _ = _host_flat(idx)
-    n = flat.numel()
-    if n:
-        _check_host_bounds(flat, table.num_rows)
-    side = table._side_stream()
-    side.wait_stream(torch.cuda.current_stream(table.device))
-    with torch.cuda.stream(side):
-        buf = torch.empty(n + 1, table.dim, dtype=table.dtype, device=table.device)
-        if n:
-            _engine_cpu.gather_host(table, flat, buf[:-1])
-        ids = _device_index(flat, table.device)
-        ev = torch.cuda.Event()
-        ev.record(side)
-    p = Prefetch(table, ids, None, buf, ev)
-    table._prefetches.add(p)
-    return p
-
-
-def _indices(table: HostTable, idx, unique: bool, checked: bool) -> tuple[Tensor, Tensor | None, bool]:
-    if checked:  # distinct, in-range int64 indices on the device (checked by the caller), used as given
-        return idx, None, True
-    if unique:
-        flat = _as_index(idx, table.device)
-        return flat, None, (check_unique(flat, table.num_rows) if flat.numel() else True)
-    uniq, inverse = table.prepare(idx)
-    return uniq, inverse, True
+        self.storage.unwatch(self)

@@ -3,7 +3,7 @@ numpy ``take`` / ``put`` on a pool of worker threads (which copy without the GIL
 
 :func:`_run_rows` runs one row copy, cut into rounds (a staging chunk each) and pieces, on the calling
 thread and the pool's workers; :func:`_copy_plan` says which way and how many threads, as set here or as
-:func:`~offload.engine_choice` measured (it fills :data:`_movers` and :data:`_threads`).
+:func:`~offload.engine_choice` measured (it sets them with :func:`set_copy_way`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,12 @@ from torch import Tensor
 # The ways engine_choice measured fastest, by (CUDA device index, use): see _copy_plan
 _movers: dict[tuple[int, str], str] = {}
 _threads: dict[tuple[int, str], int] = {}
+
+
+def set_copy_way(key: tuple[int, str], way: str, threads: int) -> None:
+    """Copy rows for ``key`` (CUDA device index, use: see :func:`_copy_plan`) in ``way`` with ``threads``
+    (what :func:`~offload.engine_choice` measured fastest)."""
+    _movers[key], _threads[key] = way, threads
 
 
 CPU_COPY: str | None = None
@@ -84,13 +90,13 @@ def _row_array(t: Tensor) -> np.ndarray:
     return flat.view(np.dtype((np.void, row_bytes))).reshape(rows)
 
 
-def _take(src: np.ndarray, idx: np.ndarray, out: np.ndarray) -> None:
+def take_rows(src: np.ndarray, idx: np.ndarray, out: np.ndarray) -> None:
     """``out[:] = src[idx]`` (numpy releases the GIL for it). Indices are checked before: ``mode="clip"``
     spares numpy's own check and the copy of ``out`` that ``mode="raise"`` makes."""
     np.take(src, idx, out=out, mode="clip")
 
 
-def _put(dst: np.ndarray, idx: np.ndarray, src: np.ndarray) -> None:
+def put_rows(dst: np.ndarray, idx: np.ndarray, src: np.ndarray) -> None:
     """``dst[idx] = src`` (numpy releases the GIL for it)."""
     dst[idx] = src
 
@@ -312,5 +318,5 @@ def _row_writer(way: str, data: Tensor, np_rows: np.ndarray | None, idx: Tensor,
         dst, src = _wide_pair(data, staged)
         return lambda s, e: dst.index_copy_(0, idx[s:e], src[s - first:e - first])
     ii, src = idx.numpy(), _row_array(staged)
-    return lambda s, e: _put(np_rows, ii[s:e], src[s - first:e - first])
+    return lambda s, e: put_rows(np_rows, ii[s:e], src[s - first:e - first])
 

@@ -1,7 +1,7 @@
 """Staging memory of the CPU engine and its deferred writes.
 
 :class:`_Staging` is the page-locked memory through which the CPU engine's rows cross PCIe (one per device,
-shared by its tables, handed out in rotation); a :class:`_PendingWrite` is a scatter of host indices whose
+shared by its tables, handed out in rotation); a :class:`PendingWrite` is a scatter of host indices whose
 rows wait there to be written into the table after the call returned (see :data:`DEFER_SCATTER`).
 """
 
@@ -17,6 +17,17 @@ from ._row_copy import _row_writer, _run_rows
 
 # The staging chunk size that engine_choice measured fastest, by (CUDA device index, use): see rows_per_chunk
 _chunks: dict[tuple[int, str], int] = {}
+
+
+def set_chunk_bytes(key: tuple[int, str], nbytes: int) -> None:
+    """Move rows for ``key`` (CUDA device index, use: see :meth:`_Staging.rows_per_chunk`) in chunks of
+    ``nbytes`` (what :func:`~offload.engine_choice` measured fastest)."""
+    _chunks[key] = nbytes
+
+
+def host_chunk_bytes() -> int:
+    """The chunk size of row copies on a CPU compute device (no staging memory there, nothing measured)."""
+    return _Staging.CHUNK_BYTES or _Staging.DEFAULT_CHUNK
 
 
 class _Staging:
@@ -44,7 +55,7 @@ class _Staging:
         self.buf = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
         self.lock = threading.RLock()
         self.events: list[torch.cuda.Event | None] = [None] * self.units
-        self.holders: list[_PendingWrite | None] = [None] * self.units
+        self.holders: list[PendingWrite | None] = [None] * self.units
         self.next = 0
 
     def rows_per_chunk(self, row_bytes: int, use: str) -> int:
@@ -72,7 +83,7 @@ class _Staging:
         k = -(-nbytes // self.UNIT)
         return max(0, (self.units - k + 1) // k - 1)
 
-    def take(self, nbytes: int, holder: _PendingWrite | None = None) -> tuple[Tensor, torch.cuda.Event]:
+    def take(self, nbytes: int, holder: PendingWrite | None = None) -> tuple[Tensor, torch.cuda.Event]:
         """The next ``nbytes`` of staging memory, once the deferred writes that hold them are written and the
         copies that last used them have finished, and the event to record after the copy that uses them
         now. ``holder``: the deferred write that will hold them (see :meth:`release`)."""
@@ -95,7 +106,7 @@ class _Staging:
             holder.units = (start, k)
         return self.buf[start * self.UNIT:start * self.UNIT + nbytes], ev
 
-    def release(self, holder: _PendingWrite) -> None:
+    def release(self, holder: PendingWrite) -> None:
         """The memory that ``holder`` took may be handed out again (once its copy has finished)."""
         start, k = holder.units
         for i in range(start, start + k):
@@ -123,7 +134,7 @@ call's copy runs. Only for tables in private memory (not memory-mapped files or 
 writes are in place when scatter returns, as before) and calls of at most half the staging memory."""
 
 
-class _PendingWrite:
+class PendingWrite:
     """The rows of one deferred scatter (see :data:`DEFER_SCATTER`): their copy from the GPU into staging
     memory is queued (its end recorded by ``event``); :meth:`land` writes them into the table, once. It
     never raises an ``Exception``: a failure is kept in :attr:`error`, which the table raises at its next

@@ -3,30 +3,41 @@
 :class:`HostTable` is the building block of the package: a ``(num_rows, dim)`` table in page-locked host
 memory with ``gather(idx)`` (rows to the compute device) and ``scatter(idx, rows)`` (rows back), through
 one of the engines (see :mod:`offload._engine`), plus :meth:`HostTable.prefetch` on a side stream. It checks
-and deduplicates indices, keeps GPU accesses and deferred writes in order, and hands each call's core to an
-engine. :class:`~offload.HostArray` is the read-mostly variant for dataset rows of any shape.
+and deduplicates indices and hands each call's core to an engine, with its storage
+(:class:`~offload._storage.HostStorage`: the host tensor and what keeps GPU accesses, deferred writes and
+pending prefetches in order). :class:`~offload.HostArray` is the read-mostly variant for dataset rows of any
+shape.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import weakref
 from typing import Literal
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from . import _choice, _engine_cpu, _npy, _prefetch
+from . import _choice, _engine_cpu, _npy
 from ._choice import Engine, _check_engine, engine_choice, get_engine
 from ._engine import ENGINES
-from ._index import _as_index, _check_bounds, _default_device, _on_host, check_unique, sort_checked
-from ._memory import allocate_host, pin_tensor, unpin_tensor
+from ._index import (
+    _as_index,
+    _check_bounds,
+    _check_host_bounds,
+    _default_device,
+    _device_index,
+    _host_flat,
+    _on_host,
+    check_unique,
+    sort_checked,
+)
+from ._memory import allocate_host
 from ._prefetch import Prefetch
-from ._staging import _PendingWrite
+from ._storage import HostStorage
 
-__all__ = ["HostTable"]
+__all__ = ["HostTable", "table_over"]
 
 
 class HostTable:
@@ -92,36 +103,19 @@ class HostTable:
         data = allocate_host((num_rows, dim), dtype, f"a {num_rows} x {dim} {dtype} table")
         if fill is not None:
             data.fill_(fill)
-        self._init(data, device=device, pin=pin, engine=engine, keepalive=None)
+        self._init(data, device=device, pin=pin, engine=engine)
 
     # -- construction -----------------------------------------------------------------------------------
-    def _init(self, data: Tensor, *, device, pin, engine, keepalive) -> None:
-        if data.dim() != 2 or not data.is_contiguous() or data.device.type != "cpu":
-            raise ValueError(f"a HostTable holds a contiguous 2-D CPU tensor, got {tuple(data.shape)} on {data.device}")
-        self.device = _default_device() if device is None else torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(f"HostTable device {self.device} requested but CUDA is not available")
+    def _init(self, data: Tensor, *, device, pin, engine, keepalive: object = None, writable: bool = True) -> None:
+        device = _default_device() if device is None else torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"HostTable device {device} requested but CUDA is not available")
         self.engine = None if engine is None else _check_engine(engine)
+        self._storage = HostStorage(data, device, pin=pin, keepalive=keepalive, writable=writable)
         self.num_rows, self.dim = data.shape
         self.dtype = data.dtype
-        self._keepalive = keepalive
-        self._read_events: dict[int, torch.cuda.Event] = {}
-        self._write_events: dict[int, torch.cuda.Event] = {}
-        self._prefetches: weakref.WeakSet[Prefetch] = weakref.WeakSet()
-        self._side: torch.cuda.Stream | None = None
-        self._pending: _PendingWrite | None = None  # a deferred scatter (see DEFER_SCATTER)
-        # whether scatters may be deferred: not for memory that outlives the process (a mapped file, shared
-        # memory), where rows must be in place when scatter returns
-        self._defer_ok = keepalive is None and not data.is_shared()
-        self._pinned_here = False
-        want_pin = torch.cuda.is_available() if pin is None else bool(pin)
-        if want_pin and not data.is_pinned():
-            pin_tensor(data, f"a {self.num_rows} x {self.dim} {self.dtype} table")
-            self._pinned_here = True
-        self._data = data
-        self.pinned = bool(want_pin or (torch.cuda.is_available() and data.is_pinned()))
 
     @classmethod
     def from_tensor(cls, tensor: Tensor, *, device=None, pin: bool | None = None, engine: Engine | None = None,
@@ -129,7 +123,6 @@ class HostTable:
         """A table holding ``tensor``'s rows (2-D). ``copy=False`` uses a contiguous CPU ``tensor`` in place."""
         if tensor.dim() != 2:
             raise ValueError(f"HostTable.from_tensor needs a 2-D tensor (rows, dim), got shape {tuple(tensor.shape)}")
-        self = cls.__new__(cls)
         if copy or tensor.device.type != "cpu" or not tensor.is_contiguous():
             if not copy:
                 raise ValueError("copy=False needs a contiguous CPU tensor")
@@ -137,7 +130,8 @@ class HostTable:
             data.copy_(tensor.detach())
         else:
             data = tensor.detach()
-        self._init(data, device=device, pin=pin, engine=engine, keepalive=None)
+        self = cls.__new__(cls)
+        self._init(data, device=device, pin=pin, engine=engine)
         return self
 
     @classmethod
@@ -153,30 +147,52 @@ class HostTable:
         itself (it must then fit in RAM). ``dtype`` reinterprets the stored bytes (``.npy`` has no
         bfloat16: such tables are stored as uint16 and loaded with ``dtype=torch.bfloat16``).
         """
-        return _npy.load_table(cls, path, mmap_mode=mmap_mode, dtype=dtype, device=device, pin=pin, engine=engine)
+        data, keepalive = _npy.read_array(path, mmap_mode=mmap_mode, dtype=dtype)
+        if pin is None:
+            pin = mmap_mode is None and torch.cuda.is_available()
+        self = cls.__new__(cls)
+        self._init(data, device=device, pin=pin, engine=engine, keepalive=keepalive, writable=mmap_mode != "r")
+        return self
 
     def save_npy(self, path: str | os.PathLike) -> None:
         """Write the table to ``path`` as ``.npy`` (atomically: a temporary file renamed into place).
 
         bfloat16 is stored as uint16 (load it back with ``from_npy(path, dtype=torch.bfloat16)``).
         """
-        _npy.save_table(self, path)
+        _npy.save_array(self.data, path)
 
     def close(self) -> None:
         """Write a deferred scatter and unpin the memory (the table stays readable on the CPU; the ``"uva"``
         engine no longer applies)."""
-        self._land()
-        if getattr(self, "_pinned_here", False):
-            self.synchronize()
-            unpin_tensor(self._data)
-            self._pinned_here = False
-            self.pinned = self._data.is_pinned() if torch.cuda.is_available() else False
+        storage = getattr(self, "_storage", None)  # (None: the constructor failed)
+        if storage is not None:
+            storage.close()
 
     def __del__(self):
         with contextlib.suppress(Exception):
             self.close()
 
     # -- plain accessors ----------------------------------------------------------------------------------
+    @property
+    def storage(self) -> HostStorage:
+        """The table's rows in host memory and what orders access to them: what its engine is handed (see
+        :mod:`offload._engine`)."""
+        return self._storage
+
+    @property
+    def device(self) -> torch.device:
+        """The compute device that :meth:`gather` returns rows on."""
+        return self._storage.device
+
+    @device.setter
+    def device(self, device: torch.device) -> None:
+        self._storage.device = device
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the host memory is page-locked."""
+        return self._storage.pinned
+
     @property
     def shape(self) -> torch.Size:
         """``(num_rows, dim)``."""
@@ -185,13 +201,13 @@ class HostTable:
     @property
     def nbytes(self) -> int:
         """The table's size in host memory, in bytes."""
-        return self.num_rows * self.dim * self._data.element_size()
+        return self.num_rows * self._storage.row_bytes
 
     @property
     def data(self) -> Tensor:
         """The host tensor itself, after pending GPU writes to it have landed."""
         self.synchronize()
-        return self._data
+        return self._storage.tensor
 
     def block(self, index: int, rows: int) -> Tensor:
         """Rows ``index * rows`` to ``(index + 1) * rows`` of the host tensor (model ``index``'s table when B
@@ -208,30 +224,7 @@ class HostTable:
         """Wait until the GPU-side writes (and, with ``reads``, reads) of this table launched so far finished,
         and write a deferred scatter into the table (see :data:`~offload._staging.DEFER_SCATTER`), raising its
         error if that failed."""
-        self._land()
-        self._wait_gpu(reads=reads)
-
-    def _land(self) -> None:
-        """Write this table's deferred scatter, if any; raise its error if it failed (once)."""
-        p = getattr(self, "_pending", None)
-        if p is None:
-            return
-        with p.stage.lock:
-            p.land()
-            if self._pending is p:
-                self._pending = None
-        if p.error is not None:
-            raise p.error
-
-    def _wait_gpu(self, *, reads: bool) -> None:
-        """Wait until the GPU-side writes (and, with ``reads``, reads) of this table launched so far finished."""
-        for ev in list(self._write_events.values()):
-            ev.synchronize()
-        self._write_events.clear()
-        if reads:
-            for ev in list(self._read_events.values()):
-                ev.synchronize()
-            self._read_events.clear()
+        self._storage.synchronize(reads=reads)
 
     # -- engines -----------------------------------------------------------------------------------------
     def resolved_engine(self, op: Literal["gather", "scatter"], *, host_indices: bool = False) -> str:
@@ -239,28 +232,16 @@ class HostTable:
         (``host_indices=True``) in host memory."""
         want = self.engine or get_engine()
         if want != "auto":
-            ENGINES[want].check(self)
+            ENGINES[want].check(self._storage)
             return want
         if self.device.type != "cuda" or not self.pinned:
             return "cpu"
         return engine_choice(self.device)[f"{op} host" if host_indices else op]
+
     def _host_route(self, idx, op: str) -> bool:
         """Whether ``op`` of ``idx`` takes the CPU engine's path for host indices (see the class notes)."""
         return (self.device.type == "cuda" and _on_host(idx)
                 and self.resolved_engine(op, host_indices=True) == "cpu")
-
-    def _note_gpu_access(self, kind: str) -> None:
-        events = self._write_events if kind == "write" else self._read_events
-        stream = torch.cuda.current_stream(self.device)
-        ev = events.get(stream.cuda_stream)
-        if ev is None:
-            ev = events[stream.cuda_stream] = torch.cuda.Event()
-        ev.record(stream)
-
-    def _side_stream(self) -> torch.cuda.Stream:
-        if self._side is None:
-            self._side = torch.cuda.Stream(self.device)
-        return self._side
 
     def _gather_unique(self, uniq: Tensor, uniq_cpu: Tensor | None, out: Tensor, engine: str,
                        pos: Tensor | None = None) -> None:
@@ -275,35 +256,44 @@ class HostTable:
             self._gather_unique(uniq, uniq_cpu, rows, engine)
             out.index_copy_(0, pos, rows)
             return
-        self._land()
+        storage = self._storage
+        storage.land()
         if self.device.type != "cuda":
-            _engine_cpu.host_rows(self, "gather", uniq.cpu() if uniq_cpu is None else uniq_cpu, out)
+            _engine_cpu.host_rows(storage, "gather", uniq.cpu() if uniq_cpu is None else uniq_cpu, out)
             return
-        eng.gather(self, uniq, uniq_cpu, out, pos)
+        eng.gather(storage, uniq, uniq_cpu, out, pos)
+
     def _scatter_unique(self, uniq: Tensor, uniq_cpu: Tensor | None, rows: Tensor, engine: str,
                         pos: Tensor | None = None) -> None:
         """``table[uniq] = rows`` (``table[uniq[i]] = rows[pos[i]]`` with ``pos``, a permutation of the rows
         of ``rows`` on the device); ``uniq`` checked and distinct, on ``self.device``."""
-        self._check_writable()
+        storage = self._storage
+        storage.check_writable()
         n = uniq.numel()
         if n == 0:
             return
         eng = ENGINES[engine]
         if pos is not None and (not eng.by_position or self.device.type != "cuda"):
             rows, pos = rows.index_select(0, pos), None
-        self._land()
+        storage.land()
         if self.device.type != "cuda":
-            _engine_cpu.host_rows(self, "scatter", uniq.cpu() if uniq_cpu is None else uniq_cpu, rows)
-            self._patch_prefetches(uniq, rows)
+            _engine_cpu.host_rows(storage, "scatter", uniq.cpu() if uniq_cpu is None else uniq_cpu, rows)
+            storage.patch_prefetches(uniq, rows)
             return
         rows = rows.to(self.dtype).contiguous()
-        eng.scatter(self, uniq, uniq_cpu, rows, pos)
-        if self._prefetches:
-            self._patch_prefetches(uniq, rows if pos is None else rows.index_select(0, pos))
+        eng.scatter(storage, uniq, uniq_cpu, rows, pos)
+        if storage.watched:
+            storage.patch_prefetches(uniq, rows if pos is None else rows.index_select(0, pos))
+
     # -- public gather / scatter -------------------------------------------------------------------------
     def gather_distinct(self, ids: Tensor, out: Tensor, *, engine: str | None = None) -> None:
         """``out[:] = rows[ids]`` for ``ids`` as :meth:`prepare` returns them (distinct, checked), unchecked."""
         self._gather_unique(ids, None, out, engine or self.resolved_engine("gather"))
+
+    def scatter_distinct(self, ids: Tensor, rows: Tensor, *, engine: str | None = None) -> None:
+        """``table[ids] = rows`` for distinct, checked ``ids`` on :attr:`device` (as :meth:`prepare` returns
+        them), unchecked."""
+        self._scatter_unique(ids, None, rows, engine or self.resolved_engine("scatter"))
 
     def prepare(self, idx, *, unique: bool = False) -> tuple[Tensor, Tensor | None]:
         """Check and deduplicate indices: returns ``(rows, inverse)`` with ``rows`` the distinct indices,
@@ -346,7 +336,7 @@ class HostTable:
         """
         shape = tuple(idx.shape) if isinstance(idx, Tensor) else tuple(np.shape(idx))
         if self._host_route(idx, "gather"):
-            return _engine_cpu.gather_host_indices(self, idx, out).view(*shape, self.dim)
+            return self._gather_host_indices(idx, out).view(*shape, self.dim)
         if unique:
             flat = _as_index(idx, self.device)
             n = flat.numel()
@@ -368,9 +358,17 @@ class HostTable:
             rows = rows.index_select(0, inverse)
         return rows.view(*shape, self.dim)
 
-    def _check_writable(self) -> None:
-        if getattr(self, "_readonly", False):
-            raise RuntimeError("this HostTable is a read-only memory map (mmap_mode='r'); it cannot be scattered to")
+    def _gather_host_indices(self, idx, out: Tensor | None) -> Tensor:
+        """:meth:`gather` of indices in host memory (any, repeats included) by the CPU engine: checked on the
+        host and copied as indexed, with no GPU synchronisation. Returns the ``(n, dim)`` rows (``out`` if
+        given)."""
+        flat, _ = _host_flat(idx)
+        n = flat.numel()
+        rows = self._rows_out(out, n)
+        if n:
+            _check_host_bounds(flat, self.num_rows)
+            _engine_cpu.gather_host(self._storage, flat, rows)
+        return rows
 
     def _rows_out(self, out: Tensor | None, n: int) -> Tensor:
         """``out`` checked to hold ``n`` rows, or a new tensor of ``n`` rows on :attr:`device`."""
@@ -394,7 +392,7 @@ class HostTable:
             raise ValueError(f"scatter: rows must have shape idx.shape + ({self.dim},) = "
                              f"({n_idx}, {self.dim}) after flattening, got {tuple(rows.shape)}")
         if self._host_route(idx, "scatter"):
-            _engine_cpu.scatter_host_indices(self, idx, flat_rows, unique)
+            _engine_cpu.scatter_host_indices(self._storage, idx, flat_rows, unique)
             return
         flat = _as_index(idx, self.device)
         n = flat.numel()
@@ -422,10 +420,62 @@ class HostTable:
         Rows scattered to the table after this call (and before :meth:`Prefetch.release`) are patched
         into the prefetched copy, so it never goes stale.
         """
-        return _prefetch.start(self, idx, unique=unique, _checked=_checked)
-    def _patch_prefetches(self, idx: Tensor, rows: Tensor) -> None:
-        for p in list(self._prefetches):
-            p._patch(idx, rows)
+        return _start_prefetch(self, idx, unique, _checked)
+
+
+def _start_prefetch(table: HostTable, idx, unique: bool, checked: bool) -> Prefetch:
+    """:meth:`HostTable.prefetch`: the rows gathered on the table's side stream (on a CPU compute device: now),
+    the handle watched by the table's storage."""
+    if unique and not checked and table._host_route(idx, "gather"):
+        return _prefetch_host(table, idx)
+    storage = table.storage
+    if table.device.type != "cuda":
+        uniq, inverse, ascending = _prefetch_indices(table, idx, unique, checked)
+        buf = torch.empty(uniq.numel() + 1, table.dim, dtype=table.dtype)
+        if uniq.numel():
+            table._gather_ordered(uniq, ascending, buf[:-1], "cpu")
+        return Prefetch(storage, uniq, inverse, buf, None, sorted_=inverse is not None or checked)
+    side = storage.side_stream()
+    side.wait_stream(torch.cuda.current_stream(table.device))
+    with torch.cuda.stream(side):
+        uniq, inverse, ascending = _prefetch_indices(table, idx, unique, checked)
+        buf = torch.empty(uniq.numel() + 1, table.dim, dtype=table.dtype, device=table.device)
+        if uniq.numel():
+            table._gather_ordered(uniq, ascending, buf[:-1], table.resolved_engine("gather"))
+        ev = torch.cuda.Event()
+        ev.record(side)
+    return Prefetch(storage, uniq, inverse, buf, ev, sorted_=inverse is not None or checked)
+
+
+def _prefetch_host(table: HostTable, idx) -> Prefetch:
+    """:func:`_start_prefetch` of distinct host indices with the CPU engine: checked on the host, the rows
+    staged now, their copy (and the indices' copy, for patching) queued on the side stream."""
+    flat, _ = _host_flat(idx)
+    n = flat.numel()
+    if n:
+        _check_host_bounds(flat, table.num_rows)
+    storage = table.storage
+    side = storage.side_stream()
+    side.wait_stream(torch.cuda.current_stream(table.device))
+    with torch.cuda.stream(side):
+        buf = torch.empty(n + 1, table.dim, dtype=table.dtype, device=table.device)
+        if n:
+            _engine_cpu.gather_host(storage, flat, buf[:-1])
+        ids = _device_index(flat, table.device)
+        ev = torch.cuda.Event()
+        ev.record(side)
+    return Prefetch(storage, ids, None, buf, ev)
+
+
+def _prefetch_indices(table: HostTable, idx, unique: bool, checked: bool) -> tuple[Tensor, Tensor | None, bool]:
+    """``(distinct indices, inverse or None, whether ascending)`` of a prefetch's ``idx``."""
+    if checked:  # distinct, in-range int64 indices on the device (checked by the caller), used as given
+        return idx, None, True
+    if unique:
+        flat = _as_index(idx, table.device)
+        return flat, None, (check_unique(flat, table.num_rows) if flat.numel() else True)
+    uniq, inverse = table.prepare(idx)
+    return uniq, inverse, True
 
 
 def _check_out(table: HostTable, out: Tensor, n: int) -> None:
@@ -433,6 +483,15 @@ def _check_out(table: HostTable, out: Tensor, n: int) -> None:
     if bad or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous ({n}, {table.dim}) {table.dtype} tensor on {table.device}, "
                          f"got {tuple(out.shape)} {out.dtype} on {out.device}")
+
+
+def table_over(data: Tensor, *, keepalive: object, writable: bool, device=None, pin: bool | None = None,
+               engine: Engine | None = None) -> HostTable:
+    """A table over the contiguous 2-D CPU tensor ``data``, used in place, that views memory ``keepalive``
+    keeps (a memory map: written in place when a scatter returns); ``writable=False`` refuses scatters."""
+    table = HostTable.__new__(HostTable)
+    table._init(data, device=device, pin=pin, engine=engine, keepalive=keepalive, writable=writable)
+    return table
 
 
 _choice.TABLE = HostTable  # the class engine_choice measures on

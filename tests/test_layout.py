@@ -178,14 +178,9 @@ def test_no_import_cycles():
     assert not cycles, f"import cycles between modules: {cycles}"
 
 
-# Circles through TYPE_CHECKING imports that remain (issue 23 stays open until this is empty): the checkpoint
-# and .npy modules (being made crash-safe by another change) type their argument by the class that calls them;
-# the copy engines take the whole HostTable (its storage is to become an object of its own that engines get);
-# the population methods of BatchOptimizer take the optimizer.
+# Circles through TYPE_CHECKING imports that remain (issue 23 stays open until this is empty): the population
+# methods of BatchOptimizer take the optimizer.
 TYPE_CHECKING_CIRCLES_LEFT = [
-    ["offload._checkpoint", "offload._embedding"],
-    ["offload._choice", "offload._engine", "offload._engine_cpu", "offload._engine_hybrid", "offload._engine_uva",
-     "offload._npy", "offload._prefetch", "offload._table"],
     ["torchmb.optim._base", "torchmb.optim._population"],
 ]
 
@@ -198,8 +193,8 @@ def test_no_import_cycles_through_type_checking_imports():
 
 def test_type_checking_imports_are_seen():
     graph = import_graph(type_checking=True)
-    assert "offload._embedding" in graph["offload._checkpoint"]
-    assert "offload._embedding" not in import_graph()["offload._checkpoint"]
+    assert "offload._staging" in graph["offload._engine"]
+    assert "offload._staging" not in import_graph()["offload._engine"]
 
 
 def _environment_reads(tree: ast.Module) -> list[int]:
@@ -275,35 +270,10 @@ def _private_reaches() -> dict[tuple[str, str], int]:
 
 
 # Reaches into another file's private names that remain. Issue 23 stays open until this is empty; it may only
-# shrink (a new reach fails the test; one removed must be struck from here). The offloaded embedding's parts
-# reach none (see offload/_embedding.py); left: the copy engines and row writers into HostTable (its storage
-# is to become an object engines are given), the checkpoint and .npy modules (to use the parts' interfaces,
-# see docs/design.md), and torchmb's optimizer and converter internals.
+# shrink (a new reach fails the test; one removed must be struck from here). offload reaches none (its parts,
+# the table's storage that engines get and the checkpoint writer have public interfaces: see docs/design.md);
+# left: torchmb's optimizer and converter internals.
 PRIVATE_REACHES_LEFT = {
-    ("offload/_checkpoint.py", "_attach"), ("offload/_checkpoint.py", "_drop_cache"),
-    ("offload/_checkpoint.py", "_engine"), ("offload/_checkpoint.py", "_loaded"),
-    ("offload/_checkpoint.py", "_optimizer"), ("offload/_checkpoint.py", "_pending"),
-    ("offload/_checkpoint.py", "_require_idle"), ("offload/_checkpoint.py", "_spec"),
-    ("offload/_checkpoint.py", "_state_tables"), ("offload/_npy.py", "_data"),
-    ("offload/_choice.py", "_chunks"), ("offload/_choice.py", "_movers"),
-    ("offload/_choice.py", "_scatter_unique"), ("offload/_choice.py", "_threads"),
-    ("offload/_engine_cpu.py", "_check_writable"), ("offload/_engine_cpu.py", "_data"),
-    ("offload/_engine_cpu.py", "_defer_ok"), ("offload/_engine_cpu.py", "_land"),
-    ("offload/_engine_cpu.py", "_patch_prefetches"),
-    ("offload/_engine_cpu.py", "_pending"), ("offload/_engine_cpu.py", "_prefetches"),
-    ("offload/_engine_cpu.py", "_put"), ("offload/_engine_cpu.py", "_rows_out"),
-    ("offload/_engine_cpu.py", "_Staging"), ("offload/_engine_cpu.py", "_take"),
-    ("offload/_engine_cpu.py", "_wait_gpu"),
-    ("offload/_engine_hybrid.py", "_data"), ("offload/_engine_hybrid.py", "_note_gpu_access"),
-    ("offload/_engine_hybrid.py", "_side_stream"),
-    ("offload/_engine_uva.py", "_data"), ("offload/_engine_uva.py", "_note_gpu_access"),
-    ("offload/_host_array.py", "_init"), ("offload/_host_array.py", "_readonly"),
-    ("offload/_host_write.py", "_data"),
-    ("offload/_host_write.py", "_note_gpu_access"), ("offload/_host_write.py", "_patch_prefetches"),
-    ("offload/_host_write.py", "_prefetches"), ("offload/_host_write.py", "_scatter_unique"),
-    ("offload/_prefetch.py", "_gather_ordered"), ("offload/_prefetch.py", "_host_route"),
-    ("offload/_prefetch.py", "_prefetches"), ("offload/_prefetch.py", "_side_stream"),
-    ("offload/_table.py", "_patch"),
     ("torchmb/distributed.py", "_ensure_state"), ("torchmb/distributed.py", "_per_model_attrs"),
     ("torchmb/distributed.py", "_per_model_entries"),
     ("torchmb/memory.py", "_is_per_model"), ("torchmb/memory.py", "_refuse_offloaded"),

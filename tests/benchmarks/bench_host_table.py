@@ -378,9 +378,9 @@ def cpu_side(s):
         per = (mib << 20) // 512
         rounds = [(r0, min(n, r0 + per)) for r0 in range(0, n, per)]
         tg = wall_seconds(lambda rounds=rounds, threads=threads: _row_copy._run_rows(
-            lambda a, b: _row_copy._take(src_rows, idx[a:b], pin_rows[a:b]), rounds, 512, threads=threads), 5)
+            lambda a, b: _row_copy.take_rows(src_rows, idx[a:b], pin_rows[a:b]), rounds, 512, threads=threads), 5)
         ts = wall_seconds(lambda rounds=rounds, threads=threads: _row_copy._run_rows(
-            lambda a, b: _row_copy._put(src_rows, idx[a:b], pin_rows[a:b]), rounds, 512, threads=threads), 5)
+            lambda a, b: _row_copy.put_rows(src_rows, idx[a:b], pin_rows[a:b]), rounds, 512, threads=threads), 5)
         emit(part="X", what="CPU alone: pool take / put", threads=threads, chunk_mib=mib, take_ms=tg * 1e3,
              take_GBps=nbytes / tg / 1e9, put_ms=ts * 1e3, put_GBps=nbytes / ts / 1e9)
 
@@ -448,7 +448,7 @@ def lone_rows(s):
     for block in (32 << 10, 64 << 10, 128 << 10, 256 << 10):
         old = _set(_engine_hybrid, LONE_BLOCK_BYTES=block, HYBRID_MIN_LONE_BYTES=1)
         try:
-            lone, near = table._lone_split(s["uniq_sorted"])
+            lone, near = _engine_hybrid.lone_split(table.storage, s["uniq_sorted"])
             near_idx = s["uniq_sorted"][near]
             others = s["uniq_sorted"][torch.randperm(n, device=dev, generator=g)[:near.numel()].sort().values]
             k = near.numel()
@@ -502,7 +502,7 @@ def huge_table(s):
     ht = offload.HostTable.from_tensor(s["data"], device=dev, pin=True)  # allocate_host: huge-page advised
     emit(part="X", what="huge-page table (copy of the data)", s=time.perf_counter() - t0,
          anon_huge_gib_added=((meminfo("AnonHugePages") or 0) - before) / 2**30, huge_pages=_memory.HUGE_PAGES.get())
-    kernel_variants(s, ht._data, "huge-page table")
+    kernel_variants(s, ht.storage.tensor, "huge-page table")
     ht.engine = "cpu"
     tg = wall_seconds(lambda: ht.gather(s["uniq_sorted"], unique=True, out=s["dbuf"]), 10)
     emit(part="X", what="huge-page table, cpu engine gather", ms=tg * 1e3, ratio=s["h2d"] / tg)

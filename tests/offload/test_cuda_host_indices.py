@@ -191,12 +191,12 @@ def test_deferred_scatter_failure_names_the_rows(small_staging, monkeypatch):
     monkeypatch.setattr(_row_copy, "CPU_COPY", "pool")
     monkeypatch.setattr(_row_copy, "CPU_THREADS", 1)
     src, t = _table_of(rows=100, dim=8)
-    real = _row_copy._put
+    real = _row_copy.put_rows
 
     def broken(*args):
         raise MemoryError("no memory to write rows")
 
-    monkeypatch.setattr(_row_copy, "_put", broken)
+    monkeypatch.setattr(_row_copy, "put_rows", broken)
     t.scatter(torch.tensor([7, 3, 9]), torch.ones(3, 8, device="cuda"), unique=True)  # returns: deferred
     with pytest.raises(RuntimeError, match=r"its 3 rows \(indices 7, 3, 9; from 3 to 9\) did not all land "
                                            r"\(some of them may be written, others not\).*no memory to write rows"):
@@ -206,7 +206,7 @@ def test_deferred_scatter_failure_names_the_rows(small_staging, monkeypatch):
     with pytest.raises(RuntimeError, match=r"its 1 rows \(indices 1; from 1 to 1\).*this scatter was not "
                                            r"written either"):
         t.scatter(torch.tensor([2]), torch.ones(1, 8, device="cuda"))
-    monkeypatch.setattr(_row_copy, "_put", real)
+    monkeypatch.setattr(_row_copy, "put_rows", real)
     assert torch.equal(t.data, src)
     t.scatter(torch.tensor([2]), torch.full((1, 8), 5.0, device="cuda"))
     expected = src.clone()
@@ -220,12 +220,12 @@ def test_memory_mapped_table_is_written_before_scatter_returns(tmp_path):
     np.save(tmp_path / "t.npy", arr)
     t = offload.HostTable.from_npy(tmp_path / "t.npy", device="cuda")
     t.scatter(np.array([5, 1]), torch.full((2, 4), 2.0, device="cuda"))
-    assert t._pending is None
+    assert t.storage.pending is None
     assert np.load(tmp_path / "t.npy", mmap_mode="r")[[1, 5]].tolist() == [[2.0] * 4] * 2
     shared = torch.zeros(64, 4).share_memory_()
     s = offload.HostTable.from_tensor(shared, device="cuda", copy=False, engine="cpu")
     s.scatter([9], torch.ones(1, 4, device="cuda"))
-    assert s._pending is None and shared[9].tolist() == [1.0] * 4
+    assert s.storage.pending is None and shared[9].tolist() == [1.0] * 4
 
 
 def test_prefetch_and_host_array_with_host_indices(small_staging):

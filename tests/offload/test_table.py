@@ -166,6 +166,53 @@ def test_host_array_and_batches(device, tmp_path):
         next(offload.batches(xs, offload.HostArray(torch.zeros(3)), batch_size=2))
 
 
+def test_host_array_over_npy_maps_the_file(tmp_path):
+    """HostArray.from_npy maps the file (rows of any shape): read-only by default (its table refuses
+    scatters), with ``mmap_mode="r+"`` written in place."""
+    x = np.arange(4 * 2 * 3, dtype=np.float32).reshape(4, 2, 3)
+    np.save(tmp_path / "x.npy", x)
+    ro = offload.HostArray.from_npy(tmp_path / "x.npy", device="cpu")
+    assert ro.shape == (4, 2, 3) and torch.equal(ro[torch.tensor([3, 0])], torch.from_numpy(x)[[3, 0]])
+    with pytest.raises(RuntimeError, match="read-only memory map"):
+        ro.table.scatter(torch.tensor([1]), torch.zeros(1, 6))
+    rw = offload.HostArray.from_npy(tmp_path / "x.npy", mmap_mode="r+", device="cpu")
+    rw.table.scatter(torch.tensor([2]), torch.full((1, 6), -1.0))
+    rw.table.synchronize()
+    assert np.load(tmp_path / "x.npy")[2].tolist() == [[-1.0] * 3] * 2
+    assert torch.equal(ro[torch.tensor([2])], torch.full((1, 2, 3), -1.0))  # the same file, mapped twice
+
+
+def test_engines_get_the_tables_storage(monkeypatch):
+    """An engine is handed the table's storage, never the table: an object with every member of the
+    engine interface's protocol (offload._engine.RowStorage), over the table's rows."""
+    from offload import _engine
+    seen = []
+
+    class Probe(_engine.RowEngine):
+        name = "probe"
+
+        def check(self, storage):
+            seen.append(storage)
+
+    monkeypatch.setitem(_engine.ENGINES, "probe", Probe())
+    src = torch.arange(12.0).view(6, 2)
+    t = offload.HostTable.from_tensor(src, device="cpu", engine="probe")
+    assert t.resolved_engine("gather") == "probe"
+    (storage,) = seen
+    assert storage is t.storage and not isinstance(storage, offload.HostTable)
+    protocol = _engine.RowStorage
+    members = set(protocol.__annotations__) | {n for n in vars(protocol) if not n.startswith("_")}
+    assert {"tensor", "device", "land", "note_gpu_access", "patch_prefetches"} <= members
+    assert all(hasattr(storage, m) for m in members), sorted(m for m in members if not hasattr(storage, m))
+    assert torch.equal(storage.tensor, src) and (storage.num_rows, storage.dim, storage.row_bytes) == (6, 2, 8)
+    p = t.prefetch(torch.tensor([4, 1]))
+    assert storage.watched
+    t.scatter(torch.tensor([1]), torch.full((1, 2), -3.0))  # patched into the prefetched rows
+    assert p.result().tolist() == [[8.0, 9.0], [-3.0, -3.0]]
+    p.release()
+    assert not storage.watched
+
+
 def _advised_huge(ptr: int) -> bool:
     """Whether the mapping holding ``ptr`` carries the MADV_HUGEPAGE advice ("hg" in /proc/self/smaps)."""
     inside = False
@@ -297,14 +344,14 @@ def test_pool_threads_do_the_work(monkeypatch):
     from offload import _row_copy
     _pool_settings(monkeypatch, 4, 64 * 20)
     seen = set()
-    real = _row_copy._take
+    real = _row_copy.take_rows
 
     def spy(src, idx, out):
         seen.add(threading.get_ident())
         time.sleep(0.002)  # long enough that the caller cannot take every piece before a worker wakes
         real(src, idx, out)
 
-    monkeypatch.setattr(_row_copy, "_take", spy)
+    monkeypatch.setattr(_row_copy, "take_rows", spy)
     src, t = _table_of(rows=2000, dim=16)
     idx = torch.arange(0, 2000, 3)
     assert torch.equal(t.gather(idx, unique=True), src[idx])
@@ -380,11 +427,11 @@ def test_hybrid_lone_split_matches_brute_force(monkeypatch, dim, dtype):
     expected = lone_positions(uniq.tolist(), row_bytes, _engine_hybrid.LONE_BLOCK_BYTES)
     assert 0 < len(expected) < 3000  # both parts have rows
     monkeypatch.setattr(_engine_hybrid, "HYBRID_MIN_LONE_BYTES", 1)
-    lone, near = _engine_hybrid.lone_split(t, uniq)
+    lone, near = _engine_hybrid.lone_split(t.storage, uniq)
     assert lone.tolist() == expected
     assert near.tolist() == sorted(set(range(3000)) - set(expected))
     monkeypatch.setattr(_engine_hybrid, "HYBRID_MIN_LONE_BYTES", len(expected) * row_bytes + 1)
-    assert _engine_hybrid.lone_split(t, uniq) is None  # too few
+    assert _engine_hybrid.lone_split(t.storage, uniq) is None  # too few
     monkeypatch.setattr(_engine_hybrid, "HYBRID_MIN_LONE_BYTES", row_bytes)
     dense = torch.arange(0, num_rows, 2)  # 12 rows a block: uniformly spread, 0.15 lone rows expected
 
@@ -392,9 +439,9 @@ def test_hybrid_lone_split_matches_brute_force(monkeypatch, dim, dtype):
         raise AssertionError("counted lone rows where none were expected")
 
     monkeypatch.setattr(torch, "nonzero", no_count)
-    assert _engine_hybrid.lone_split(t, dense) is None
+    assert _engine_hybrid.lone_split(t.storage, dense) is None
     monkeypatch.setattr(_engine_hybrid, "LONE_BLOCK_BYTES", row_bytes)  # a row per block: nothing gained
-    assert _engine_hybrid.lone_split(t, uniq) is None
+    assert _engine_hybrid.lone_split(t.storage, uniq) is None
 
 
 def test_worker_exception_reaches_the_caller(monkeypatch):
@@ -441,7 +488,7 @@ def test_worker_exception_reaches_the_caller(monkeypatch):
     assert running[0] == 0
 
     src, t = _table_of(rows=500, dim=4)
-    real = _row_copy._take
+    real = _row_copy.take_rows
 
     def broken(s, idx, out):
         if threading.get_ident() != main:
@@ -449,9 +496,9 @@ def test_worker_exception_reaches_the_caller(monkeypatch):
         time.sleep(0.005)  # the caller is slow: the workers get pieces
         real(s, idx, out)
 
-    monkeypatch.setattr(_row_copy, "_take", broken)
+    monkeypatch.setattr(_row_copy, "take_rows", broken)
     with pytest.raises(OSError, match="worker could not read the table"):
         for _ in range(5):  # until a worker (not the caller) takes a piece
             t.gather(torch.arange(0, 500, 2), unique=True)
-    monkeypatch.setattr(_row_copy, "_take", real)
+    monkeypatch.setattr(_row_copy, "take_rows", real)
     assert torch.equal(t.gather(torch.arange(0, 500, 2), unique=True), src[::2])
