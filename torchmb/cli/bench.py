@@ -13,12 +13,19 @@ For each workload and number of models B, in one process and on one device:
   (``limit+compile``) and graph-captured (``limit+graph``).
 
 Every implementation takes a full SGD training step (forward, the same summed cross-entropy, backward,
-``torch.optim.SGD`` step) on n samples per model. Each is built, measured and freed on its own, so its
-peak memory is its own. Its first step (which compiles, captures or autotunes cuDNN: ``compile_s``,
+``torch.optim.SGD`` step) on n samples per model, in fp32 on TF32 tensor cores (``--no-tf32``: without) or
+under bf16 autocast (``--precision bf16``). Each is built, measured and freed on its own, so its peak memory
+is its own. Its first step (which compiles, captures or autotunes cuDNN: ``compile_s``,
 ``first_step_peak_mib``) is untimed; then ``repeats`` timings of ``iters`` steps each give the median
-model-steps per second and its range. Ratios are to eager vmap and to the limit of the same kind
-(eager, compiled or graphed), each with the range the two ranges allow; where the ranges overlap the
-ratio is a tie (``"tie": true``).
+model-steps per second and its range. Ratios are to eager vmap, to vmap+compile (compiled rows) and to the
+limit of the same kind (eager, compiled or graphed), each with the range the two ranges allow; where the
+ranges overlap the ratio is a tie (``"tie": true``). Peak memory is compared with the vmap of the row's
+mode, launches per step (``--launches``) with the limit's.
+
+The run fits the machine: a B whose estimated memory (:mod:`torchmb.cli.bench_memory`) exceeds the free
+memory is skipped with a note, an out-of-memory that happens all the same is caught and marked, any other
+error (a compile's) is reported in its row, a row past ``--row-timeout`` is stopped, and past ``--budget``
+the rows left are skipped: the run always ends with its table.
 """
 
 from __future__ import annotations
@@ -206,10 +213,12 @@ def _run(workloads, batches, samples, device, implementations, iters, repeats, w
                 failed_at = out_of_memory.get((name, impl))
                 if failed_at is not None and batch > failed_at:
                     row["skipped"] = f"B={failed_at} ran out of memory"
+                elif budget_s is not None and time.perf_counter() - began > budget_s:
+                    row["skipped"] = f"past the time budget of {budget_s:.0f} s"
                 elif (reason := _memory_skip(impl, batch, samples, footprint, available)) is not None:
                     row["skipped"] = reason
                 pending.append(row)
-            if all("skipped" in row for row in pending):  # nothing to build the B models' inputs for
+            if all("skipped" in row for row in pending):  # nothing to make the B models and their inputs for
                 for row in pending:
                     finish(row)
                 continue

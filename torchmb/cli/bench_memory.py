@@ -11,7 +11,7 @@ once, the parameters and the input left out). From it, each implementation's nee
 
 where ``act`` is ``activation_bytes`` times ``TRANSIENT``, 1.2, for what a step holds beside the saved
 tensors (the activations' gradients during backward, cuDNN's workspaces): with it the estimate came within
-0.9-1.1x of the steady peaks ``bench`` measured on an H100 (docs/performance.md: torchvision's ResNet-18,
+0.88-1.05x of the steady peaks ``bench`` measured on an H100 (docs/performance.md: torchvision's ResNet-18,
 timm's ConvNeXt-atto and ViT-Tiny at B=16, torchmb and vmap; the CIFAR ResNet-18 at B=16).
 
 Each adds the B*n samples' inputs and targets. A row whose need exceeds the device's free memory (before
