@@ -21,11 +21,11 @@ def add_ratios(rows: list[dict]) -> None:
     with ``_range`` (from the two rows' ranges) and ``_tie`` (the ranges overlap). Where measured, peak
     memory to the vmap of its mode (``peak_vs_vmap``, ``first_step_peak_vs_vmap``) and launches and ATen
     operators per step to its limit (``launches_vs_limit``, ``aten_ops_vs_limit``)."""
-    by_key = {(r["workload"], r["B"], r["precision"], r["impl"]): r for r in rows if "model_steps_per_s" in r}
+    by_key = {(r["workload"], r["B"], r.get("precision"), r["impl"]): r for r in rows if "model_steps_per_s" in r}
     for row in rows:
         if "model_steps_per_s" not in row:
             continue
-        key = (row["workload"], row["B"], row["precision"])
+        key = (row["workload"], row["B"], row.get("precision"))
         speed = [("vmap", "vs_vmap"), (limit_for(row["impl"]), "vs_limit")]
         if row["impl"].endswith("+compile"):
             speed.append(("vmap+compile", "vs_vmap_compile"))
@@ -91,7 +91,7 @@ def table(rows: list[dict]) -> str:
     ]
     for r in rows:
         impl = f"{r['impl']} ({r['note']})" if "note" in r else r["impl"]
-        lead = f"| {r['workload']} | {r['B']} | {r['precision']} | {impl} | "
+        lead = f"| {r['workload']} | {r['B']} | {r.get('precision', '')} | {impl} | "
         failure = _failure(r)
         if failure is not None:
             lines.append(lead + failure + " |" + " |" * 8)
@@ -145,7 +145,7 @@ def summary(rows: list[dict]) -> str:
     first step, eager). A row that did not run shows why in short."""
     groups: dict[tuple, dict[str, dict]] = {}
     for row in rows:
-        groups.setdefault((row["workload"], row["B"], row["precision"]), {})[row["impl"]] = row
+        groups.setdefault((row["workload"], row["B"], row.get("precision", "")), {})[row["impl"]] = row
     lines = [
         "| model | B | precision | torchmb / eager vmap | torchmb / limit | torchmb+compile / vmap+compile "
         "| torchmb+compile / limit+compile | launches / limit's (eager / compiled) "
