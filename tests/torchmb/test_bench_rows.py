@@ -184,6 +184,17 @@ def test_the_limit_rows_launch_count_is_the_plain_models_step_profiled_alone() -
     assert f"| {torchmb['aten_ops_per_step']:,} ({torchmb['aten_ops_vs_limit']:.2f}) ATen ops |" in _bench.table(rows)
 
 
+def test_a_profiler_that_fails_leaves_the_rows_timings_and_says_why(monkeypatch) -> None:
+    def failing(step, timer):
+        raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED\nmore")
+
+    monkeypatch.setattr(bench_measure, "profile_step", failing)
+    rows = _bench.run(["mlp"], [2], 4, CPU, ("torchmb",), launches=True, **QUICK)
+    assert rows[0]["model_steps_per_s"] > 0 and "error" not in rows[0]
+    assert rows[0]["launches_error"] == "RuntimeError: CUPTI_ERROR_NOT_INITIALIZED"
+    assert "| not counted: RuntimeError: CUPTI_ERROR_NOT_INITIALIZED |" in _bench.table(rows)
+
+
 def test_a_run_sets_tf32_as_asked_and_restores_it(monkeypatch) -> None:
     seen = []
 

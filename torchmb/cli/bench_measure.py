@@ -188,4 +188,7 @@ def measure(
     if compiled:
         row["graphs"] = counters["stats"]["unique_graphs"]  # more than one: graph breaks or recompiles
     if launches:
-        row.update({f"{name}_per_step": count for name, count in profile_step(step, timer).items()})
+        try:
+            row.update({f"{name}_per_step": count for name, count in profile_step(step, timer).items()})
+        except Exception as error:  # the timings stand without the counts
+            row["launches_error"] = first_line(error)

@@ -66,6 +66,8 @@ def _count_cell(row: dict, measured: str, ratio: str, digits: int = 0) -> str:
 
 
 def _launches_cell(row: dict) -> str:
+    if "launches_error" in row:
+        return f"not counted: {row['launches_error']}"
     if "launches_per_step" in row:
         return _count_cell(row, "launches_per_step", "launches_vs_limit")
     if "aten_ops_per_step" in row:
