@@ -227,11 +227,13 @@ def _run(workloads, batches, samples, device, implementations, iters, repeats, w
                 steps = (workload.steps or Steps)(workload, batch, samples, device, precision, channels_last)
                 builders = steps.builders()
             except Exception as error:  # the inputs or the B plain models do not fit: no row of this B runs
-                failure = first_line(error)
+                failure, memory = first_line(error), is_out_of_memory(error)
                 for row in pending:
                     if "skipped" not in row:
                         row["error"] = f"making the inputs: {failure}"
-                        row["out_of_memory"] = is_out_of_memory(error)
+                        row["out_of_memory"] = memory
+                        if memory:
+                            out_of_memory[(name, row["impl"])] = batch
                     finish(row)
                 free(device)
                 continue
