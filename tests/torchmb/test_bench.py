@@ -33,47 +33,66 @@ def test_quick_cpu_bench_measures_every_implementation(tmp_path, capsys) -> None
             assert row["vs_vmap"] == pytest.approx(row["model_steps_per_s"] / vmap_row["model_steps_per_s"])
         if row["impl"] != "limit":
             assert row["limit"] == "limit"
-    assert "| mlp | 4 | torchmb |" in capsys.readouterr().out
+    assert "| mlp | 4 | fp32 | torchmb |" in capsys.readouterr().out
 
 
-def _timed(impl: str, steps_per_s: float, low: float, high: float, batch: int = 8) -> dict:
-    return {"workload": "mlp", "B": batch, "impl": impl, "model_steps_per_s": steps_per_s,
-            "model_steps_per_s_range": [low, high]}
+def _timed(impl: str, steps_per_s: float, low: float, high: float, batch: int = 8, **measured: float) -> dict:
+    return {"workload": "mlp", "B": batch, "precision": "fp32", "impl": impl, "model_steps_per_s": steps_per_s,
+            "model_steps_per_s_range": [low, high], **measured}
 
 
 def test_ratios_compare_each_kind_with_its_own_limit_and_overlapping_ranges_tie() -> None:
     rows = [
-        _timed("vmap", 100, 95, 105),
-        _timed("torchmb", 104, 100, 110),
-        _timed("torchmb+compile", 200, 190, 210),
+        _timed("vmap", 100, 95, 105, peak_mib=1000, first_step_peak_mib=2000),
+        _timed("vmap+compile", 160, 150, 170, peak_mib=800, first_step_peak_mib=1000),
+        _timed("torchmb", 104, 100, 110, peak_mib=500, first_step_peak_mib=3000, launches_per_step=120),
+        _timed("torchmb+compile", 200, 190, 210, peak_mib=400, first_step_peak_mib=500, launches_per_step=30),
         _timed("torchmb+graph", 300, 290, 310),
-        _timed("limit", 150, 140, 160),
-        _timed("limit+compile", 250, 240, 260),
+        _timed("limit", 150, 140, 160, launches_per_step=100),
+        _timed("limit+compile", 250, 240, 260, launches_per_step=25),
         _timed("limit+graph", 400, 390, 410),
+        _timed("limit", 10, 9, 11, batch=16),  # another B: no anchor of B=8's rows
     ]
     _bench.add_ratios(rows)
-    by_impl = {r["impl"]: r for r in rows}
+    by_impl = {r["impl"]: r for r in rows[:-1]}
     torchmb, compiled, graphed = by_impl["torchmb"], by_impl["torchmb+compile"], by_impl["torchmb+graph"]
     assert torchmb["vs_vmap"] == pytest.approx(1.04) and torchmb["vs_vmap_tie"]
     assert torchmb["vs_vmap_range"] == pytest.approx([100 / 105, 110 / 95])
     assert (torchmb["limit"], compiled["limit"], graphed["limit"]) == ("limit", "limit+compile", "limit+graph")
     assert compiled["vs_limit"] == pytest.approx(0.8) and not compiled["vs_limit_tie"]
+    assert compiled["vs_vmap"] == pytest.approx(2.0) and compiled["vs_vmap_compile"] == pytest.approx(1.25)
+    assert "vs_vmap_compile" not in torchmb and "vs_vmap_compile" not in by_impl["vmap+compile"]
     assert graphed["vs_limit"] == pytest.approx(0.75)
     assert "vs_vmap" not in by_impl["vmap"] and "vs_limit" not in by_impl["limit"]
-    assert "1.04 (0.95-1.16) tie" in _bench.table(rows)
+    # memory against the vmap of the row's mode, launches against the limit of its mode
+    assert (torchmb["peak_vs_vmap"], torchmb["first_step_peak_vs_vmap"]) == (0.5, 1.5)
+    assert (compiled["peak_vs_vmap"], compiled["first_step_peak_vs_vmap"]) == (0.5, 0.5)
+    assert torchmb["launches_vs_limit"] == pytest.approx(1.2) and compiled["launches_vs_limit"] == pytest.approx(1.2)
+    assert "peak_vs_vmap" not in graphed and "launches_vs_limit" not in graphed
+    assert "vs_vmap" not in rows[-1] and "limit" not in rows[-1]
+    text = _bench.table(rows)
+    assert "| mlp | 8 | fp32 | torchmb | 104 (100-110) | 1.04 (0.95-1.16) tie |  | 0.69 (0.62-0.79) | limit " \
+           "| 500 (0.50) | 3,000 (1.50) |  | 120 (1.20) |" in text
+    assert "| torchmb+compile | 200 (190-210) | 2.00 (1.81-2.21) | 1.25 (1.12-1.40) | 0.80 (0.73-0.88) " \
+           "| limit+compile | 400 (0.50) | 500 (0.50) |" in text
+    summary_line = "| mlp | 8 | fp32 | 1.04 tie | 0.69 | 1.25 | 0.80 | 1.20 / 1.20 | 0.50, 1.50 |"
+    assert _bench.summary(rows).splitlines()[2] == summary_line
 
 
 def test_a_batch_that_runs_out_of_memory_skips_larger_ones_and_the_budget_ends_the_run(monkeypatch) -> None:
-    def measure(row, build, timer, batch, repeats, iters, warmup):
+    def measure(row, build, timer, batch, repeats, iters, warmup, compiled, launches):
         if batch >= 2:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
         row.update(model_steps_per_s=1.0, model_steps_per_s_range=[1.0, 1.0])
 
-    monkeypatch.setattr(_bench, "_measure", measure)
+    monkeypatch.setattr(_bench, "measure", measure)
     rows = _bench.run(["mlp"], [1, 2, 3], 2, torch.device("cpu"), ("torchmb",), log=lambda line: None)
-    assert [("error" in r, r.get("skipped")) for r in rows] == [
-        (False, None), (True, None), (False, "B=2 ran out of memory")
+    assert [(r.get("error"), r.get("skipped")) for r in rows] == [
+        (None, None),
+        ("out of memory: OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB", None),
+        (None, "B=2 ran out of memory"),
     ]
+    assert rows[1]["out_of_memory"] and "| mlp | 2 | fp32 | torchmb | out of memory: " in _bench.table(rows)
     rows = _bench.run(["mlp"], [1], 2, torch.device("cpu"), ("torchmb", "limit"), log=lambda line: None, budget_s=0)
     assert [r["skipped"] for r in rows] == ["past the time budget of 0 s"] * 2
 
@@ -118,31 +137,43 @@ def test_zoo_flag_selects_the_zoo_workloads_and_their_implementations(monkeypatc
         return []
 
     monkeypatch.setattr(_bench, "run", run)
+    monkeypatch.setattr(_bench, "warm_up_compiler", lambda device: 1.0)
     main(["bench", "--device", "cpu", "--zoo"])
-    assert seen == {"workloads": list(ZOO_MODELS), "impls": ("torchmb", "vmap", "loop", "limit")}
+    compiled_and_eager = ("torchmb", "torchmb+compile", "vmap", "vmap+compile", "limit", "limit+compile")
+    assert seen == {"workloads": list(ZOO_MODELS), "impls": compiled_and_eager}
+    main(["bench", "--device", "cpu", "--zoo", "--full", "--workloads", "timm-convnext_atto"])
+    assert seen == {"workloads": ["timm-convnext_atto"], "impls": (*compiled_and_eager, "loop")}
 
 
-def test_default_run_compiles_vmap_and_the_limit_for_the_small_models_only_after_a_compiler_warm_up(
+def test_default_run_compiles_the_small_models_at_b64_only_after_a_compiler_warm_up_and_full_compiles_all(
     monkeypatch, capsys
 ) -> None:
     seen = {}
 
     def run(workloads, batches, samples, device, impls, **kwargs):
-        seen.update(workloads=workloads, impls=impls)
+        seen.update(workloads=workloads, impls=impls, full=kwargs["full"], budget_s=kwargs["budget_s"])
         return []
 
     warm_ups = []
     monkeypatch.setattr(_bench, "run", run)
     monkeypatch.setattr(_bench, "warm_up_compiler", lambda device: warm_ups.append(device) or 1.0)
     main(["bench", "--device", "cpu"])
-    assert seen == {"workloads": ["mlp", "lenet", "transformer", "resnet18"], "impls": None}
+    workloads = ["mlp", "lenet", "transformer", "resnet18"]
+    assert seen == {"workloads": workloads, "impls": None, "full": False, "budget_s": 150 - 1.0}
     assert warm_ups == [torch.device("cpu")] and "compiler warm-up" in capsys.readouterr().out
     small, large = _bench_steps.WORKLOADS["lenet"], _bench_steps.WORKLOADS["resnet18"]
+    eager = ("torchmb", "vmap", "limit")
     assert _bench.default_implementations(small, 64) == _bench.DEFAULT_IMPLEMENTATIONS
-    assert "limit+compile" not in _bench.default_implementations(small, 16)
-    assert _bench.default_implementations(large, 16) == ("torchmb", "torchmb+compile", "vmap")
+    assert _bench.default_implementations(small, 16) == _bench.default_implementations(small, 256) == eager
+    assert _bench.default_implementations(large, 16) == eager
+    assert _bench.default_implementations(large, 16, full=True) == _bench.DEFAULT_IMPLEMENTATIONS
     main(["bench", "--device", "cpu", "--impls", "torchmb,vmap"])
+    main(["bench", "--device", "cpu", "--batches", "16,256"])  # the default set compiles at B=64 only
     assert len(warm_ups) == 1, "a run that compiles nothing warms no compiler up"
+    main(["bench", "--device", "cpu", "--full"])
+    assert seen == {"workloads": workloads, "impls": None, "full": True, "budget_s": None}
+    main(["bench", "--device", "cpu", "--full", "--budget", "100"])
+    assert seen["budget_s"] == 100 - 1.0 and len(warm_ups) == 3
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # Inductor's imports

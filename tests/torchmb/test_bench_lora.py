@@ -29,7 +29,7 @@ def test_lora_rows_time_the_batched_adapters_the_limit_and_the_loop(monkeypatch)
     assert all(row["model_steps_per_s"] > 0 and "error" not in row for row in rows)
     by_impl = {row["impl"]: row for row in rows}
     assert by_impl["torchmb"]["limit"] == "limit" and by_impl["loop"]["vs_limit"] > 0
-    assert "| lora-llama | 3 | torchmb |" in _bench.table(rows)
+    assert "| lora-llama | 3 | fp32 | torchmb |" in _bench.table(rows)
 
 
 def test_the_lora_steps_train_every_adapter_and_leave_the_decoder_frozen() -> None:

@@ -13,23 +13,29 @@ For each workload and number of models B, in one process and on one device:
   (``limit+compile``) and graph-captured (``limit+graph``).
 
 Every implementation takes a full SGD training step (forward, the same summed cross-entropy, backward,
-``torch.optim.SGD`` step) on n samples per model. Each is built, measured and freed on its own, so its
-peak memory is its own. Its first step (which compiles, captures or autotunes cuDNN: ``compile_s``,
+``torch.optim.SGD`` step) on n samples per model, in fp32 on TF32 tensor cores (``--no-tf32``: without) or
+under bf16 autocast (``--precision bf16``). Each is built, measured and freed on its own, so its peak memory
+is its own. Its first step (which compiles, captures or autotunes cuDNN: ``compile_s``,
 ``first_step_peak_mib``) is untimed; then ``repeats`` timings of ``iters`` steps each give the median
-model-steps per second and its range. Ratios are to eager vmap and to the limit of the same kind
-(eager, compiled or graphed), each with the range the two ranges allow; where the ranges overlap the
-ratio is a tie (``"tie": true``).
+model-steps per second and its range. Ratios are to eager vmap, to vmap+compile (compiled rows) and to the
+limit of the same kind (eager, compiled or graphed), each with the range the two ranges allow; where the
+ranges overlap the ratio is a tie (``"tie": true``). Peak memory is compared with the vmap of the row's
+mode, launches per step (``--launches``) with the limit's.
+
+The run fits the machine: a B whose estimated memory (:mod:`torchmb.cli.bench_memory`) exceeds the free
+memory is skipped with a note, an out-of-memory that happens all the same is caught and marked, any other
+error (a compile's) is reported in its row, a row past ``--row-timeout`` is stopped, and past ``--budget``
+the rows left are skipped: the run always ends with its table.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
-import gc
 import json
-import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.func import functional_call, vmap
@@ -37,39 +43,53 @@ from tqdm import tqdm
 
 from ..memory import largest_fitting, max_batch
 from . import bench_lora  # noqa: F401  (registers the LoRA workloads)
+from .bench_measure import RowTimeout, Timer, first_line, free, is_out_of_memory, measure, time_limit
+from .bench_memory import Footprint, estimated_need, free_memory, one_model_footprint
+from .bench_report import add_ratios, summary, table
 from .bench_steps import (
     COMPILED,
     IMPLEMENTATIONS,
     WORKLOADS,
     Steps,
     Workload,
-    limit_for,
     summed_cross_entropy,
     vmap_attention,
 )
 from .bench_zoo import ZOO_MODELS
 
-__all__ = ["DEFAULT_IMPLEMENTATIONS", "IMPLEMENTATIONS", "WORKLOADS", "largest_batches", "main", "run", "table"]
+__all__ = [
+    "DEFAULT_IMPLEMENTATIONS",
+    "IMPLEMENTATIONS",
+    "WORKLOADS",
+    "add_ratios",
+    "default_implementations",
+    "largest_batches",
+    "main",
+    "run",
+    "summary",
+    "table",
+]
 
-#: The implementations a default run times, in this order.
+#: The implementations the full run (``--full``) times, in this order: torchmb, vmap and the limit, eager
+#: and compiled.
 DEFAULT_IMPLEMENTATIONS = ("torchmb", "torchmb+compile", "vmap", "vmap+compile", "limit", "limit+compile")
+EAGER_IMPLEMENTATIONS = ("torchmb", "vmap", "limit")
 DEFAULT_WORKLOADS = ("mlp", "lenet", "transformer", "resnet18")  # the quickest to compile first
-ZOO_IMPLEMENTATIONS = ("torchmb", "vmap", "loop", "limit")
-REPEAT_SECONDS = 0.1  # each timing lasts about this long (at least 2 steps, at most --iters)
+ZOO_IMPLEMENTATIONS = DEFAULT_IMPLEMENTATIONS
+COMPILED_BATCH = 64  # the default run compiles the small models at this B only (issue 17's comparison point)
+DEFAULT_BUDGET_S = 150.0
 
 
-def default_implementations(workload: Workload, batch: int) -> tuple[str, ...]:
-    """What the default run times of a workload at ``batch`` models, to end within about three minutes on
-    one GPU, where compiling takes most of the time: for the small models eager and compiled torchmb,
-    vmap and the limit (the compiled limit from B=64, where issue 17 compares with it); for the larger
-    ones torchmb eager and compiled and eager vmap (ResNet-18's compiled vmap took 38 s on the H100)."""
+def default_implementations(workload: Workload, batch: int, full: bool = False) -> tuple[str, ...]:
+    """What a run without ``--impls`` times of a workload at ``batch`` models. A workload's own set where it
+    has one (the LoRA ones); with ``full``, :data:`DEFAULT_IMPLEMENTATIONS`. Otherwise the default run's,
+    which ends within its budget on one GPU, where compiling takes most of the time: torchmb, vmap and the
+    limit eager, and for the small models (MLP, LeNet) compiled too at B=64."""
     if workload.implementations:
         return workload.implementations
-    if not workload.compile_all:
-        return ("torchmb", "torchmb+compile", "vmap")
-    if batch < 64:
-        return tuple(impl for impl in DEFAULT_IMPLEMENTATIONS if impl != "limit+compile")
-    return DEFAULT_IMPLEMENTATIONS
+    if full or (workload.compile_all and batch == COMPILED_BATCH):
+        return DEFAULT_IMPLEMENTATIONS
+    return EAGER_IMPLEMENTATIONS
 
 
 def warm_up_compiler(device: torch.device) -> float:
@@ -83,62 +103,39 @@ def warm_up_compiler(device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-class Timer:
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def seconds_per_call(self, fn: Callable[[], object], iters: int) -> float:
-        self.sync()
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        self.sync()
-        return (time.perf_counter() - start) / iters
+@contextlib.contextmanager
+def tf32(enabled: bool) -> Iterator[None]:
+    """fp32 matrix products and convolutions on TF32 tensor cores (or not) in the block; restores the
+    switches after."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+def _footprint(workload: Workload, samples: int, device: torch.device, precision: str,
+               channels_last: bool, log: Callable[[str], None]) -> Footprint | None:
+    if workload.steps is not None:  # its own steps (LoRA: one shared decoder): no per-model estimate
+        return None
+    try:
+        return one_model_footprint(workload, samples, device, precision, channels_last)
+    except Exception as error:  # no estimate: the row runs, an out-of-memory is still caught
+        log(f"no memory estimate for {workload.name}: {first_line(error)}")
+        return None
+    finally:
+        free(device)
 
 
-def _mib(device: torch.device) -> float:
-    return torch.cuda.max_memory_allocated(device) / 2**20
-
-
-def _measure(row: dict, build: Callable, timer: Timer, batch: int, repeats: int, iters: int, warmup: int) -> None:
-    """Build one implementation, time it into ``row`` and let it go."""
-    device = timer.device
-    step = build()
-    if hasattr(step, "note"):
-        row["note"] = step.note
-    start = time.perf_counter()
-    step()
-    timer.sync()
-    row["first_step_s"] = time.perf_counter() - start
-    if row["impl"] in COMPILED:
-        row["compile_s"] = row["first_step_s"]
-    if device.type == "cuda":
-        row["first_step_peak_mib"] = _mib(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    one = timer.seconds_per_call(step, max(1, warmup))  # the warm-up steps estimate a step's time
-    iters = max(2, min(iters, round(REPEAT_SECONDS / max(one, 1e-9))))
-    seconds = sorted(timer.seconds_per_call(step, iters) for _ in range(repeats))
-    median = statistics.median(seconds)
-    row.update(
-        ms_per_step=median * 1e3,
-        model_steps_per_s=batch / median,
-        model_steps_per_s_range=[batch / seconds[-1], batch / seconds[0]],
-        repeats=repeats,
-        iters=iters,
-    )
-    if device.type == "cuda":
-        row["peak_mib"] = _mib(device)
+def _memory_skip(impl: str, batch: int, samples: int, footprint: Footprint | None, available: int | None) -> str | None:
+    """Why ``impl`` at ``batch`` models is skipped by the memory estimate; None where it may run."""
+    if footprint is None or available is None:
+        return None
+    need = estimated_need(impl, batch, footprint, samples)
+    if need <= available:
+        return None
+    return f"needs about {need / 2**30:,.1f} GiB by the memory estimate, {available / 2**30:,.1f} GiB free"
 
 
 def run(
@@ -155,41 +152,62 @@ def run(
     channels_last: bool = False,
     budget_s: float | None = None,
     progress: bool = False,
+    full: bool = False,
+    row_timeout_s: float | None = None,
+    launches: bool = False,
+    memory_check: bool = True,
+    allow_tf32: bool = True,
 ) -> list[dict]:
-    """Time every implementation (``None``: each workload's default numbers of models and implementations).
-    With ``progress``, a progress bar (tqdm, on stderr) counts the timings, naming the one running; give
-    ``log=tqdm.write`` then, so that the rows print above it.
+    """Time every implementation (``None``: each workload's default numbers of models and
+    :func:`default_implementations`, with ``full`` the full set). With ``progress``, a progress bar (tqdm,
+    on stderr) counts the timings, naming the one running; give ``log=tqdm.write`` then, so that the rows
+    print above it.
 
-    Peak memory is the steady state's, with only the inputs and that implementation alive. Where a B runs
-    out of memory, larger ones of that workload and implementation are skipped with a note; past
-    ``budget_s`` seconds, everything left is skipped with a note.
+    fp32 runs on TF32 tensor cores unless ``allow_tf32`` is False; ``precision="bf16"`` runs the forward and
+    loss under bf16 autocast. Peak memory is the steady state's and the first step's, with only the inputs
+    and that implementation alive. With ``memory_check`` (on a device that reports its free memory), a row
+    whose estimated need (:mod:`torchmb.cli.bench_memory`) exceeds the free memory is skipped with a note;
+    a row that runs out of memory all the same is marked ``"out_of_memory"``, its memory freed, and larger
+    B of that workload and implementation are skipped. Any other error, a compile's included, is reported
+    in its row (its first line) and the run goes on; so does a row past ``row_timeout_s`` seconds. Past
+    ``budget_s`` seconds, everything left is skipped with a note. With ``launches``, each row counts one
+    steady step's kernel launches (:mod:`torchmb.cli.bench_measure`).
     """
+    with tf32(allow_tf32):
+        rows = _run(workloads, batches, samples, device, implementations, iters, repeats, warmup, log, precision,
+                    channels_last, budget_s, progress, full, row_timeout_s, launches, memory_check)
+    for row in rows:
+        row["tf32"] = allow_tf32
+    add_ratios(rows)
+    return rows
+
+
+def _run(workloads, batches, samples, device, implementations, iters, repeats, warmup, log, precision,
+         channels_last, budget_s, progress, full, row_timeout_s, launches, memory_check) -> list[dict]:
     timer = Timer(device)
     rows: list[dict] = []
     out_of_memory: dict[tuple[str, str], int] = {}
     began = time.perf_counter()
-    total = sum(len(implementations or default_implementations(WORKLOADS[name], batch))
+    total = sum(len(implementations or default_implementations(WORKLOADS[name], batch, full))
                 for name in workloads for batch in batches or WORKLOADS[name].batches)
     bar = tqdm(total=total, desc="bench", unit="timing", disable=not progress, dynamic_ncols=True)
+
+    def finish(row: dict) -> None:
+        rows.append(row)
+        log(json.dumps(row))
+        bar.update()
+
     for name in workloads:
         workload = WORKLOADS[name]
+        footprint = None
+        if memory_check and free_memory(device) is not None:  # a device that says how much memory is free
+            footprint = _footprint(workload, samples, device, precision, channels_last, log)
         for batch in batches or workload.batches:
-            torch.manual_seed(0)
-            steps = (workload.steps or Steps)(workload, batch, samples, device, precision, channels_last)
-            builders = steps.builders()
-            for impl in implementations or default_implementations(workload, batch):
-                bar.set_postfix_str(f"{name} B={batch} {impl}", refresh=False)
-                if impl not in builders:
-                    bar.update()
-                    continue
-                row = {
-                    "workload": name,
-                    "B": batch,
-                    "n": samples,
-                    "impl": impl,
-                    "precision": precision,
-                    "channels_last": channels_last,
-                }
+            pending = []
+            available = free_memory(device) if footprint is not None else None  # before this B's inputs
+            for impl in implementations or default_implementations(workload, batch, full):
+                row = {"workload": name, "B": batch, "n": samples, "impl": impl, "precision": precision,
+                       "channels_last": channels_last}
                 if impl.startswith("vmap") and workload.attention:
                     row["attention"] = "math"
                 failed_at = out_of_memory.get((name, impl))
@@ -197,25 +215,78 @@ def run(
                     row["skipped"] = f"B={failed_at} ran out of memory"
                 elif budget_s is not None and time.perf_counter() - began > budget_s:
                     row["skipped"] = f"past the time budget of {budget_s:.0f} s"
-                else:
-                    _free(device)
-                    try:
-                        _measure(row, builders[impl], timer, batch, repeats, iters, warmup)
-                    except torch.cuda.OutOfMemoryError as error:
+                elif (reason := _memory_skip(impl, batch, samples, footprint, available)) is not None:
+                    row["skipped"] = reason
+                pending.append(row)
+            if all("skipped" in row for row in pending):  # nothing to make the B models and their inputs for
+                for row in pending:
+                    finish(row)
+                continue
+            torch.manual_seed(0)
+            try:
+                steps = (workload.steps or Steps)(workload, batch, samples, device, precision, channels_last)
+                builders = steps.builders()
+            except Exception as error:  # the inputs or the B plain models do not fit: no row of this B runs
+                failure, memory = first_line(error), is_out_of_memory(error)
+                for row in pending:
+                    if "skipped" not in row:
+                        row["error"] = f"making the inputs: {failure}"
+                        row["out_of_memory"] = memory
+                        if memory:
+                            out_of_memory[(name, row["impl"])] = batch
+                    finish(row)
+                free(device)
+                continue
+            for row in pending:
+                impl = row["impl"]
+                bar.set_postfix_str(f"{name} B={batch} {impl}", refresh=False)
+                if impl not in builders:
+                    bar.update()
+                    continue
+                if "skipped" not in row and budget_s is not None and time.perf_counter() - began > budget_s:
+                    row["skipped"] = f"past the time budget of {budget_s:.0f} s"
+                if "skipped" not in row:
+                    free(device)
+                    if _measure_row(row, builders[impl], timer, batch, repeats, iters, warmup, row_timeout_s,
+                                    launches):
                         out_of_memory[(name, impl)] = batch
-                        row["error"] = f"OutOfMemoryError: {str(error).splitlines()[0][:200]}"
-                    except RuntimeError as error:  # report, go on with the rest
-                        row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
-                    if impl in COMPILED:
-                        torch._dynamo.reset()  # the compiled code holds the implementation's tensors
-                rows.append(row)
-                log(json.dumps(row))
-                bar.update()
+                finish(row)
             del steps, builders
-            _free(device)
+            free(device)
     bar.close()
-    add_ratios(rows)
     return rows
+
+
+def _measure_row(row: dict, build: Callable, timer: Timer, batch: int, repeats: int, iters: int, warmup: int,
+                 row_timeout_s: float | None, launches: bool) -> bool:
+    """Measure one row into ``row``, reporting a failure in it; returns whether it ran out of memory."""
+    compiled = row["impl"] in COMPILED
+    # a compiled row that hits dynamo's recompile limit would run on in eager mode: make that an error instead
+    compile_config = torch._dynamo.config.patch(fail_on_recompile_limit_hit=True) if compiled \
+        else contextlib.nullcontext()
+    try:
+        with compile_config, time_limit(row_timeout_s):
+            measure(row, build, timer, batch, repeats, iters, warmup, compiled=compiled, launches=launches)
+        return False
+    except RowTimeout as timeout:
+        if "model_steps_per_s" in row:
+            where = "counting launches"
+        elif "first_step_s" in row:
+            where = "timing"
+        else:
+            where = "compiling" if compiled else "building or in the first step"
+        row["error"] = f"{timeout} (while {where})"
+        return False
+    except Exception as error:  # report it in the row and go on with the rest
+        if is_out_of_memory(error):
+            row["out_of_memory"] = True
+            row["error"] = f"out of memory: {first_line(error)}"
+            return True
+        row["error"] = first_line(error)
+        return False
+    finally:
+        if compiled:
+            torch._dynamo.reset()  # the compiled code holds the implementation's tensors
 
 
 def largest_batches(workloads: list[str], samples: int, device: torch.device, upper: int) -> list[dict]:
@@ -279,62 +350,6 @@ def largest_batches(workloads: list[str], samples: int, device: torch.device, up
     return rows
 
 
-def add_ratios(rows: list[dict]) -> None:
-    """Each timed row's ratios to eager vmap (``vs_vmap``) and to its kind of limit (``vs_limit``, named
-    in ``limit``), each with ``_range`` (from the two rows' ranges) and ``_tie`` (the ranges overlap)."""
-    by_key = {(r["workload"], r["B"], r["impl"]): r for r in rows if "model_steps_per_s" in r}
-    for row in rows:
-        if "model_steps_per_s" not in row:
-            continue
-        for anchor, key in (("vmap", "vs_vmap"), (limit_for(row["impl"]), "vs_limit")):
-            reference = by_key.get((row["workload"], row["B"], anchor))
-            if reference is None or reference is row:
-                continue
-            low, high = row["model_steps_per_s_range"]
-            ref_low, ref_high = reference["model_steps_per_s_range"]
-            row[key] = row["model_steps_per_s"] / reference["model_steps_per_s"]
-            row[f"{key}_range"] = [low / ref_high, high / ref_low]
-            row[f"{key}_tie"] = low <= ref_high and ref_low <= high
-            if key == "vs_limit":
-                row["limit"] = anchor
-
-
-def _ratio_cell(row: dict, key: str) -> str:
-    if key not in row:
-        return ""
-    low, high = row[f"{key}_range"]
-    tie = " tie" if row[f"{key}_tie"] else ""
-    return f"{row[key]:.2f} ({low:.2f}-{high:.2f}){tie}"
-
-
-def table(rows: list[dict]) -> str:
-    """The rows as a Markdown table: model-steps per second, the ratios to eager vmap and to the limit, memory
-    and compile time."""
-    lines = [
-        "| workload | B | impl | model-steps/s (range) | vs eager vmap | vs limit | limit | peak MiB "
-        "| first-step peak MiB | compile s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        if "error" in r or "skipped" in r:
-            note = r.get("error") or f"skipped: {r['skipped']}"
-            lines.append(f"| {r['workload']} | {r['B']} | {r['impl']} | {note} | | | | | | |")
-            continue
-        low, high = r["model_steps_per_s_range"]
-        cells = [
-            f"{r['model_steps_per_s']:,.0f} ({low:,.0f}-{high:,.0f})",
-            _ratio_cell(r, "vs_vmap"),
-            _ratio_cell(r, "vs_limit"),
-            r.get("limit", ""),
-            f"{r['peak_mib']:,.0f}" if "peak_mib" in r else "",
-            f"{r['first_step_peak_mib']:,.0f}" if "first_step_peak_mib" in r else "",
-            f"{r['compile_s']:.1f}" if "compile_s" in r else "",
-        ]
-        impl = f"{r['impl']} ({r['note']})" if "note" in r else r["impl"]
-        lines.append(f"| {r['workload']} | {r['B']} | {impl} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="device to measure on, e.g. cpu, cuda, cuda:1 (default: cuda where available, else cpu)")
@@ -344,14 +359,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--zoo",
         action="store_true",
-        help=f"the model-zoo workloads ({', '.join(ZOO_MODELS)}; torchvision and timm) at B=16 and 64 against "
-        f"eager vmap, a loop and the limit (other --impls if given)",
+        help=f"the model-zoo workloads ({', '.join(ZOO_MODELS)}; torchvision and timm) at B=16 and 64 with "
+        f"{','.join(ZOO_IMPLEMENTATIONS)} (other --impls if given; --workloads picks among them)",
+    )
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help=f"every default workload at its default B with {','.join(DEFAULT_IMPLEMENTATIONS)} and no time "
+        "budget (unless --budget): what the default run leaves out (with --zoo: the loop too)",
     )
     parser.add_argument(
         "--workloads",
-        default=",".join(DEFAULT_WORKLOADS),
         help=f"comma-separated, from {', '.join(WORKLOADS)} "
-        f"(default {','.join(DEFAULT_WORKLOADS)})",
+        f"(default {','.join(DEFAULT_WORKLOADS)}; with --zoo, the zoo)",
     )
     parser.add_argument(
         "--batches",
@@ -362,25 +382,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=128, help="samples per model n (default 128)")
     parser.add_argument(
         "--impls",
-        help=f"comma-separated, from {', '.join(IMPLEMENTATIONS)} (default {','.join(DEFAULT_IMPLEMENTATIONS)} "
-        "for mlp and lenet, limit+compile from B=64; torchmb,torchmb+compile,vmap for the others)",
+        help=f"comma-separated, from {', '.join(IMPLEMENTATIONS)} (default: {','.join(EAGER_IMPLEMENTATIONS)}, "
+        f"and for mlp and lenet at B={COMPILED_BATCH} the compiled ones too; --full and --zoo: "
+        f"{','.join(DEFAULT_IMPLEMENTATIONS)})",
     )
     parser.add_argument("--iters", type=int, default=200, help="at most this many steps per timing")
     parser.add_argument("--repeats", type=int, default=5, help="timings per implementation (median and range)")
     parser.add_argument(
         "--budget",
         type=float,
-        default=150.0,
-        help="seconds (the compiler's warm-up included) after which the rows left are skipped (default 150: with "
-        "the process's start, about three minutes)",
+        help=f"seconds (the compiler's warm-up included) after which the rows left are skipped with a note "
+        f"(default {DEFAULT_BUDGET_S:.0f} for the default run: with the process's start, about three minutes; "
+        "none with --full or --zoo)",
     )
     parser.add_argument(
-        "--precision", choices=("fp32", "bf16"), default="fp32", help="bf16: forward and loss under bf16 autocast"
+        "--row-timeout",
+        type=float,
+        default=300.0,
+        help="seconds one row (building, compiling, timing) may take before it is reported as past its time "
+        "limit and the run goes on (default 300; 0: no limit)",
     )
+    parser.add_argument(
+        "--precision", choices=("fp32", "bf16"), default="fp32",
+        help="fp32 (on TF32 tensor cores unless --no-tf32; the default) or bf16: forward and loss under bf16 autocast",
+    )
+    parser.add_argument("--no-tf32", dest="tf32", action="store_false",
+                        help="fp32 matrix products and convolutions in full fp32, not on TF32 tensor cores")
+    parser.add_argument(
+        "--launches",
+        action="store_true",
+        help="count one steady step's kernel launches per row with torch.profiler, and the ratio to the limit's "
+        "(on the CPU: ATen operators)",
+    )
+    parser.add_argument("--no-memory-check", dest="memory_check", action="store_false",
+                        help="run every row, even one that the memory estimate says does not fit")
     parser.add_argument(
         "--channels-last", action="store_true", help="images and plain conv weights stored channels-last"
     )
     parser.add_argument("--json", help="write the rows and the environment to this file")
+    parser.add_argument("--report", nargs="+", metavar="JSON",
+                        help="instead: print the table and the summary of rows saved by earlier runs' --json")
     parser.add_argument("--no-progress", dest="progress", action="store_false",
                         help="no progress bar (it counts the timings on stderr)")
     parser.add_argument(
@@ -391,20 +432,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _report(paths: list[str]) -> list[dict]:
+    rows = []
+    for path in paths:
+        with open(path) as f:
+            rows += json.load(f)["rows"]
+    print(table(rows))
+    print()
+    print(summary(rows))
+    return rows
+
+
 def main(args: argparse.Namespace) -> list[dict]:
-    """``python -m torchmb bench`` with its parsed ``args``: time the rows, print the table, return the rows."""
+    """``python -m torchmb bench`` with its parsed ``args``: time the rows, print the table and the summary,
+    return the rows."""
+    if args.report:
+        return _report(args.report)
     device = torch.device(args.device)
-    workloads = list(ZOO_MODELS) if args.zoo else [w for w in args.workloads.split(",") if w]
+    default_workloads = ZOO_MODELS if args.zoo else DEFAULT_WORKLOADS
+    workloads = [w for w in args.workloads.split(",") if w] if args.workloads else list(default_workloads)
     unknown = sorted(set(workloads) - set(WORKLOADS))
     impls = tuple(i for i in args.impls.split(",") if i) if args.impls else None
     if args.zoo and impls is None:
-        impls = ZOO_IMPLEMENTATIONS
+        impls = (*ZOO_IMPLEMENTATIONS, "loop") if args.full else ZOO_IMPLEMENTATIONS
     unknown += sorted(set(impls or ()) - set(IMPLEMENTATIONS))
     if unknown:
         raise SystemExit(f"unknown workload or implementation: {', '.join(unknown)}")
     batches = [int(b) for b in args.batches.split(",")] if args.batches else None
     samples, iters, repeats = args.samples, args.iters, args.repeats
-    environment = {"torch": torch.__version__, "device": _device_name(device)}
+    environment = {"torch": torch.__version__, "device": _device_name(device), "tf32": args.tf32}
     if args.max_batch:
         if device.type != "cuda":
             raise SystemExit("--max-batch measures device memory: it needs --device cuda")
@@ -418,13 +474,21 @@ def main(args: argparse.Namespace) -> list[dict]:
     if args.quick:
         workloads = [w for w in workloads if w in ("mlp", "lenet")] or ["mlp"]
         batches, samples, iters, repeats = [1, 4], 16, 3, 2
-        impls = tuple(i for i in impls or DEFAULT_IMPLEMENTATIONS if i not in COMPILED)
-    compiles = impls is None or any(impl in COMPILED for impl in impls)
+        impls = tuple(i for i in impls or EAGER_IMPLEMENTATIONS if i not in COMPILED)
     budget_s = args.budget
-    if compiles and not args.quick:
+    if budget_s is None and not (args.full or args.zoo):
+        budget_s = DEFAULT_BUDGET_S
+    compiles = any(
+        impl in COMPILED
+        for name in workloads
+        for batch in batches or WORKLOADS[name].batches
+        for impl in impls or default_implementations(WORKLOADS[name], batch, args.full)
+    )
+    if compiles:
         warm_up_s = environment["compiler_warm_up_s"] = round(warm_up_compiler(device), 2)
         print(f"compiler warm-up (counted as no implementation's compile time): {warm_up_s} s")
-        budget_s -= warm_up_s
+        if budget_s is not None:
+            budget_s -= warm_up_s
     rows = run(
         workloads,
         batches,
@@ -439,8 +503,15 @@ def main(args: argparse.Namespace) -> list[dict]:
         budget_s=budget_s,
         log=tqdm.write if args.progress else print,
         progress=args.progress,
+        full=args.full,
+        row_timeout_s=args.row_timeout or None,
+        launches=args.launches,
+        memory_check=args.memory_check,
+        allow_tf32=args.tf32,
     )
     print(table(rows))
+    print()
+    print(summary(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"environment": environment, "rows": rows}, f, indent=1)
