@@ -17,6 +17,8 @@ from batch_layers import (
     ForwardContext,
     OffloadedBatchEmbedding,
     SamplesOrderError,
+    SamplesOrderProbe,
+    current_forward,
     forward_context,
     recognise_shared_by,
 )
@@ -74,10 +76,10 @@ class BatchModule(SharedMarksKept, nn.Module):
             keeps every reshape that merges dims into dim 0 correct; ``"samples"`` (row ``i*B + b``)
             makes the grouped layout of convolutions and batch norms a free view, saving two layout
             copies per such layer forward and three backward, but refuses (with an error) a layer input
-            whose dim 0 is not exactly ``B*n``. ``"auto"`` takes ``"samples"`` when every batched layer
-            supports it and one is a convolution or batch norm, else ``"models"``; should the first
-            forward then meet such an input, it is undone (buffers and random state restored) and rerun
-            models-major, which the module keeps from then on. The order is internal: inputs and outputs
+            whose dim 0 is not exactly ``B*n``. ``"auto"`` runs the first forward models-major and, when
+            every batched layer supports ``"samples"`` and one is a convolution or batch norm, switches to
+            ``"samples"`` for good after it, unless a layer met such an input (or an output had such rows)
+            in that forward. The order in use is :attr:`merged_order`; it is internal: inputs and outputs
             are ``(B, n, ...)`` either way.
         shared: the frozen parameters all models share, stored once without a model axis (a pretrained
             backbone): ``None`` (default) those with ``requires_grad=False``; or a function ``(name,
@@ -133,8 +135,7 @@ class BatchModule(SharedMarksKept, nn.Module):
         watch_late_parameters(self.module)
         self.shared_keys = shared_keys(self.module)
         self.generic_modules: list[str] = [e.name or e.type for e in self._conversion if e.generic]
-        self.merged_order = self._choose_order(merged_order)
-        self._order_on_trial = merged_order == "auto" and self.merged_order == "samples"
+        self.merged_order, self._samples_major_pending = self._choose_order(merged_order)
         self._plain_shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
         if self.generic_modules:
             logger.info(
@@ -152,8 +153,9 @@ class BatchModule(SharedMarksKept, nn.Module):
         the reason and the parameters per model that the path batches."""
         return list(self._conversion)
 
-    def _choose_order(self, requested: str) -> str:
-        """The merged order for ``requested``; sets every batched layer's order or reorders around it."""
+    def _choose_order(self, requested: str) -> tuple[str, bool]:
+        """The merged order to start in for ``requested``, which it gives every batched layer (or reorders
+        around), and whether ``"auto"`` is to switch to samples-major after the first forward."""
         layers = [(name, m) for name, m in self.module.named_modules() if isinstance(m, AbstractBatchModule)]
         unable = [name or type(m).__name__ for name, m in layers if not m.runs_in("samples")]
         unable += self.generic_modules  # the torch.func path splits models-major
@@ -162,11 +164,11 @@ class BatchModule(SharedMarksKept, nn.Module):
                 "merged_order='samples' needs every batched layer to support the samples-major order; these do "
                 f"not: {', '.join(unable)}"
             )
-        order = requested
-        if requested == "auto":
-            order = "samples" if not unable and any(m.grouped_layout for _, m in layers) else "models"
+        # "auto" starts models-major, which runs every model correctly: whether a model merges other dims
+        # into dim 0 (which samples-major cannot run) only its first forward tells.
+        order = "models" if requested == "auto" else requested
         self._set_order(order)
-        return order
+        return order, requested == "auto" and not unable and any(m.grouped_layout for _, m in layers)
 
     def _set_order(self, order: str) -> None:
         for layer in self.module.modules():
@@ -175,7 +177,7 @@ class BatchModule(SharedMarksKept, nn.Module):
             if layer.runs_in(order):
                 if layer.merged_order != order:
                     layer.merged_order = order
-            elif not getattr(layer, "_reordered", False):  # a samples-only custom layer in a models-major model
+            elif not getattr(layer, "_reordered", False):  # a samples-only custom layer in a models-major forward
                 _reorder_around(layer)
         self.merged_order = order
 
@@ -241,60 +243,58 @@ class BatchModule(SharedMarksKept, nn.Module):
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, *args: Any, shared_input: bool = False, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
-            # No trial inside a graph: dynamo runs _settled_order eagerly while it traces and traces the
-            # forward in the order it returns (so a compiled model never changes order, nor recompiles).
+            # Dynamo runs _settled_order eagerly while it traces (the first forward's checks, which settle
+            # the order too) and traces the forward in the order it returns: once, never retraced.
             self._settled_order(shared_input, *args, **kwargs)
             return self._forward(args, shared_input, kwargs)
-        if self._order_on_trial:
-            return self._forward_on_trial(args, shared_input, kwargs)
-        return self._forward(args, shared_input, kwargs)
-
-    def _forward_on_trial(self, args: tuple, shared_input: bool, kwargs: dict) -> Any:
-        """The first forward of an automatically chosen samples-major order: should a layer refuse it,
-        undo what the forward changed (buffers such as running statistics, the random state) and run
-        models-major, for good."""
-        try:
-            with _state_restored(self, always=False):
-                out = self._forward(args, shared_input, kwargs)
-        except SamplesOrderError as error:
-            self._keep_models_major(error)
+        if not self._samples_major_pending:
             return self._forward(args, shared_input, kwargs)
-        self._order_on_trial = False
+        probe = SamplesOrderProbe()
+        out = self._forward(args, shared_input, kwargs, probe)
+        self._settle_order(probe)
         return out
+
+    def _settle_order(self, probe: SamplesOrderProbe) -> None:
+        """After ``"auto"``'s first forward (models-major): samples-major from now on, for good, if it would
+        have run that forward; nothing is undone or run again."""
+        self._samples_major_pending = False
+        refusal = probe.refusal
+        if refusal is None and self.generic_modules:  # the first forward found code that runs per model
+            refusal = f"{self.generic_modules[-1]} runs per model through torch.func, which splits models-major"
+        if refusal is None:
+            self._set_order("samples")
+        else:
+            logger.info("torchmb: keeping the models-major order, which samples-major cannot replace: %s", refusal)
 
     @_constant_under_compile
     def _settled_order(self, shared_input: bool, *args: Any, **kwargs: Any) -> str:
-        """The merged order, its trial decided first. Dynamo calls this while tracing, with the module and
-        the real inputs (a method, and the tensors as arguments of their own: what every torch >= 2.5
-        accepts there), and traces its result as a constant."""
-        return self._settle_order(args, shared_input, kwargs)
+        """The merged order, settled by the first forward's checks first. Dynamo calls this while tracing,
+        with the module and the real inputs (a method, and the tensors as arguments of their own: what every
+        torch >= 2.5 accepts there), and traces its result as a constant."""
+        return self._dry_first_forward(args, shared_input, kwargs)
 
-    def _settle_order(self, args: tuple, shared_input: bool, kwargs: dict) -> str:
-        """The trial and the first forward's checks as a dry run (torch.compile traces the forward afterwards,
-        untracked): a forward without gradients whose effects on buffers and the random state are undone."""
-        while self._order_on_trial or self._first_forward:
+    def _dry_first_forward(self, args: tuple, shared_input: bool, kwargs: dict) -> str:
+        """The first forward's checks as a dry run (torch.compile traces the forward afterwards, untracked): a
+        forward without gradients whose effects on buffers and the random state are undone. Under ``"auto"``
+        it settles the order as an eager first forward does."""
+        if self._first_forward or self._samples_major_pending:
+            probe = SamplesOrderProbe() if self._samples_major_pending else None
             self._dry_run = True  # tracked although dynamo is compiling: this runs eagerly
             try:
                 with _state_restored(self, always=True), torch.no_grad():
-                    self._forward(args, shared_input, kwargs)
-            except SamplesOrderError as error:
-                self._keep_models_major(error)
-                continue
+                    self._forward(args, shared_input, kwargs, probe)
             finally:
                 self._dry_run = False
-            self._order_on_trial = False
+            if probe is not None:
+                self._settle_order(probe)
         return self.merged_order
 
-    def _keep_models_major(self, error: SamplesOrderError) -> None:
-        self._set_order("models")
-        self._order_on_trial = False
-        logger.info("torchmb: running models-major, since the model merges other dims into dim 0: %s", error)
-
-    def _forward(self, args: tuple, shared_input: bool, kwargs: dict) -> Any:
+    def _forward(self, args: tuple, shared_input: bool, kwargs: dict, probe: SamplesOrderProbe | None = None) -> Any:
+        """The forward in the order in use; ``probe`` notes what the samples-major order would refuse."""
         if len(args) == 1 and not kwargs and type(args[0]) is Tensor:  # the common call: no pytree walk
             (x,) = args
             samples = self._samples([x], shared_input)
-            out, labels = self._run(samples, shared_input, x if shared_input else self._merge_input(x))
+            out, labels = self._run(samples, shared_input, probe, x if shared_input else self._merge_input(x))
         else:
             leaves, spec = tree_flatten((args, kwargs))
             tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
@@ -302,12 +302,12 @@ class BatchModule(SharedMarksKept, nn.Module):
             if not shared_input:
                 leaves = [self._merge_input(leaf) if isinstance(leaf, Tensor) else leaf for leaf in leaves]
             call_args, call_kwargs = tree_unflatten(leaves, spec)
-            out, labels = self._run(samples, shared_input, *call_args, **call_kwargs)
+            out, labels = self._run(samples, shared_input, probe, *call_args, **call_kwargs)
         if shared_input and labels is not None:
-            return tree_map(lambda value: self._split_shared_output(value, samples, labels), out)
+            return tree_map(lambda value: self._split_shared_output(value, samples, labels, probe), out)
         if type(out) is Tensor:
-            return split_output(out, self.batch, samples, self.merged_order)
-        return tree_map(lambda value: split_output(value, self.batch, samples, self.merged_order), out)
+            return split_output(out, self.batch, samples, self.merged_order, probe)
+        return tree_map(lambda value: split_output(value, self.batch, samples, self.merged_order, probe), out)
 
     def _merge_input(self, x: Tensor) -> Tensor:
         """``(B, n, ...)`` to the merged ``(B*n, ...)`` in this module's order (samples-major: a copy)."""
@@ -332,9 +332,11 @@ class BatchModule(SharedMarksKept, nn.Module):
                 )
         return tensors[0].shape[1]
 
-    def _run(self, samples: int, shared_input: bool, *args: Any, **kwargs: Any) -> tuple[Any, ModelDataTracker | None]:
+    def _run(
+        self, samples: int, shared_input: bool, probe: SamplesOrderProbe | None, *args: Any, **kwargs: Any
+    ) -> tuple[Any, ModelDataTracker | None]:
         """The model's merged output, and the tracker that labelled its tensors (if tracked)."""
-        with forward_context(ForwardContext(self.batch, samples, shared_input, self.merged_order)):
+        with forward_context(ForwardContext(self.batch, samples, shared_input, self.merged_order, probe)):
             if self._dry_run or not torch.compiler.is_compiling():  # compiled code is not tracked (Python modes)
                 check_decisions = self._first_forward or checking_decisions()
                 if shared_input or check_decisions:
@@ -356,11 +358,13 @@ class BatchModule(SharedMarksKept, nn.Module):
             self._first_forward = False
             return out, tracker
 
-    def _split_shared_output(self, value: Any, samples: int, labels: ModelDataTracker) -> Any:
+    def _split_shared_output(
+        self, value: Any, samples: int, labels: ModelDataTracker, probe: SamplesOrderProbe | None
+    ) -> Any:
         """A shared-input forward's output: one computed without any model's state is every model's (a view)."""
         if isinstance(value, Tensor) and labels.kind(value) is not Kind.PER_MODEL:
             return value.expand(self.batch, *value.shape)
-        return split_output(value, self.batch, samples, self.merged_order)
+        return split_output(value, self.batch, samples, self.merged_order, probe)
 
     # -- per-model state --------------------------------------------------------------------------
     def _is_per_model(self, key: str, value: Tensor) -> bool:
@@ -470,7 +474,12 @@ def _run_per_model(batched: BatchModule, found: PerModelCodeFound) -> None:
 
 
 def _reorder_around(module: AbstractBatchModule) -> None:
-    """Give a module that declares ``merged_order = "samples"`` (torchmb 0.2's layout) its layout."""
+    """Give a module that declares ``merged_order = "samples"`` (torchmb 0.2's layout) its layout in a forward
+    that runs in another order (``"auto"``'s first forward, or ``"models"``)."""
+
+    def in_its_order() -> bool:
+        context = current_forward()
+        return context is not None and context.order == module.merged_order
 
     def to_samples(tensor: Any) -> Any:
         if not isinstance(tensor, Tensor) or module.is_shared(tensor):
@@ -484,8 +493,14 @@ def _reorder_around(module: AbstractBatchModule) -> None:
         module.check_merged(tensor, "output")
         return tensor.view(-1, module.batch, *tensor.shape[1:]).transpose(0, 1).reshape(tensor.shape)
 
-    module.register_forward_pre_hook(lambda _, args, kwargs: tree_map(to_samples, (args, kwargs)), with_kwargs=True)
-    module.register_forward_hook(lambda _, args, out: tree_map(to_models, out))
+    def before(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        return None if in_its_order() else tree_map(to_samples, (args, kwargs))
+
+    def after(_: nn.Module, args: tuple, out: Any) -> Any:
+        return None if in_its_order() else tree_map(to_models, out)
+
+    module.register_forward_pre_hook(before, with_kwargs=True)
+    module.register_forward_hook(after)
     module._reordered = True
 
 
@@ -515,8 +530,11 @@ def _state_restored(module: nn.Module, *, always: bool) -> Iterator[None]:
         restore()
 
 
-def split_output(value: Any, batch: int, samples: int, merged_order: str) -> Any:
-    """An output tensor of the merged forward as ``(B, n, ...)``: other values pass through unchanged."""
+def split_output(
+    value: Any, batch: int, samples: int, merged_order: str, probe: SamplesOrderProbe | None = None
+) -> Any:
+    """An output tensor of the merged forward as ``(B, n, ...)``: other values pass through unchanged;
+    ``probe`` notes a models-major output that samples-major would refuse."""
     if not isinstance(value, Tensor):
         return value
     if value.shape == (batch,) and samples != 1:  # cannot be B * n rows: one number per model
@@ -529,6 +547,8 @@ def split_output(value: Any, batch: int, samples: int, merged_order: str) -> Any
             "model's loss from its outputs with torchmb.batch_loss"
         )
     if merged_order == "models":
+        if probe is not None and value.shape[0] != batch * samples:
+            probe.note("the model", "output", tuple(value.shape), batch, samples)
         return value.view(batch, -1, *value.shape[1:])
     if value.shape[0] != batch * samples:
         raise SamplesOrderError(
