@@ -180,13 +180,11 @@ def test_no_import_cycles():
 
 # Circles through TYPE_CHECKING imports that remain (issue 23 stays open until this is empty): the checkpoint
 # and .npy modules (being made crash-safe by another change) type their argument by the class that calls them;
-# the copy engines take the whole HostTable (its storage is to become an object of its own that engines get);
-# the population methods of BatchOptimizer take the optimizer.
+# the copy engines take the whole HostTable (its storage is to become an object of its own that engines get).
 TYPE_CHECKING_CIRCLES_LEFT = [
     ["offload._checkpoint", "offload._embedding"],
     ["offload._choice", "offload._engine", "offload._engine_cpu", "offload._engine_hybrid", "offload._engine_uva",
      "offload._npy", "offload._prefetch", "offload._table"],
-    ["torchmb.optim._base", "torchmb.optim._population"],
 ]
 
 
@@ -278,7 +276,7 @@ def _private_reaches() -> dict[tuple[str, str], int]:
 # shrink (a new reach fails the test; one removed must be struck from here). The offloaded embedding's parts
 # reach none (see offload/_embedding.py); left: the copy engines and row writers into HostTable (its storage
 # is to become an object engines are given), the checkpoint and .npy modules (to use the parts' interfaces,
-# see docs/design.md), and torchmb's optimizer and converter internals.
+# see docs/design.md).
 PRIVATE_REACHES_LEFT = {
     ("offload/_checkpoint.py", "_attach"), ("offload/_checkpoint.py", "_drop_cache"),
     ("offload/_checkpoint.py", "_engine"), ("offload/_checkpoint.py", "_loaded"),
@@ -304,12 +302,6 @@ PRIVATE_REACHES_LEFT = {
     ("offload/_prefetch.py", "_gather_ordered"), ("offload/_prefetch.py", "_host_route"),
     ("offload/_prefetch.py", "_prefetches"), ("offload/_prefetch.py", "_side_stream"),
     ("offload/_table.py", "_patch"),
-    ("torchmb/distributed.py", "_ensure_state"), ("torchmb/distributed.py", "_per_model_attrs"),
-    ("torchmb/distributed.py", "_per_model_entries"),
-    ("torchmb/memory.py", "_is_per_model"), ("torchmb/memory.py", "_refuse_offloaded"),
-    ("torchmb/optim/_population.py", "_ensure_state"), ("torchmb/optim/_population.py", "_init_group_state"),
-    ("torchmb/optim/_population.py", "_per_model_entries"),
-    ("torchmb/testing.py", "_is_per_model"),
 }
 
 

@@ -18,7 +18,6 @@ from batch_layers import (
     OffloadedBatchEmbedding,
     SamplesOrderError,
     SamplesOrderProbe,
-    current_forward,
     forward_context,
     recognise_shared_by,
 )
@@ -27,6 +26,7 @@ from ._convert import ConversionEntry, convert, run_per_model, stacked_state, wa
 from ._generic import is_generic
 from ._init import build_with_seed, random_state_kept, reset_uncovered, reset_with_seed
 from ._late_parameters import watch_late_parameters
+from ._order import set_order, start_order
 from ._select import commit_survivors, gather_survivors, survivor_index
 from ._shared import SharedMarksKept, SharedSpec, copy_sharing, shared_keys, shared_names, shared_summary
 from ._state_dicts import is_per_model, load_plain_states, loading_plan, model_index, plain_model
@@ -135,7 +135,7 @@ class BatchModule(SharedMarksKept, nn.Module):
         watch_late_parameters(self.module)
         self.shared_keys = shared_keys(self.module)
         self.generic_modules: list[str] = [e.name or e.type for e in self._conversion if e.generic]
-        self.merged_order, self._samples_major_pending = self._choose_order(merged_order)
+        self.merged_order, self._samples_major_pending = start_order(self.module, merged_order, self.generic_modules)
         self._plain_shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
         if self.generic_modules:
             logger.info(
@@ -152,34 +152,6 @@ class BatchModule(SharedMarksKept, nn.Module):
         (registered batched class, ``torch.func`` for its own state or its whole subtree, or unchanged), with
         the reason and the parameters per model that the path batches."""
         return list(self._conversion)
-
-    def _choose_order(self, requested: str) -> tuple[str, bool]:
-        """The merged order to start in for ``requested``, which it gives every batched layer (or reorders
-        around), and whether ``"auto"`` is to switch to samples-major after the first forward."""
-        layers = [(name, m) for name, m in self.module.named_modules() if isinstance(m, AbstractBatchModule)]
-        unable = [name or type(m).__name__ for name, m in layers if not m.runs_in("samples")]
-        unable += self.generic_modules  # the torch.func path splits models-major
-        if requested == "samples" and unable:
-            raise ValueError(
-                "merged_order='samples' needs every batched layer to support the samples-major order; these do "
-                f"not: {', '.join(unable)}"
-            )
-        # "auto" starts models-major, which runs every model correctly: whether a model merges other dims
-        # into dim 0 (which samples-major cannot run) only its first forward tells.
-        order = "models" if requested == "auto" else requested
-        self._set_order(order)
-        return order, requested == "auto" and not unable and any(m.grouped_layout for _, m in layers)
-
-    def _set_order(self, order: str) -> None:
-        for layer in self.module.modules():
-            if not isinstance(layer, AbstractBatchModule):
-                continue
-            if layer.runs_in(order):
-                if layer.merged_order != order:
-                    layer.merged_order = order
-            elif not getattr(layer, "_reordered", False):  # a samples-only custom layer in a models-major forward
-                _reorder_around(layer)
-        self.merged_order = order
 
     @classmethod
     def from_factory(
@@ -262,7 +234,7 @@ class BatchModule(SharedMarksKept, nn.Module):
         if refusal is None and self.generic_modules:  # the first forward found code that runs per model
             refusal = f"{self.generic_modules[-1]} runs per model through torch.func, which splits models-major"
         if refusal is None:
-            self._set_order("samples")
+            self.merged_order = set_order(self.module, "samples")
         else:
             logger.info("torchmb: keeping the models-major order, which samples-major cannot replace: %s", refusal)
 
@@ -370,6 +342,11 @@ class BatchModule(SharedMarksKept, nn.Module):
     def _is_per_model(self, key: str, value: Tensor) -> bool:
         return is_per_model(key, value, self.batch, self._plain_shapes)
 
+    def per_model_keys(self) -> set[str]:
+        """The keys of the plain model's state dict whose tensors here carry the model axis, ``(B, *shape)``;
+        the others (shared parameters, constant buffers) are stored once for all models."""
+        return {key for key, value in self.module.state_dict().items() if self._is_per_model(key, value)}
+
     def state_dict_of(self, index: int) -> OrderedDict[str, Tensor]:
         """Model ``index``'s plain state dict (cloned tensors), loadable into the original model."""
         index = self._check_index(index)
@@ -415,7 +392,8 @@ class BatchModule(SharedMarksKept, nn.Module):
         error leaves the module as it was.
         """
         index = survivor_index(keep, self.batch)
-        self._refuse_offloaded("select() cannot shrink", "build a new BatchModule from the survivors' state_dicts")
+        instead = "build a new BatchModule from the survivors' state_dicts"
+        refuse_offloaded(self.module, "select() cannot shrink", instead)
         survivors = gather_survivors(self.module.state_dict(keep_vars=True), index, self._is_per_model)
         commit_survivors(survivors)
         self.batch = len(index)
@@ -425,15 +403,6 @@ class BatchModule(SharedMarksKept, nn.Module):
             elif is_generic(module):
                 module._torchmb_batch = self.batch
         return self
-
-    def _refuse_offloaded(self, action: str, instead: str) -> None:
-        """Operations on slices of the model axis cannot reach an offloaded embedding's host table."""
-        for name, module in self.module.named_modules():
-            if isinstance(module, OffloadedBatchEmbedding):
-                raise NotImplementedError(
-                    f"{action} {name or 'the model'}: an offloaded embedding keeps all B tables in one host "
-                    f"table; {instead} instead"
-                )
 
     def _check_index(self, index: int) -> int:
         return model_index(index, self.batch)
@@ -446,6 +415,16 @@ class BatchModule(SharedMarksKept, nn.Module):
         return f"batch={self.batch}, merged_order={self.merged_order!r}{shared}{generic}"
 
 
+
+
+def refuse_offloaded(model: nn.Module, action: str, instead: str) -> None:
+    """Operations on slices of the model axis cannot reach an offloaded embedding's host table."""
+    for name, module in model.named_modules():
+        if isinstance(module, OffloadedBatchEmbedding):
+            raise NotImplementedError(
+                f"{action} {name or 'the model'}: an offloaded embedding keeps all B tables in one host "
+                f"table; {instead} instead"
+            )
 
 
 def _tracked_forward(
@@ -471,37 +450,6 @@ def _run_per_model(batched: BatchModule, found: PerModelCodeFound) -> None:
             f"{entry.name or entry.type} runs per model through torch.func, which splits the merged axis "
             "models-major: build the BatchModule with merged_order='models'"
         )
-
-
-def _reorder_around(module: AbstractBatchModule) -> None:
-    """Give a module that declares ``merged_order = "samples"`` (torchmb 0.2's layout) its layout in a forward
-    that runs in another order (``"auto"``'s first forward, or ``"models"``)."""
-
-    def in_its_order() -> bool:
-        context = current_forward()
-        return context is not None and context.order == module.merged_order
-
-    def to_samples(tensor: Any) -> Any:
-        if not isinstance(tensor, Tensor) or module.is_shared(tensor):
-            return tensor
-        module.check_merged(tensor)
-        return tensor.view(module.batch, -1, *tensor.shape[1:]).transpose(0, 1).reshape(tensor.shape)
-
-    def to_models(tensor: Any) -> Any:
-        if not isinstance(tensor, Tensor):
-            return tensor
-        module.check_merged(tensor, "output")
-        return tensor.view(-1, module.batch, *tensor.shape[1:]).transpose(0, 1).reshape(tensor.shape)
-
-    def before(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        return None if in_its_order() else tree_map(to_samples, (args, kwargs))
-
-    def after(_: nn.Module, args: tuple, out: Any) -> Any:
-        return None if in_its_order() else tree_map(to_models, out)
-
-    module.register_forward_pre_hook(before, with_kwargs=True)
-    module.register_forward_hook(after)
-    module._reordered = True
 
 
 @contextlib.contextmanager
