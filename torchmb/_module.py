@@ -27,6 +27,7 @@ from ._generic import is_generic
 from ._init import build_with_seed, random_state_kept, reset_uncovered, reset_with_seed
 from ._late_parameters import watch_late_parameters
 from ._order import set_order, start_order
+from ._repr import tagged_repr
 from ._select import commit_survivors, gather_survivors, survivor_index
 from ._shared import SharedMarksKept, SharedSpec, copy_sharing, shared_keys, shared_names, shared_summary
 from ._state_dicts import is_per_model, load_plain_states, loading_plan, model_index, plain_model
@@ -406,6 +407,12 @@ class BatchModule(SharedMarksKept, nn.Module):
 
     def _check_index(self, index: int) -> int:
         return model_index(index, self.batch)
+
+    def __repr__(self) -> str:
+        """torch's module tree, each converted module's line naming its path (see :meth:`conversion_report`)."""
+        modules = dict(self.module.named_modules())
+        paths = [(modules.get(entry.name), entry.path) for entry in self._conversion if entry.path != "passthrough"]
+        return tagged_repr(self, {id(module): path for module, path in paths if module is not None})
 
     def extra_repr(self) -> str:
         names = self.generic_modules
