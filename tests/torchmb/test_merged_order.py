@@ -272,9 +272,9 @@ def test_auto_trains_exactly_like_independent_models_and_draws_once(make, settle
 @pytest.mark.parametrize("order", ORDERS)
 def test_an_explicit_order_is_kept_from_the_start(order: str) -> None:
     batched = BatchModule(ConvNormDrop(), B, merged_order=order)
+    layers = [m for m in batched.modules() if isinstance(m, batch_layers.AbstractBatchModule)]
     for _ in range(2):
-        assert batched.merged_order == order
-        assert all(m.merged_order == order for m in batched.modules() if isinstance(m, batch_layers.AbstractBatchModule))
+        assert batched.merged_order == order and all(layer.merged_order == order for layer in layers)
         batched(torch.randn(B, N, 3, 6, 6))
 
 
