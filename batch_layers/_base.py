@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -32,6 +32,7 @@ __all__ = [
     "AbstractBatchModule",
     "ForwardContext",
     "SamplesOrderError",
+    "SamplesOrderProbe",
     "check_merged_rows",
     "current_forward",
     "forward_context",
@@ -56,6 +57,24 @@ class ForwardContext:
     samples: int
     shared: bool = False
     order: MergedOrder = "models"
+    probe: SamplesOrderProbe | None = field(default=None, compare=False)
+
+
+class SamplesOrderProbe:
+    """Notes, through a forward in the models-major order, whether the samples-major order would have run it:
+    whether every merged tensor a batched layer checked (:func:`check_merged_rows`) had exactly ``B * n``
+    rows. ``BatchModule(merged_order="auto")`` gives one to its first forward and keeps the samples-major
+    order afterwards only if :attr:`refusal` is still ``None``."""
+
+    __slots__ = ("refusal",)
+
+    def __init__(self) -> None:
+        self.refusal: str | None = None  # the first tensor that samples-major would have refused
+
+    def note(self, owner: str, what: str, shape: tuple[int, ...], batch: int, samples: int) -> None:
+        """Note a merged tensor of ``shape`` whose dim 0 is not exactly ``batch * samples``."""
+        if self.refusal is None:
+            self.refusal = f"{owner}: its {what} of shape {shape} has not exactly B * n = {batch} * {samples} rows"
 
 
 class SamplesOrderError(ValueError):
@@ -78,22 +97,28 @@ def current_forward() -> ForwardContext | None:
 
 
 class _ForwardScope:
-    """The context manager of :func:`forward_context` (a class: cheaper per forward than a generator)."""
+    """The context manager of :func:`forward_context` (a class: cheaper per forward than a generator).
+
+    ``__enter__`` remembers which store it used, so that ``__exit__`` undoes that one: a scope entered
+    eagerly may be left while dynamo compiles, or the reverse, across a graph break.
+    """
 
     __slots__ = ("context", "token")
 
     def __init__(self, context: ForwardContext) -> None:
         self.context = context
+        self.token: contextvars.Token[ForwardContext | None] | None = None  # None: entered on the traced list
 
     def __enter__(self) -> ForwardContext:
         if torch.compiler.is_compiling():
             _TRACED_FORWARD.append(self.context)
+            self.token = None
         else:
             self.token = _FORWARD.set(self.context)
         return self.context
 
     def __exit__(self, *exc_info: object) -> None:
-        if torch.compiler.is_compiling():
+        if self.token is None:
             _TRACED_FORWARD.pop()
         else:
             _FORWARD.reset(self.token)
@@ -152,10 +177,13 @@ def check_merged_rows(
     x: Tensor, batch: int, owner: str, what: str = "input", order: MergedOrder = "models"
 ) -> None:
     """Refuse a tensor whose dim 0 is not a multiple of ``B * n``, the merged model axis (exactly ``B * n``
-    in the samples-major ``order``, where merging other dims into dim 0 would interleave models)."""
+    in the samples-major ``order``, where merging other dims into dim 0 would interleave models; in the
+    models-major order, the forward's :class:`SamplesOrderProbe` notes such a tensor)."""
     context = current_forward()
     rows = x.shape[0] if x.dim() else 0
     step = batch * (context.samples if context is not None else 1)
+    if context is not None and rows != step and x.dim() and context.probe is not None:
+        context.probe.note(owner, what, tuple(x.shape), batch, context.samples)
     if order == "samples" and context is not None and rows != step and x.dim():
         raise SamplesOrderError(
             f"{owner}: expected the {what}'s dim 0 to be exactly B * n = {batch} * {context.samples} in the "

@@ -7,7 +7,7 @@
 - imports point one way: ``torchmb -> batch_layers -> offload -> torchmb_config`` (see ``docs/contributing.md``);
 - no environment variable read (``os.environ``, ``os.getenv``) outside ``torchmb_config``;
 - no access to another object's private name (``obj._x`` where ``obj`` is not ``self``/``cls``) that the
-  file does not define itself (issue 23: the allowlist below shrinks to nothing).
+  file does not define itself.
 
 The rules are checked with :mod:`ast` on every ``.py`` file of the packages, so files added later are
 covered as they appear.
@@ -178,16 +178,9 @@ def test_no_import_cycles():
     assert not cycles, f"import cycles between modules: {cycles}"
 
 
-# Circles through TYPE_CHECKING imports that remain (issue 23 stays open until this is empty): the population
-# methods of BatchOptimizer take the optimizer.
-TYPE_CHECKING_CIRCLES_LEFT = [
-    ["torchmb.optim._base", "torchmb.optim._population"],
-]
-
-
 def test_no_import_cycles_through_type_checking_imports():
     cycles = _cycles(import_graph(type_checking=True))
-    assert sorted(cycles) == sorted(TYPE_CHECKING_CIRCLES_LEFT), "import cycles between modules, TYPE_CHECKING " \
+    assert not cycles, "import cycles between modules, TYPE_CHECKING " \
         f"imports included (give the callee a protocol or the parts it needs instead of its caller's type): {cycles}"
 
 
@@ -269,27 +262,10 @@ def _private_reaches() -> dict[tuple[str, str], int]:
     return out
 
 
-# Reaches into another file's private names that remain. Issue 23 stays open until this is empty; it may only
-# shrink (a new reach fails the test; one removed must be struck from here). offload reaches none (its parts,
-# the table's storage that engines get and the checkpoint writer have public interfaces: see docs/design.md);
-# left: torchmb's optimizer and converter internals.
-PRIVATE_REACHES_LEFT = {
-    ("torchmb/distributed.py", "_ensure_state"), ("torchmb/distributed.py", "_per_model_attrs"),
-    ("torchmb/distributed.py", "_per_model_entries"),
-    ("torchmb/memory.py", "_is_per_model"), ("torchmb/memory.py", "_refuse_offloaded"),
-    ("torchmb/optim/_population.py", "_ensure_state"), ("torchmb/optim/_population.py", "_init_group_state"),
-    ("torchmb/optim/_population.py", "_per_model_entries"),
-    ("torchmb/testing.py", "_is_per_model"),
-}
-
-
 def test_no_reach_into_another_files_private_names():
-    found = set(_private_reaches())
-    new = sorted(found - PRIVATE_REACHES_LEFT)
-    gone = sorted(PRIVATE_REACHES_LEFT - found)
-    assert not new, "accesses to another object's private name (give it a public method, or pass what is " \
-        f"needed): {new}"
-    assert not gone, f"these reaches are gone: strike them from PRIVATE_REACHES_LEFT: {gone}"
+    found = sorted(_private_reaches())
+    assert not found, "accesses to another object's private name (give it a public method, or pass what is " \
+        f"needed): {found}"
 
 
 def test_private_reach_finder():

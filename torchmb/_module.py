@@ -17,6 +17,7 @@ from batch_layers import (
     ForwardContext,
     OffloadedBatchEmbedding,
     SamplesOrderError,
+    SamplesOrderProbe,
     forward_context,
     recognise_shared_by,
 )
@@ -25,6 +26,8 @@ from ._convert import ConversionEntry, convert, run_per_model, stacked_state, wa
 from ._generic import is_generic
 from ._init import build_with_seed, random_state_kept, reset_uncovered, reset_with_seed
 from ._late_parameters import watch_late_parameters
+from ._order import set_order, start_order
+from ._repr import tagged_repr
 from ._select import commit_survivors, gather_survivors, survivor_index
 from ._shared import SharedMarksKept, SharedSpec, copy_sharing, shared_keys, shared_names, shared_summary
 from ._state_dicts import is_per_model, load_plain_states, loading_plan, model_index, plain_model
@@ -74,10 +77,10 @@ class BatchModule(SharedMarksKept, nn.Module):
             keeps every reshape that merges dims into dim 0 correct; ``"samples"`` (row ``i*B + b``)
             makes the grouped layout of convolutions and batch norms a free view, saving two layout
             copies per such layer forward and three backward, but refuses (with an error) a layer input
-            whose dim 0 is not exactly ``B*n``. ``"auto"`` takes ``"samples"`` when every batched layer
-            supports it and one is a convolution or batch norm, else ``"models"``; should the first
-            forward then meet such an input, it is undone (buffers and random state restored) and rerun
-            models-major, which the module keeps from then on. The order is internal: inputs and outputs
+            whose dim 0 is not exactly ``B*n``. ``"auto"`` runs the first forward models-major and, when
+            every batched layer supports ``"samples"`` and one is a convolution or batch norm, switches to
+            ``"samples"`` for good after it, unless a layer met such an input (or an output had such rows)
+            in that forward. The order in use is :attr:`merged_order`; it is internal: inputs and outputs
             are ``(B, n, ...)`` either way.
         shared: the frozen parameters all models share, stored once without a model axis (a pretrained
             backbone): ``None`` (default) those with ``requires_grad=False``; or a function ``(name,
@@ -133,8 +136,7 @@ class BatchModule(SharedMarksKept, nn.Module):
         watch_late_parameters(self.module)
         self.shared_keys = shared_keys(self.module)
         self.generic_modules: list[str] = [e.name or e.type for e in self._conversion if e.generic]
-        self.merged_order = self._choose_order(merged_order)
-        self._order_on_trial = merged_order == "auto" and self.merged_order == "samples"
+        self.merged_order, self._samples_major_pending = start_order(self.module, merged_order, self.generic_modules)
         self._plain_shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
         if self.generic_modules:
             logger.info(
@@ -151,33 +153,6 @@ class BatchModule(SharedMarksKept, nn.Module):
         (registered batched class, ``torch.func`` for its own state or its whole subtree, or unchanged), with
         the reason and the parameters per model that the path batches."""
         return list(self._conversion)
-
-    def _choose_order(self, requested: str) -> str:
-        """The merged order for ``requested``; sets every batched layer's order or reorders around it."""
-        layers = [(name, m) for name, m in self.module.named_modules() if isinstance(m, AbstractBatchModule)]
-        unable = [name or type(m).__name__ for name, m in layers if not m.runs_in("samples")]
-        unable += self.generic_modules  # the torch.func path splits models-major
-        if requested == "samples" and unable:
-            raise ValueError(
-                "merged_order='samples' needs every batched layer to support the samples-major order; these do "
-                f"not: {', '.join(unable)}"
-            )
-        order = requested
-        if requested == "auto":
-            order = "samples" if not unable and any(m.grouped_layout for _, m in layers) else "models"
-        self._set_order(order)
-        return order
-
-    def _set_order(self, order: str) -> None:
-        for layer in self.module.modules():
-            if not isinstance(layer, AbstractBatchModule):
-                continue
-            if layer.runs_in(order):
-                if layer.merged_order != order:
-                    layer.merged_order = order
-            elif not getattr(layer, "_reordered", False):  # a samples-only custom layer in a models-major model
-                _reorder_around(layer)
-        self.merged_order = order
 
     @classmethod
     def from_factory(
@@ -241,60 +216,58 @@ class BatchModule(SharedMarksKept, nn.Module):
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, *args: Any, shared_input: bool = False, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
-            # No trial inside a graph: dynamo runs _settled_order eagerly while it traces and traces the
-            # forward in the order it returns (so a compiled model never changes order, nor recompiles).
+            # Dynamo runs _settled_order eagerly while it traces (the first forward's checks, which settle
+            # the order too) and traces the forward in the order it returns: once, never retraced.
             self._settled_order(shared_input, *args, **kwargs)
             return self._forward(args, shared_input, kwargs)
-        if self._order_on_trial:
-            return self._forward_on_trial(args, shared_input, kwargs)
-        return self._forward(args, shared_input, kwargs)
-
-    def _forward_on_trial(self, args: tuple, shared_input: bool, kwargs: dict) -> Any:
-        """The first forward of an automatically chosen samples-major order: should a layer refuse it,
-        undo what the forward changed (buffers such as running statistics, the random state) and run
-        models-major, for good."""
-        try:
-            with _state_restored(self, always=False):
-                out = self._forward(args, shared_input, kwargs)
-        except SamplesOrderError as error:
-            self._keep_models_major(error)
+        if not self._samples_major_pending:
             return self._forward(args, shared_input, kwargs)
-        self._order_on_trial = False
+        probe = SamplesOrderProbe()
+        out = self._forward(args, shared_input, kwargs, probe)
+        self._settle_order(probe)
         return out
+
+    def _settle_order(self, probe: SamplesOrderProbe) -> None:
+        """After ``"auto"``'s first forward (models-major): samples-major from now on, for good, if it would
+        have run that forward; nothing is undone or run again."""
+        self._samples_major_pending = False
+        refusal = probe.refusal
+        if refusal is None and self.generic_modules:  # the first forward found code that runs per model
+            refusal = f"{self.generic_modules[-1]} runs per model through torch.func, which splits models-major"
+        if refusal is None:
+            self.merged_order = set_order(self.module, "samples")
+        else:
+            logger.info("torchmb: keeping the models-major order, which samples-major cannot replace: %s", refusal)
 
     @_constant_under_compile
     def _settled_order(self, shared_input: bool, *args: Any, **kwargs: Any) -> str:
-        """The merged order, its trial decided first. Dynamo calls this while tracing, with the module and
-        the real inputs (a method, and the tensors as arguments of their own: what every torch >= 2.5
-        accepts there), and traces its result as a constant."""
-        return self._settle_order(args, shared_input, kwargs)
+        """The merged order, settled by the first forward's checks first. Dynamo calls this while tracing,
+        with the module and the real inputs (a method, and the tensors as arguments of their own: what every
+        torch >= 2.5 accepts there), and traces its result as a constant."""
+        return self._dry_first_forward(args, shared_input, kwargs)
 
-    def _settle_order(self, args: tuple, shared_input: bool, kwargs: dict) -> str:
-        """The trial and the first forward's checks as a dry run (torch.compile traces the forward afterwards,
-        untracked): a forward without gradients whose effects on buffers and the random state are undone."""
-        while self._order_on_trial or self._first_forward:
+    def _dry_first_forward(self, args: tuple, shared_input: bool, kwargs: dict) -> str:
+        """The first forward's checks as a dry run (torch.compile traces the forward afterwards, untracked): a
+        forward without gradients whose effects on buffers and the random state are undone. Under ``"auto"``
+        it settles the order as an eager first forward does."""
+        if self._first_forward or self._samples_major_pending:
+            probe = SamplesOrderProbe() if self._samples_major_pending else None
             self._dry_run = True  # tracked although dynamo is compiling: this runs eagerly
             try:
                 with _state_restored(self, always=True), torch.no_grad():
-                    self._forward(args, shared_input, kwargs)
-            except SamplesOrderError as error:
-                self._keep_models_major(error)
-                continue
+                    self._forward(args, shared_input, kwargs, probe)
             finally:
                 self._dry_run = False
-            self._order_on_trial = False
+            if probe is not None:
+                self._settle_order(probe)
         return self.merged_order
 
-    def _keep_models_major(self, error: SamplesOrderError) -> None:
-        self._set_order("models")
-        self._order_on_trial = False
-        logger.info("torchmb: running models-major, since the model merges other dims into dim 0: %s", error)
-
-    def _forward(self, args: tuple, shared_input: bool, kwargs: dict) -> Any:
+    def _forward(self, args: tuple, shared_input: bool, kwargs: dict, probe: SamplesOrderProbe | None = None) -> Any:
+        """The forward in the order in use; ``probe`` notes what the samples-major order would refuse."""
         if len(args) == 1 and not kwargs and type(args[0]) is Tensor:  # the common call: no pytree walk
             (x,) = args
             samples = self._samples([x], shared_input)
-            out, labels = self._run(samples, shared_input, x if shared_input else self._merge_input(x))
+            out, labels = self._run(samples, shared_input, probe, x if shared_input else self._merge_input(x))
         else:
             leaves, spec = tree_flatten((args, kwargs))
             tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
@@ -302,12 +275,12 @@ class BatchModule(SharedMarksKept, nn.Module):
             if not shared_input:
                 leaves = [self._merge_input(leaf) if isinstance(leaf, Tensor) else leaf for leaf in leaves]
             call_args, call_kwargs = tree_unflatten(leaves, spec)
-            out, labels = self._run(samples, shared_input, *call_args, **call_kwargs)
+            out, labels = self._run(samples, shared_input, probe, *call_args, **call_kwargs)
         if shared_input and labels is not None:
-            return tree_map(lambda value: self._split_shared_output(value, samples, labels), out)
+            return tree_map(lambda value: self._split_shared_output(value, samples, labels, probe), out)
         if type(out) is Tensor:
-            return split_output(out, self.batch, samples, self.merged_order)
-        return tree_map(lambda value: split_output(value, self.batch, samples, self.merged_order), out)
+            return split_output(out, self.batch, samples, self.merged_order, probe)
+        return tree_map(lambda value: split_output(value, self.batch, samples, self.merged_order, probe), out)
 
     def _merge_input(self, x: Tensor) -> Tensor:
         """``(B, n, ...)`` to the merged ``(B*n, ...)`` in this module's order (samples-major: a copy)."""
@@ -332,9 +305,11 @@ class BatchModule(SharedMarksKept, nn.Module):
                 )
         return tensors[0].shape[1]
 
-    def _run(self, samples: int, shared_input: bool, *args: Any, **kwargs: Any) -> tuple[Any, ModelDataTracker | None]:
+    def _run(
+        self, samples: int, shared_input: bool, probe: SamplesOrderProbe | None, *args: Any, **kwargs: Any
+    ) -> tuple[Any, ModelDataTracker | None]:
         """The model's merged output, and the tracker that labelled its tensors (if tracked)."""
-        with forward_context(ForwardContext(self.batch, samples, shared_input, self.merged_order)):
+        with forward_context(ForwardContext(self.batch, samples, shared_input, self.merged_order, probe)):
             if self._dry_run or not torch.compiler.is_compiling():  # compiled code is not tracked (Python modes)
                 check_decisions = self._first_forward or checking_decisions()
                 if shared_input or check_decisions:
@@ -356,15 +331,22 @@ class BatchModule(SharedMarksKept, nn.Module):
             self._first_forward = False
             return out, tracker
 
-    def _split_shared_output(self, value: Any, samples: int, labels: ModelDataTracker) -> Any:
+    def _split_shared_output(
+        self, value: Any, samples: int, labels: ModelDataTracker, probe: SamplesOrderProbe | None
+    ) -> Any:
         """A shared-input forward's output: one computed without any model's state is every model's (a view)."""
         if isinstance(value, Tensor) and labels.kind(value) is not Kind.PER_MODEL:
             return value.expand(self.batch, *value.shape)
-        return split_output(value, self.batch, samples, self.merged_order)
+        return split_output(value, self.batch, samples, self.merged_order, probe)
 
     # -- per-model state --------------------------------------------------------------------------
     def _is_per_model(self, key: str, value: Tensor) -> bool:
         return is_per_model(key, value, self.batch, self._plain_shapes)
+
+    def per_model_keys(self) -> set[str]:
+        """The keys of the plain model's state dict whose tensors here carry the model axis, ``(B, *shape)``;
+        the others (shared parameters, constant buffers) are stored once for all models."""
+        return {key for key, value in self.module.state_dict().items() if self._is_per_model(key, value)}
 
     def state_dict_of(self, index: int) -> OrderedDict[str, Tensor]:
         """Model ``index``'s plain state dict (cloned tensors), loadable into the original model."""
@@ -411,7 +393,8 @@ class BatchModule(SharedMarksKept, nn.Module):
         error leaves the module as it was.
         """
         index = survivor_index(keep, self.batch)
-        self._refuse_offloaded("select() cannot shrink", "build a new BatchModule from the survivors' state_dicts")
+        instead = "build a new BatchModule from the survivors' state_dicts"
+        refuse_offloaded(self.module, "select() cannot shrink", instead)
         survivors = gather_survivors(self.module.state_dict(keep_vars=True), index, self._is_per_model)
         commit_survivors(survivors)
         self.batch = len(index)
@@ -422,17 +405,14 @@ class BatchModule(SharedMarksKept, nn.Module):
                 module._torchmb_batch = self.batch
         return self
 
-    def _refuse_offloaded(self, action: str, instead: str) -> None:
-        """Operations on slices of the model axis cannot reach an offloaded embedding's host table."""
-        for name, module in self.module.named_modules():
-            if isinstance(module, OffloadedBatchEmbedding):
-                raise NotImplementedError(
-                    f"{action} {name or 'the model'}: an offloaded embedding keeps all B tables in one host "
-                    f"table; {instead} instead"
-                )
-
     def _check_index(self, index: int) -> int:
         return model_index(index, self.batch)
+
+    def __repr__(self) -> str:
+        """torch's module tree, each converted module's line naming its path (see :meth:`conversion_report`)."""
+        modules = dict(self.module.named_modules())
+        paths = [(modules.get(entry.name), entry.path) for entry in self._conversion if entry.path != "passthrough"]
+        return tagged_repr(self, {id(module): path for module, path in paths if module is not None})
 
     def extra_repr(self) -> str:
         names = self.generic_modules
@@ -442,6 +422,16 @@ class BatchModule(SharedMarksKept, nn.Module):
         return f"batch={self.batch}, merged_order={self.merged_order!r}{shared}{generic}"
 
 
+
+
+def refuse_offloaded(model: nn.Module, action: str, instead: str) -> None:
+    """Operations on slices of the model axis cannot reach an offloaded embedding's host table."""
+    for name, module in model.named_modules():
+        if isinstance(module, OffloadedBatchEmbedding):
+            raise NotImplementedError(
+                f"{action} {name or 'the model'}: an offloaded embedding keeps all B tables in one host "
+                f"table; {instead} instead"
+            )
 
 
 def _tracked_forward(
@@ -467,26 +457,6 @@ def _run_per_model(batched: BatchModule, found: PerModelCodeFound) -> None:
             f"{entry.name or entry.type} runs per model through torch.func, which splits the merged axis "
             "models-major: build the BatchModule with merged_order='models'"
         )
-
-
-def _reorder_around(module: AbstractBatchModule) -> None:
-    """Give a module that declares ``merged_order = "samples"`` (torchmb 0.2's layout) its layout."""
-
-    def to_samples(tensor: Any) -> Any:
-        if not isinstance(tensor, Tensor) or module.is_shared(tensor):
-            return tensor
-        module.check_merged(tensor)
-        return tensor.view(module.batch, -1, *tensor.shape[1:]).transpose(0, 1).reshape(tensor.shape)
-
-    def to_models(tensor: Any) -> Any:
-        if not isinstance(tensor, Tensor):
-            return tensor
-        module.check_merged(tensor, "output")
-        return tensor.view(-1, module.batch, *tensor.shape[1:]).transpose(0, 1).reshape(tensor.shape)
-
-    module.register_forward_pre_hook(lambda _, args, kwargs: tree_map(to_samples, (args, kwargs)), with_kwargs=True)
-    module.register_forward_hook(lambda _, args, out: tree_map(to_models, out))
-    module._reordered = True
 
 
 @contextlib.contextmanager
@@ -515,8 +485,11 @@ def _state_restored(module: nn.Module, *, always: bool) -> Iterator[None]:
         restore()
 
 
-def split_output(value: Any, batch: int, samples: int, merged_order: str) -> Any:
-    """An output tensor of the merged forward as ``(B, n, ...)``: other values pass through unchanged."""
+def split_output(
+    value: Any, batch: int, samples: int, merged_order: str, probe: SamplesOrderProbe | None = None
+) -> Any:
+    """An output tensor of the merged forward as ``(B, n, ...)``: other values pass through unchanged;
+    ``probe`` notes a models-major output that samples-major would refuse."""
     if not isinstance(value, Tensor):
         return value
     if value.shape == (batch,) and samples != 1:  # cannot be B * n rows: one number per model
@@ -529,6 +502,8 @@ def split_output(value: Any, batch: int, samples: int, merged_order: str) -> Any
             "model's loss from its outputs with torchmb.batch_loss"
         )
     if merged_order == "models":
+        if probe is not None and value.shape[0] != batch * samples:
+            probe.note("the model", "output", tuple(value.shape), batch, samples)
         return value.view(batch, -1, *value.shape[1:])
     if value.shape[0] != batch * samples:
         raise SamplesOrderError(

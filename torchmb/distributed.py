@@ -296,7 +296,7 @@ def _optimizer_rows(optimizer: BatchOptimizer) -> list[dict[str, Any]]:
         index: {key: value.detach().cpu() if isinstance(value, Tensor) else value for key, value in entries.items()}
         for index, entries in packed["state"].items()
     }
-    per_model = [optimizer._per_model_entries(group) for group in optimizer.param_groups]
+    per_model = [optimizer.per_model_hyperparameters(group) for group in optimizer.param_groups]
     rows = []
     for j in range(batch):
         groups = []
@@ -380,7 +380,7 @@ def _load_optimizer_rows(optimizer: BatchOptimizer, rows: list[dict[str, Any]], 
         optimizer.state.pop(p, None)
         if all(not s for s in saved_state):
             continue
-        state = optimizer._ensure_state(p, group)  # fresh state for the models whose files hold none
+        state = optimizer.state_for(p, group)  # fresh state for the models whose files hold none
         keys = dict.fromkeys(key for s in saved_state if s for key in s)
         for key in keys:
             present = [(j, s[key]) for j, s in enumerate(saved_state) if s and key in s]
@@ -423,7 +423,7 @@ def _same(a: Any, b: Any) -> bool:
 def _scheduler_rows(scheduler: BatchLRScheduler) -> list[dict[str, Any]]:
     batch = scheduler.batch
     packed = scheduler.state_dict()
-    per_model = {"base_lrs", "_last_lr", *scheduler._per_model_attrs()}
+    per_model = set(scheduler.per_model_state())
     rows = []
     for j in range(batch):
         row: dict[str, Any] = {}

@@ -138,7 +138,7 @@ class BatchLRScheduler:
                 f"{name}.load_state_dict: the state has {len(base_lrs)} parameter groups, the optimizer "
                 f"{len(own['base_lrs'])}"
             )
-        for key in ("base_lrs", "_last_lr", *self._per_model_attrs()):
+        for key in self.per_model_state():
             values = state_dict[key] if key in ("base_lrs", "_last_lr") else [state_dict[key]]
             for value in values:
                 held = len(value) if isinstance(value, (Tensor, list)) else self.batch
@@ -154,7 +154,7 @@ class BatchLRScheduler:
         Call it with the same ``keep`` as ``optimizer.select`` (which re-indexes the learning rates).
         """
         index = select_index(keep, self.batch)
-        for name in ("base_lrs", "_last_lr", *self._per_model_attrs()):
+        for name in self.per_model_state():
             value = getattr(self, name)
             if isinstance(value, Tensor):
                 setattr(self, name, value[index])
@@ -162,6 +162,11 @@ class BatchLRScheduler:
                 setattr(self, name, [v[index] for v in value])
             else:  # a list with one entry per model
                 setattr(self, name, [value[i] for i in index.tolist()])
+
+    def per_model_state(self) -> tuple[str, ...]:
+        """The entries of :meth:`state_dict` held per model: the learning rates (a ``(B,)`` tensor per parameter
+        group) and the scheduler's own per-model arguments (a tensor or a list of B)."""
+        return ("base_lrs", "_last_lr", *self._per_model_attrs())
 
     def _per_model_attrs(self) -> tuple[str, ...]:
         return self.per_model_args

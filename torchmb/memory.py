@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from batch_layers import AbstractBatchModule
 
 from ._generic import is_generic
-from ._module import BatchModule
+from ._module import BatchModule, refuse_offloaded
 
 __all__ = ["largest_fitting", "max_batch", "models_subset", "step_in_chunks"]
 
@@ -126,12 +126,11 @@ def models_subset(batched: BatchModule, start: int, stop: int) -> Iterator[Batch
     """
     if not 0 <= start < stop <= batched.batch:
         raise IndexError(f"models {start}..{stop - 1} are out of range for batch={batched.batch}")
-    batched._refuse_offloaded("models_subset cannot slice", "train it in one step")
+    refuse_offloaded(batched.module, "models_subset cannot slice", "train it in one step")
     size = stop - start
     swapped: list[tuple[dict, str, Tensor]] = []
     owners = dict(batched.module.named_modules())
-    state = batched.module.state_dict(keep_vars=True)
-    per_model = {key for key, value in state.items() if batched._is_per_model(key, value)}
+    per_model = batched.per_model_keys()
     saved_batches = [(m, m._torchmb_batch if is_generic(m) else m.batch) for m in _batched_children(batched.module)]
     full_batch = batched.batch
     try:

@@ -210,7 +210,8 @@ def _disturb_one(
     params = {name: p for name, p in batched.module.named_parameters() if not is_shared_parameter(p)}
     buffers = dict(batched.module.named_buffers())
     # A non-persistent buffer (not in the state dict) is one constant for all models.
-    per_model = {name: name in saved and batched._is_per_model(name, buffer) for name, buffer in buffers.items()}
+    per_model_keys = batched.per_model_keys()
+    per_model = {name: name in saved and name in per_model_keys for name in buffers}
 
     def run(run_inputs: tuple[Tensor, ...], poison: bool = False, shift: float = 0.0) -> _Run:
         batched.module.load_state_dict(saved)

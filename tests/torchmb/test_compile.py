@@ -95,20 +95,23 @@ class _PerPixelLinear(nn.Module):
 
 
 @pytest.mark.parametrize(("make", "order"), [(_PerPixelLinear, "models"), (BatchNormCNN, "samples")])
-def test_compiling_settles_the_order_once_and_undoes_the_trial(make, order: str) -> None:
+def test_compiling_settles_the_order_once_as_eager_does(make, order: str) -> None:
+    """The first compiled call's checks (a dry run) settle ``auto``'s order before dynamo traces: the graph
+    is traced once, in that order, and the buffers are updated once per call."""
     torch.manual_seed(0)
     batched = BatchModule(make(), B)
     reference = copy.deepcopy(batched)
-    assert batched.merged_order == "samples"
+    assert batched.merged_order == "models"
     x = torch.randn(B, N, 3, 4, 4)
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(batched, backend=counter, fullgraph=True)
-    for _ in range(2):
+    for _ in range(3):
         torch.testing.assert_close(compiled(x), reference(x))
-    assert batched.merged_order == reference.merged_order == order
-    for got, want in zip(batched.buffers(), reference.buffers(), strict=True):  # updated twice, not three times
+        assert batched.merged_order == reference.merged_order == order
+    for got, want in zip(batched.buffers(), reference.buffers(), strict=True):  # updated three times, not four
         torch.testing.assert_close(got, want)
-    assert counter.frame_count == 1  # the settled order is traced once and never retraced
+    assert counter.frame_count == 1  # traced once, in the settled order, and never retraced
+    assert all(m.merged_order == order for m in batched.modules() if isinstance(m, batch_layers.AbstractBatchModule))
 
 
 class _BreaksGraph(nn.Module):
@@ -138,6 +141,24 @@ def test_the_forward_context_survives_a_graph_break_and_an_error() -> None:
     failing = torch.compile(BatchModule(_BreaksGraph(fail=True), B), backend="aot_eager")
     with pytest.raises(RuntimeError, match="the model failed"):
         failing(torch.randn(B, N, 5))
+    assert batch_layers.current_forward() is None
+
+
+@pytest.mark.parametrize("entered_compiling", [False, True], ids=["entered-eagerly", "entered-compiling"])
+def test_a_forward_scope_is_left_from_the_store_it_entered(monkeypatch, entered_compiling: bool) -> None:
+    """Across a graph break a scope may be entered eagerly and left while dynamo compiles, or the reverse:
+    it is left from the store it was entered in (before: ``AttributeError: ... no attribute 'token'``)."""
+    outer = batch_layers.ForwardContext(B, 1)
+    inner = batch_layers.ForwardContext(B, N)
+    with batch_layers.forward_context(outer):
+        scope = batch_layers.forward_context(inner)
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: entered_compiling)
+        assert scope.__enter__() is inner
+        assert batch_layers.current_forward() is inner
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: not entered_compiling)
+        scope.__exit__(None, None, None)
+        monkeypatch.undo()
+        assert batch_layers.current_forward() is outer
     assert batch_layers.current_forward() is None
 
 

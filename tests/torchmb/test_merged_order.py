@@ -63,10 +63,13 @@ class PerPixelLinear(nn.Module):
     ("make", "expected"),
     [(BatchNormCNN, "samples"), (LeNet, "samples"), (ConvZoo, "samples"), (MLP, "models")],
 )
-def test_auto_takes_samples_major_for_convolutional_models(make, expected: str) -> None:
+def test_auto_takes_samples_major_for_convolutional_models_after_the_first_forward(make, expected: str) -> None:
     batched = BatchModule(make(), B)
-    assert batched.merged_order == expected
     layers = [m for m in batched.modules() if isinstance(m, batch_layers.AbstractBatchModule)]
+    assert batched.merged_order == "models" and all(layer.merged_order == "models" for layer in layers)
+    x = torch.randn(B, N, 12) if make is MLP else torch.randn(B, N, *((1, 28, 28) if make is LeNet else (3, 8, 8)))
+    batched(x)
+    assert batched.merged_order == expected
     assert layers and all(layer.merged_order == expected for layer in layers)
     assert f"merged_order='{expected}'" in repr(batched)
 
@@ -153,38 +156,130 @@ def test_samples_major_refuses_dims_merged_into_dim_0() -> None:
         BatchModule(PerPixelLinear(), B, merged_order="samples")(x)
 
 
-def test_auto_falls_back_to_models_major_and_undoes_the_trial() -> None:
-    torch.manual_seed(0)
-    plain = [PerPixelLinear() for _ in range(B)]
-    batched = BatchModule(PerPixelLinear(), B)
-    assert batched.merged_order == "samples"  # by the layers alone: only running the model tells
-    batched.load_state_dicts([m.state_dict() for m in plain])
-    x = torch.randn(B, N, 3, 5, 5)
-    torch.manual_seed(7)
-    out = batched(x)
-    assert batched.merged_order == "models"
-    assert all(m.merged_order == "models" for m in batched.modules() if isinstance(m, batch_layers.AbstractBatchModule))
-    # The refused trial left no trace: running statistics were counted once, and the dropout masks are
-    # those of a models-major forward started from the same random state.
-    assert [batched.state_dict_of(i)["norm.num_batches_tracked"].item() for i in range(B)] == [1] * B
-    reference = BatchModule(PerPixelLinear(), B, merged_order="models")
-    reference.load_state_dicts([m.state_dict() for m in plain])
-    torch.manual_seed(7)
-    torch.testing.assert_close(out, reference(x), rtol=0, atol=0)
-    for key, value in reference.state_dict().items():
-        torch.testing.assert_close(batched.state_dict()[key], value, rtol=0, atol=0, msg=key)
-    assert not torch.equal(batched.state_dict_of(0)["norm.running_mean"], plain[0].state_dict()["norm.running_mean"])
-    for model in plain:
-        model.eval()
-    batched.eval()
-    out = batched(x)
-    for i, model in enumerate(plain):
-        model.load_state_dict(batched.state_dict_of(i))
-        torch.testing.assert_close(out[i], model(x[i]), atol=1e-5, rtol=1e-5)
-
-
 def test_samples_major_refuses_outputs_with_merged_dims() -> None:
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Flatten(0, 1))
     batched = BatchModule(model, B, merged_order="samples")
     with pytest.raises(SamplesOrderError, match=r"exactly B \* n = 3 \* 4 rows"):
         batched(torch.randn(B, N, 3, 5, 5))
+
+
+class ConvNormDrop(nn.Module):
+    """A convolutional net with batch norms and dropout: ``auto`` runs it samples-major after its first forward.
+    The dropout's input is a sigmoid (never 0), so the zeros of its output are its mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 3, padding=1)
+        self.norm = nn.BatchNorm2d(6)
+        self.drop = nn.Dropout(0.3)
+        self.conv2 = nn.Conv2d(6, 4, 3, stride=2, padding=1)
+        self.norm2 = nn.BatchNorm2d(4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.drop(torch.sigmoid(self.norm(self.conv(x))))
+        return self.head(F.relu(self.norm2(self.conv2(y))).mean((2, 3)))
+
+
+class PatchTokens(nn.Module):
+    """ViT-like: a patch embedding, then the patches merged into dim 0 for a per-patch MLP with a batch norm
+    over tokens; correct only models-major, which ``auto`` therefore keeps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Conv2d(3, 8, 2, stride=2)
+        self.mlp = nn.Linear(8, 8)
+        self.norm = nn.BatchNorm1d(8)
+        self.drop = nn.Dropout(0.3)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.embed(x).flatten(2).transpose(1, 2)  # (n, P, 8)
+        n, patches, dim = tokens.shape
+        rows = self.drop(torch.sigmoid(self.norm(self.mlp(tokens.reshape(n * patches, dim)))))
+        return self.head(rows.view(n, patches, dim).mean(1))
+
+
+class GivenMask(nn.Module):
+    """Dropout with a mask given from outside: the plain models replay the masks the batched dropout drew."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+        self.mask: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.mask / (1 - self.p)
+
+
+def _per_model(merged: torch.Tensor, order: str) -> torch.Tensor:
+    """The test's own reading of a merged ``(B*m, ...)`` tensor as ``(B, m, ...)`` in ``order``."""
+    if order == "models":
+        return merged.view(B, -1, *merged.shape[1:])
+    return merged.view(-1, B, *merged.shape[1:]).transpose(0, 1)
+
+
+@pytest.mark.parametrize(("make", "settled"), [(ConvNormDrop, "samples"), (PatchTokens, "models")])
+def test_auto_trains_exactly_like_independent_models_and_draws_once(make, settled: str) -> None:
+    """Three steps against B plain models: the first forward runs models-major, then the order ``auto``
+    settles on (for good); outputs, gradients, running statistics counted once, state dicts and the random
+    state (one dropout draw per forward) are those of the plain models."""
+    torch.manual_seed(0)
+    plain = [make() for _ in range(B)]
+    batched = BatchModule(make(), B)
+    batched.load_state_dicts([m.state_dict() for m in plain])
+    assert batched.merged_order == "models"
+    masks: list[torch.Tensor] = []
+    batched.module.drop.register_forward_hook(lambda _, args, out: masks.append(out != 0))
+    for model in plain:
+        model.drop = GivenMask(0.3)
+    opt = torch.optim.SGD(batched.parameters(), lr=0.05)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in plain]
+    for step in range(3):
+        order = batched.merged_order
+        assert order == ("models" if step == 0 else settled)  # decided after the first forward, never re-tried
+        x = torch.randn(B, N, 3, 6, 6)
+        before = torch.get_rng_state()
+        out = batched(x)
+        after = torch.get_rng_state()
+        assert len(masks) == step + 1  # the dropout ran once: nothing was tried and undone
+        torch.set_rng_state(before)
+        F.dropout(torch.ones(masks[-1].shape), 0.3, training=True)  # one draw of the merged mask
+        assert torch.equal(after, torch.get_rng_state())
+        torch.set_rng_state(after)
+        opt.zero_grad()
+        out.square().sum().backward()
+        mask = _per_model(masks[-1], order)
+        for i, (model, own_opt) in enumerate(zip(plain, opts)):
+            model.drop.mask = mask[i]
+            expected = model(x[i])
+            torch.testing.assert_close(out[i], expected, atol=1e-5, rtol=1e-5)
+            own_opt.zero_grad()
+            expected.square().sum().backward()
+            for (name, p), own in zip(batched.named_parameters(), model.parameters(), strict=True):
+                torch.testing.assert_close(p.grad[i], own.grad, atol=1e-5, rtol=1e-4, msg=name)
+            own_opt.step()
+        opt.step()
+        for i, model in enumerate(plain):
+            ours = batched.state_dict_of(i)
+            assert list(ours) == list(model.state_dict())
+            for key, value in model.state_dict().items():  # running statistics counted once per step
+                torch.testing.assert_close(ours[key], value, atol=1e-5, rtol=1e-4, msg=key)
+    assert batched.merged_order == settled
+    assert all(m.merged_order == settled for m in batched.modules() if isinstance(m, batch_layers.AbstractBatchModule))
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_an_explicit_order_is_kept_from_the_start(order: str) -> None:
+    batched = BatchModule(ConvNormDrop(), B, merged_order=order)
+    layers = [m for m in batched.modules() if isinstance(m, batch_layers.AbstractBatchModule)]
+    for _ in range(2):
+        assert batched.merged_order == order and all(layer.merged_order == order for layer in layers)
+        batched(torch.randn(B, N, 3, 6, 6))
+
+
+def test_auto_keeps_models_major_where_the_first_forward_outputs_merged_rows() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Flatten(0, 1))
+    batched = BatchModule(model, B)
+    out = batched(torch.randn(B, N, 3, 5, 5))
+    assert out.shape == (B, N * 4, 5, 5) and batched.merged_order == "models"

@@ -377,3 +377,51 @@ def test_equivalent_and_isolated_cuda(name: str) -> None:
 
     assert_equivalent(make_cuda, B, torch.randn(B, N, *shape, device="cuda"), steps=5)
     assert_isolated(BatchModule.from_factory(make_cuda, B, seed=0), torch.randn(B, N, *shape, device="cuda"))
+
+
+class _OwnScale(nn.Module):
+    """Owns a parameter above a registered layer: its own state goes through torch.func, its child stays fast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.scale
+
+
+class _OwnOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.offset = nn.Parameter(torch.zeros(4))
+        self.inner = nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x + self.offset)
+
+
+def test_repr_names_the_path_of_every_converted_module() -> None:
+    """Each converted module's line says what runs it; the rest is torch's own repr of the same tree."""
+    frozen = nn.Linear(4, 4).requires_grad_(False)
+    blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)] + [nn.ReLU()])
+    model = nn.Sequential(frozen, _OwnScale(), blocks, _OwnOnly(), nn.ReLU())
+    batched = BatchModule(model, B)
+    text = repr(batched)
+    paths = {entry.name: entry.path for entry in batched.conversion_report()}
+    assert paths == {
+        "": "passthrough", "0": "shared", "1": "generic-own", "1.fc": "registered", "2": "passthrough",
+        "2.0": "registered", "2.1": "registered", "2.2": "registered", "2.3": "passthrough", "3": "generic-whole",
+        "4": "passthrough",
+    }
+    lines = [line.strip() for line in text.splitlines()]
+    assert "(0): [shared] Linear(in_features=4, out_features=4, bias=True)" in lines
+    assert "(1): [generic-own] FuncBatched_OwnScale(" in lines
+    assert f"(fc): [registered] Linear(in_features=4, out_features=4, bias=True, batch={B})" in lines
+    assert f"(0-2): 3 x [registered] Linear(in_features=4, out_features=4, bias=True, batch={B})" in lines
+    assert "(3): ReLU()" in lines and "(4): ReLU()" in lines and "(module): Sequential(" in lines
+    assert "(3): [generic-whole] FuncBatched_OwnOnly(" in lines
+    for tag in ("[shared] ", "[generic-own] ", "[generic-whole] ", "[registered] "):
+        text = text.replace(tag, "")
+    assert text == nn.Module.__repr__(batched)  # torch's text, tags aside
+    assert list(batched.state_dict()) == [f"module.{key}" for key in model.state_dict()]

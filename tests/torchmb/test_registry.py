@@ -145,6 +145,24 @@ def test_torchmb_02_style_module_registers_and_runs(clean_registry) -> None:
     assert_isolated(BatchModule.from_factory(make, 3, seed=0), torch.randn(3, 5, 4))
 
 
+def test_torchmb_02_style_module_across_the_switch_to_samples_major(clean_registry) -> None:
+    """``auto`` runs the first forward models-major, reordering around the samples-only module, then switches to
+    samples-major, where the module runs as it is: both forwards as B plain models give."""
+    register_batch_module(Offset)
+    make = lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), Offset(36), nn.Linear(36, 2))  # noqa: E731
+    torch.manual_seed(0)
+    plain = [make() for _ in range(3)]
+    batched = BatchModule(make(), 3)
+    batched.load_state_dicts([model.state_dict() for model in plain])
+    for order in ("models", "samples"):
+        assert batched.merged_order == order
+        x = torch.randn(3, 5, 3, 5, 5)
+        out = batched(x)
+        for i, model in enumerate(plain):
+            torch.testing.assert_close(out[i], model(x[i]), atol=1e-6, rtol=1e-5)
+    assert batched.merged_order == "samples"
+
+
 def test_plain_class_with_two_batched_classes_is_ambiguous(clean_registry) -> None:
     class Twice(nn.Module):
         pass

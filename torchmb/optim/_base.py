@@ -30,7 +30,7 @@ from batch_layers import is_shared_parameter
 
 from . import _population
 from ._loading import check_state_layout
-from ._population import _as_index, select_index
+from ._population import _as_index, per_model_entries, select_index
 from ._values import per_model_values
 from ._written import TorchHabits
 
@@ -225,7 +225,7 @@ class BatchOptimizer(TorchHabits, torch.optim.Optimizer):
         """Every parameter's state in ``group`` (one not yet selected down to B models gets it at its first step)."""
         for p in group["params"]:
             if p.shape[0] == self.batch:
-                self._ensure_state(p, group)
+                self.state_for(p, group)
 
     def get_hyperparameter(self, name: str, group: int = 0) -> Any:
         """A copy of the per-model values of ``name`` in ``param_groups[group]``: ``(B,)`` float64."""
@@ -269,19 +269,10 @@ class BatchOptimizer(TorchHabits, torch.optim.Optimizer):
         return counts
 
     # ---- population changes -------------------------------------------------------------------
-    def _per_model_entries(self, group: dict[str, Any]) -> list[str]:
-        batch = self.batch
-        names = []
-        for key, value in group.items():
-            if key == "params":
-                continue
-            if isinstance(value, Tensor) and value.shape == (batch,):
-                names.append(key)
-            elif (
-                isinstance(value, tuple) and value and all(isinstance(v, Tensor) and v.shape == (batch,) for v in value)
-            ):
-                names.append(key)
-        return names
+    def per_model_hyperparameters(self, group: dict[str, Any]) -> list[str]:
+        """The entries of ``group`` held per model, ``(B,)`` each (a pair of them for ``betas``): the
+        hyperparameters, and those a scheduler stored in the group (``initial_lr``)."""
+        return per_model_entries(group, self.batch)
 
     def select(self, keep: Any) -> None:
         """Keep only the models ``keep`` (distinct indices, in the new order, or a bool mask of length B).
@@ -294,7 +285,7 @@ class BatchOptimizer(TorchHabits, torch.optim.Optimizer):
         index = select_index(keep, self.batch)
         self.__dict__.pop("_fused_plans", None)
         for group in self.param_groups:
-            for key in self._per_model_entries(group):
+            for key in self.per_model_hyperparameters(group):
                 value = group[key]
                 group[key] = tuple(v[index] for v in value) if isinstance(value, tuple) else value[index]
             for p in group["params"]:
@@ -322,9 +313,13 @@ class BatchOptimizer(TorchHabits, torch.optim.Optimizer):
         Only optimizer state is copied; copy the weights with the model (``BatchModule``).
         """
         _population.load_model_state(self, dst, source, src, hyperparameters=hyperparameters)
+        if hyperparameters:  # a copied momentum may call for state (momentum buffers) that the slots lacked
+            for group in self.param_groups:
+                self._init_group_state(group)
 
     # ---- state --------------------------------------------------------------------------------
-    def _ensure_state(self, p: Tensor, group: dict[str, Any]) -> dict[str, Any]:
+    def state_for(self, p: Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        """``p``'s state in ``group``, its missing entries created as a step creates them."""
         state = self.state[p]
         if p.shape[0] != self.batch:
             raise ValueError(
@@ -457,7 +452,7 @@ class BatchOptimizer(TorchHabits, torch.optim.Optimizer):
                     )
                 params.append(p)
                 grads.append(p.grad)
-                states.append(self._ensure_state(p, group))
+                states.append(self.state_for(p, group))
             if not params:
                 continue
             steps = [state["step"] for state in states]

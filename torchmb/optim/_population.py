@@ -3,13 +3,37 @@ step): :meth:`BatchOptimizer.load_model_state <torchmb.optim.BatchOptimizer.load
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from ._base import BatchOptimizer
+
+class ModelStates(Protocol):
+    """What copying models' state between slots needs of an optimizer (``BatchOptimizer`` is one)."""
+
+    param_groups: list[dict[str, Any]]
+    cpu_state: tuple[str, ...]
+
+    @property
+    def batch(self) -> int: ...
+
+    def per_model_hyperparameters(self, group: dict[str, Any]) -> list[str]: ...
+
+    def state_for(self, p: Tensor, group: dict[str, Any]) -> dict[str, Any]: ...
+
+
+def per_model_entries(group: dict[str, Any], batch: int) -> list[str]:
+    """The entries of a parameter group held per model: ``(B,)`` tensors, or tuples of them (``betas``)."""
+    names = []
+    for key, value in group.items():
+        if key == "params":
+            continue
+        if isinstance(value, Tensor) and value.shape == (batch,):
+            names.append(key)
+        elif isinstance(value, tuple) and value and all(isinstance(v, Tensor) and v.shape == (batch,) for v in value):
+            names.append(key)
+    return names
 
 
 def _as_index(keep: Any, batch: int, what: str = "keep", *, distinct: bool = False) -> Tensor:
@@ -63,9 +87,10 @@ def select_index(keep: Any, batch: int) -> Tensor:
 
 
 def load_model_state(
-    opt: BatchOptimizer, dst: Any, source: BatchOptimizer | None, src: Any, *, hyperparameters: bool = True
+    opt: ModelStates, dst: Any, source: ModelStates | None, src: Any, *, hyperparameters: bool = True
 ) -> None:
-    """Copy models ``src`` of ``source`` (``None``: ``opt``) into slots ``dst`` of ``opt`` (see the method)."""
+    """Copy models ``src`` of ``source`` (``None``: ``opt``) into slots ``dst`` of ``opt`` (see
+    ``BatchOptimizer.load_model_state``, which then creates the state the copied hyperparameters call for)."""
     source = opt if source is None else source
     if type(source) is not type(opt):
         raise TypeError(f"load_model_state: source must be a {type(opt).__name__}, got {type(source).__name__}")
@@ -92,14 +117,14 @@ def load_model_state(
     copies = []
     for group, src_group in zip(opt.param_groups, source.param_groups):
         if hyperparameters:
-            for key in source._per_model_entries(src_group):
+            for key in source.per_model_hyperparameters(src_group):
                 if key in group:
                     value = src_group[key]
                     rows = tuple(v[src_index] for v in value) if isinstance(value, tuple) else value[src_index]
                     copies.append(("group", group, key, rows))
         for p, q in zip(group["params"], src_group["params"]):
-            src_state = source._ensure_state(q, src_group)
-            own = opt._ensure_state(p, group)
+            src_state = source.state_for(q, src_group)
+            own = opt.state_for(p, group)
             for key, value in src_state.items():
                 if isinstance(value, Tensor) and key in own:
                     copies.append(("state", own, key, value[src_index.to(value.device)].clone()))
@@ -115,6 +140,3 @@ def load_model_state(
         else:
             target = holder[key]
             target.index_copy_(0, dst_index.to(target.device), rows.to(target.device, target.dtype))
-    if hyperparameters:  # a copied momentum may call for state (momentum buffers) that the slots lacked
-        for group in opt.param_groups:
-            opt._init_group_state(group)
