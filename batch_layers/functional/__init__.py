@@ -9,3 +9,8 @@ functions, as ``torch.nn``'s are over ``torch.nn.functional``.
 from .._layout import Layout, MergedOrder
 
 __all__ = ["Layout", "MergedOrder"]
+from ._conv import conv1d, conv2d, conv3d, conv_transpose1d, conv_transpose2d, conv_transpose3d
+from ._std_conv import standardize_weight, std_conv2d
+
+__all__ += ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"]
+__all__ += ["standardize_weight", "std_conv2d"]
