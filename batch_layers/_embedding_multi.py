@@ -11,7 +11,7 @@ from torch.autograd.function import once_differentiable
 
 from . import _embedding_cuda as _cuda
 from ._base import AbstractBatchModule, stack_copies
-from ._embedding import _check_index_tensor, _raise_bad_now, _use_kernels
+from .functional._embedding import check_index_tensor, raise_bad_indices, use_kernels
 
 __all__ = ["MultiEmbedding"]
 
@@ -148,7 +148,7 @@ class MultiEmbedding(nn.Module):
     def forward(self, input: Tensor) -> Tensor:
         T = len(self.num_embeddings)
         B = self.weight.shape[0]
-        _check_index_tensor(input, self.weight)
+        check_index_tensor(input, self.weight)
         if input.dim() < 1 or input.shape[-1] != T:
             raise ValueError(f"expected indices of shape (*, {T}) (one column per table), got {tuple(input.shape)}")
         lead = input.shape[:-1]
@@ -161,9 +161,9 @@ class MultiEmbedding(nn.Module):
         if self.weight.is_cuda:
             _cuda.raise_pending(self.weight.device)
         else:
-            _raise_bad_now(idx, self.rows.to(idx.device))
+            raise_bad_indices(idx, self.rows.to(idx.device))
         D = sum(self.embedding_dims)
-        kernels = _use_kernels(self.weight) and not torch.are_deterministic_algorithms_enabled()
+        kernels = use_kernels(self.weight) and not torch.are_deterministic_algorithms_enabled()
         if kernels:
             flat = idx if idx.is_contiguous() else idx.contiguous()
             w = self.weight if self.weight.is_contiguous() else self.weight.contiguous()
