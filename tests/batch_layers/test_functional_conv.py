@@ -188,3 +188,30 @@ def test_conv_refuses_padding_torch_refuses(padding: str) -> None:
     expected = rf"padding must be 'same' \(at stride 1\), 'valid' or numbers, got '{padding}'"
     with pytest.raises(ValueError, match=expected):
         conv(padding=padding, stride=2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels-last"])
+def test_the_triton_grouped_kernel_runs_from_the_functional_on_cuda(monkeypatch, order: str,
+                                                                   channels_last: bool) -> None:
+    pytest.importorskip("triton")
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setitem(batch_layers._kernel_table.TRITON_GROUPED.limits, "min_groups", B)
+    launches = []
+    kernel = BF._conv.grouped_conv2d
+    monkeypatch.setattr(BF._conv, "grouped_conv2d", lambda *args: launches.append(1) or kernel(*args))
+    torch.manual_seed(0)
+    layout = Layout(B, order)
+    inputs = [torch.randn(N, 4, 9, 9, device="cuda") for _ in range(B)]
+    assert_matches_plain(
+        lambda x, w, b: BF.conv2d(x, w, b, padding=1, layout=layout),
+        lambda x, w, b: F.conv2d(x, w, b, padding=1),
+        inputs,
+        [torch.randn(B, 8, 4, 3, 3, device="cuda", requires_grad=True), torch.randn(B, 8, device="cuda")],
+        layout,
+        channels_last=channels_last,
+        atol=1e-4,
+        rtol=1e-4,
+    )
+    assert launches, "the Triton grouped convolution did not run"

@@ -113,3 +113,21 @@ def test_embedding_bag_refuses_what_torch_refuses() -> None:
     with pytest.raises(NotImplementedError, match="per_sample_weights is only supported for mode='sum'"):
         BF.embedding_bag(torch.zeros(4, 3, dtype=torch.long), weight, per_sample_weights=torch.ones(4, 3),
                          layout=layout)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("order", ORDERS)
+def test_embedding_on_cuda_matches_b_plain_lookups(order: str) -> None:
+    torch.manual_seed(0)
+    layout = Layout(B, order)
+    weight = torch.randn(B, NUM, DIM, device="cuda", requires_grad=True)
+    indices = [torch.randint(0, NUM, (N, 6), device="cuda") for _ in range(B)]
+    y = BF.embedding(layout.merge(torch.stack(indices)), weight, padding_idx=0, layout=layout)
+    tables = [weight[i].detach().clone().requires_grad_() for i in range(B)]
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    for i, (idx, table) in enumerate(zip(indices, tables)):
+        y_i = F.embedding(idx, table, padding_idx=0)
+        y_i.backward(layout.split(grad)[i])
+        torch.testing.assert_close(layout.split(y)[i], y_i, atol=0, rtol=0)
+        torch.testing.assert_close(weight.grad[i], table.grad, atol=1e-5, rtol=1e-5)

@@ -27,6 +27,7 @@ def assert_matches_plain(
     *,
     channels_last: bool = False,
     atol: float = 1e-10,
+    rtol: float = 1e-7,
 ) -> Tensor:
     """``batched(x, *params)`` on the merged ``inputs`` (a list of B per-model tensors; one tensor: the shared
     input) against ``plain(x_i, *[p[i] for p in params])`` for each model ``i``: outputs, the input's gradient
@@ -48,16 +49,16 @@ def assert_matches_plain(
         params_i = [None if p is None else p[i].detach().clone().requires_grad_(p.requires_grad) for p in params]
         y_i = plain(x_i, *params_i)
         y_i.backward(grads[i])
-        torch.testing.assert_close(outputs[i], y_i, atol=atol, rtol=1e-7, msg=lambda m, i=i: f"model {i} output: {m}")
+        torch.testing.assert_close(outputs[i], y_i, atol=atol, rtol=rtol, msg=lambda m, i=i: f"model {i} output: {m}")
         for j, (p, p_i) in enumerate(zip(own, params_i)):
             if p is not None and p.requires_grad:
-                torch.testing.assert_close(p.grad[i], p_i.grad, atol=atol, rtol=1e-7,
+                torch.testing.assert_close(p.grad[i], p_i.grad, atol=atol, rtol=rtol,
                                            msg=lambda m, i=i, j=j: f"model {i} grad of parameter {j}: {m}")
         if shared:
             shared_grad += x_i.grad
         else:
-            torch.testing.assert_close(layout.split(x.grad)[i], x_i.grad, atol=atol, rtol=1e-7,
+            torch.testing.assert_close(layout.split(x.grad)[i], x_i.grad, atol=atol, rtol=rtol,
                                        msg=lambda m, i=i: f"model {i} input grad: {m}")
     if shared:
-        torch.testing.assert_close(x.grad, shared_grad, atol=atol, rtol=1e-7)
+        torch.testing.assert_close(x.grad, shared_grad, atol=atol, rtol=rtol)
     return y
