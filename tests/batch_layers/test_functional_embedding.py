@@ -131,3 +131,24 @@ def test_embedding_on_cuda_matches_b_plain_lookups(order: str) -> None:
         y_i.backward(layout.split(grad)[i])
         torch.testing.assert_close(layout.split(y)[i], y_i, atol=0, rtol=0)
         torch.testing.assert_close(weight.grad[i], table.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("shared", [False, True], ids=["merged", "shared"])
+def test_multi_embedding_matches_b_plain_lookups_per_table(order: str, shared: bool) -> None:
+    torch.manual_seed(0)
+    layout, nums, dims = Layout(B, order), [7, 3, 11], [2, 4, 3]
+    weight = torch.randn(B, sum(n * d for n, d in zip(nums, dims)), dtype=torch.float64, requires_grad=True)
+    indices = [torch.stack([torch.randint(0, n, (N,)) for n in nums], dim=1) for _ in range(B)]
+    if shared:
+        indices = [indices[0]] * B
+    merged = indices[0] if shared else layout.merge(torch.stack(indices))
+    y = BF.multi_embedding(merged, weight, nums, dims, BF.multi_table_index(nums, dims), layout=layout,
+                           shared=shared)
+    flats = [weight[i].detach().clone().requires_grad_() for i in range(B)]
+    expected = []
+    for idx, flat in zip(indices, flats):
+        starts = [sum(n * d for n, d in zip(nums[:t], dims[:t])) for t in range(len(nums))]
+        tables = [flat[s : s + n * d].view(n, d) for s, n, d in zip(starts, nums, dims)]
+        expected.append(torch.cat([F.embedding(idx[:, t], table) for t, table in enumerate(tables)], dim=1))
+    _compare(layout, y, weight, expected, flats)
