@@ -211,14 +211,18 @@ def _numeric_padding(padding: str | tuple[int, ...], dilation: tuple[int, ...], 
     return padding
 
 
+def _sizes(value: _Size, dims: int) -> tuple[int, ...]:
+    """``value`` as one size per spatial dim (a layer's own tuples pass through: this runs every forward)."""
+    return value if type(value) is tuple and len(value) == dims else _ntuple(dims)(value)
+
+
 def _conv_nd(dims, x, weight, bias, stride, padding, dilation, groups, layout, shared, padding_mode) -> Tensor:
     batch, out_channels = layout.batch, weight.shape[1]
-    ntuple = _ntuple(dims)
-    stride, dilation = ntuple(stride), ntuple(dilation)
-    padding = padding if isinstance(padding, str) else ntuple(padding)
+    stride, dilation = _sizes(stride, dims), _sizes(dilation, dims)
+    padding = padding if isinstance(padding, str) else _sizes(padding, dims)
     if isinstance(padding, str) and (padding not in ("same", "valid") or (padding == "same" and set(stride) != {1})):
         raise ValueError(f"padding must be 'same' (at stride 1), 'valid' or numbers, got {padding!r} (stride {stride})")
-    kernel_size = tuple(weight.shape[3:])
+    kernel_size = weight.shape[3:]
     weight = weight.reshape(batch * out_channels, *weight.shape[2:])
     bias = None if bias is None else bias.reshape(-1)
     if shared and groups == 1:  # every model reads the same input: one dense conv against all filters
@@ -332,9 +336,8 @@ def conv3d(
 
 def _conv_transpose_nd(dims, x, weight, bias, stride, padding, output_padding, groups, dilation, layout, shared):
     batch, in_channels = layout.batch, weight.shape[1]
-    ntuple = _ntuple(dims)
-    stride, padding, dilation = ntuple(stride), ntuple(padding), ntuple(dilation)
-    output_padding = ntuple(output_padding)
+    stride, padding, dilation = _sizes(stride, dims), _sizes(padding, dims), _sizes(dilation, dims)
+    output_padding = _sizes(output_padding, dims)
     flat_bias = None if bias is None else bias.reshape(-1)
     if shared:
         if groups == 1:
