@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._base import AbstractBatchModule, copy_into_every_model
-from ._layout import from_grouped, shared_to_grouped, to_grouped
+from .functional._norm import batch_norm
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d"]  # and _NormBase, shared with instance norm
 
@@ -113,31 +113,24 @@ class _BatchNorm(_NormBase):
 
     def forward(self, input: Tensor) -> Tensor:
         self._check_input_dim(input)
-        batch = self.batch
-        if self.is_shared(input):
-            channels = shared_to_grouped(input, batch)
-        else:  # a channels-last input stays channels-last: cuDNN's NHWC batch norm
+        shared = self.is_shared(input)
+        if not shared:
             self.check_merged(input)
-            channels = to_grouped(input, batch, self.merged_order)
-        use_batch_stats = self.training or not self.track_running_stats
-        weight = None if self.weight is None else self.weight.reshape(-1)
-        bias = None if self.bias is None else self.bias.reshape(-1)
-        if use_batch_stats and self.track_running_stats and self.momentum is None:
-            y = self._cumulative_average_forward(channels, weight, bias)
-        else:
-            if self.training and self.track_running_stats:
-                self.num_batches_tracked.add_(1)
-            y = F.batch_norm(
-                channels,
-                self.running_mean.view(-1) if self.track_running_stats else None,
-                self.running_var.view(-1) if self.track_running_stats else None,
-                weight,
-                bias,
-                use_batch_stats,
-                0.0 if self.momentum is None else self.momentum,
-                self.eps,
-            )
-        return from_grouped(y, batch, self.merged_order)
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+        return batch_norm(
+            input,
+            self.running_mean,
+            self.running_var,
+            self.weight,
+            self.bias,
+            self.training or not self.track_running_stats,
+            self.momentum,
+            self.eps,
+            layout=self.layout,
+            shared=shared,
+            num_batches_tracked=self.num_batches_tracked,
+        )
 
     def batch_norm_form(
         self,
@@ -152,24 +145,10 @@ class _BatchNorm(_NormBase):
     ) -> Tensor:
         """``F.batch_norm`` of a merged input with per-model ``(B, C)`` statistics and weights, each model's
         channels a group of one batch norm (running statistics updated in place, per model)."""
-        if self.is_shared(x):
-            channels = shared_to_grouped(x, self.batch)
-        else:
-            channels = to_grouped(x, self.batch, self.merged_order)
-        flat = [None if t is None else t.view(-1) for t in (running_mean, running_var, weight, bias)]
-        y = F.batch_norm(channels, *flat, training, momentum, eps)
-        return from_grouped(y, self.batch, self.merged_order)
-
-    def _cumulative_average_forward(self, channels: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
-        """``momentum=None``: each model averages its running stats over its own batch count."""
-        self.num_batches_tracked.add_(1)
-        dims = [0, *range(2, channels.dim())]
-        with torch.no_grad():
-            var, mean = torch.var_mean(channels, dim=dims, correction=1)
-            factor = (1.0 / self.num_batches_tracked.to(mean.dtype)).repeat_interleave(self.num_features)
-            self.running_mean.view(-1).lerp_(mean, factor)
-            self.running_var.view(-1).lerp_(var, factor)
-        return F.batch_norm(channels, None, None, weight, bias, True, 0.0, self.eps)
+        shared = self.is_shared(x)
+        return batch_norm(
+            x, running_mean, running_var, weight, bias, training, momentum, eps, layout=self.layout, shared=shared
+        )
 
     def extra_repr(self) -> str:
         return (

@@ -3,17 +3,16 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.utils import _ntuple
 
 from ._base import UNBATCHED, AbstractBatchModule, copy_into_every_model
-from ._conv import grouped_conv, reset_conv_slices
-from ._layout import from_grouped
+from ._conv import reset_conv_slices
+from .functional._conv import conv_transpose1d, conv_transpose2d, conv_transpose3d
 
 __all__ = ["ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d"]
 
-_CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+_BATCHED_CONV_TRANSPOSE = {1: conv_transpose1d, 2: conv_transpose2d, 3: conv_transpose3d}
 
 
 class _ConvTransposeNd(AbstractBatchModule):
@@ -130,30 +129,20 @@ class _ConvTransposeNd(AbstractBatchModule):
             self.dims,
             list(self.dilation),
         )
-        conv = _CONV_TRANSPOSE[self.dims]
-        batch, out_channels = self.batch, self.out_channels
-        bias = None if self.bias is None else self.bias.reshape(-1)
-        if self.is_shared(input):
-            if self.groups == 1:
-                # (B, C_in, C_out, *k) -> (C_in, B*C_out, *k): every model's filters side by side, one dense conv.
-                weight = self.weight.transpose(0, 1).reshape(self.in_channels, batch * out_channels, *self.kernel_size)
-                y = conv(input, weight, bias, self.stride, self.padding, output_padding, 1, self.dilation)
-                return from_grouped(y, batch, self.merged_order)
-            input = self.expand_shared(input)
-        self.check_merged(input)
-        weight = self.weight.reshape(batch * self.in_channels, *self.weight.shape[2:])
-        return grouped_conv(
+        shared = self.is_shared(input)
+        if not shared:
+            self.check_merged(input)
+        return _BATCHED_CONV_TRANSPOSE[self.dims](
             input,
-            weight,
-            bias,
-            batch,
+            self.weight,
+            self.bias,
             self.stride,
             self.padding,
-            self.dilation,
-            batch * self.groups,
-            True,
             tuple(output_padding),
-            self.merged_order,
+            self.groups,
+            self.dilation,
+            layout=self.layout,
+            shared=shared,
         )
 
     def extra_repr(self) -> str:

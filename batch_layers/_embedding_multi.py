@@ -7,32 +7,13 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
 from . import _embedding_cuda as _cuda
 from ._base import AbstractBatchModule, stack_copies
-from ._embedding import _check_index_tensor, _raise_bad_now, _use_kernels
+from ._layout import Layout
+from .functional._embedding_multi import multi_embedding, multi_table_index
 
 __all__ = ["MultiEmbedding"]
-
-
-class _MultiLookupFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, weight, idx, meta, per, samples):
-        out = _cuda.multi_gather(weight, idx, meta, per, samples)
-        ctx.save_for_backward(idx)
-        ctx.meta = (meta, per, weight.shape, weight.dtype)
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None
-        (idx,) = ctx.saved_tensors
-        meta, per, shape, dtype = ctx.meta
-        gw = _cuda.multi_scatter(grad.contiguous(), idx, meta, tuple(shape), per)
-        return (gw if gw.dtype == dtype else gw.to(dtype)), None, None, None, None
 
 
 class MultiEmbedding(nn.Module):
@@ -90,18 +71,8 @@ class MultiEmbedding(nn.Module):
         self.num_embeddings = tuple(nums)
         self.embedding_dims = tuple(dims)
         sizes = [n * d for n, d in zip(nums, dims)]
-        woff = [0]
-        for s in sizes[:-1]:
-            woff.append(woff[-1] + s)
-        col_start = [0]
-        for d in dims[:-1]:
-            col_start.append(col_start[-1] + d)
-        col_table = [t for t, d in enumerate(dims) for _ in range(d)]
-        self.register_buffer("rows", torch.tensor(nums, dtype=torch.int64, device=device), persistent=False)
-        self.register_buffer("woff", torch.tensor(woff, dtype=torch.int64, device=device), persistent=False)
-        self.register_buffer("dims", torch.tensor(dims, dtype=torch.int64, device=device), persistent=False)
-        self.register_buffer("col_start", torch.tensor(col_start, dtype=torch.int64, device=device), persistent=False)
-        self.register_buffer("col_table", torch.tensor(col_table, dtype=torch.int32, device=device), persistent=False)
+        for name, tensor in multi_table_index(nums, dims, device).items():
+            self.register_buffer(name, tensor, persistent=False)
         self.weight = nn.Parameter(torch.empty(batch, sum(sizes), device=device, dtype=dtype))
         self.reset_parameters()
 
@@ -146,44 +117,18 @@ class MultiEmbedding(nn.Module):
         }
 
     def forward(self, input: Tensor) -> Tensor:
-        T = len(self.num_embeddings)
-        B = self.weight.shape[0]
-        _check_index_tensor(input, self.weight)
-        if input.dim() < 1 or input.shape[-1] != T:
-            raise ValueError(f"expected indices of shape (*, {T}) (one column per table), got {tuple(input.shape)}")
-        lead = input.shape[:-1]
-        idx = input.reshape(-1, T)
-        shared = B > 1 and AbstractBatchModule.is_shared(self, idx)  # type: ignore[arg-type]
-        if not shared and idx.shape[0] % B:
-            raise ValueError(f"expected the merged (B*n, {T}) indices of B = {B} models, got {tuple(input.shape)}")
-        samples = idx.shape[0] * B if shared else idx.shape[0]
-        per = samples // B
-        if self.weight.is_cuda:
-            _cuda.raise_pending(self.weight.device)
-        else:
-            _raise_bad_now(idx, self.rows.to(idx.device))
-        D = sum(self.embedding_dims)
-        kernels = _use_kernels(self.weight) and not torch.are_deterministic_algorithms_enabled()
-        if kernels:
-            flat = idx if idx.is_contiguous() else idx.contiguous()
-            w = self.weight if self.weight.is_contiguous() else self.weight.contiguous()
-            out = _MultiLookupFn.apply(w, flat, self._meta(), per, samples)
-        else:
-            rows = self.rows.to(idx.device)
-            if self.weight.is_cuda and idx.numel():
-                _cuda.record_bad_indices(idx, rows)
-            full = idx.long().repeat(B, 1) if shared else idx.long()
-            valid = (full >= 0) & (full < rows)
-            safe = torch.where(valid, full, 0)
-            model = torch.arange(samples, device=idx.device) // max(per, 1)
-            parts = []
-            for t in range(T):
-                part = self.table(t)[model, safe[:, t]]
-                parts.append(part.masked_fill(~valid[:, t : t + 1], 0) if self.weight.is_cuda else part)
-            out = torch.cat(parts, dim=1)
-        if shared:
-            return out.view(samples, D)
-        return out.view(*lead, D)
+        rows = input.reshape(-1, input.shape[-1]) if isinstance(input, Tensor) and input.dim() else None
+        # (not a batched layer: it asks the base class's test of the shared input with its own batch)
+        shared = self.weight.shape[0] > 1 and rows is not None and AbstractBatchModule.is_shared(self, rows)  # type: ignore[arg-type]
+        return multi_embedding(
+            input,
+            self.weight,
+            self.num_embeddings,
+            self.embedding_dims,
+            self._meta(),
+            layout=Layout(self.weight.shape[0]),
+            shared=shared,
+        )
 
     def check(self) -> None:
         """Synchronise and raise a pending ``IndexError`` from an earlier lookup on this device."""

@@ -30,7 +30,10 @@ from torch import Tensor, nn
 import offload as _offload
 
 from ._base import AbstractBatchModule
-from ._embedding import _SHARED_DOC, _SPARSE_MSG, Embedding, _normalize_padding, _raise_bad_now, set_offloaded_class
+from ._embedding import _SHARED_DOC, Embedding, set_offloaded_class
+from .functional._embedding import SPARSE_MESSAGE as _SPARSE_MSG
+from .functional._embedding import normalize_padding_idx as _normalize_padding
+from .functional._embedding import raise_bad_indices as _raise_bad_now
 
 __all__ = ["OffloadedBatchEmbedding", "offload_embeddings"]
 

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from ._base import AbstractBatchModule, copy_into_every_model
+from .functional._norm import frozen_batch_norm
 
 __all__ = ["FrozenBatchNorm2d"]
 
@@ -67,11 +68,12 @@ class FrozenBatchNorm2d(AbstractBatchModule):
             raise ValueError(
                 f"{type(self).__name__}: expected an input (B*n, {self.num_features}, H, W), got {tuple(x.shape)}"
             )
-        scale = self.weight * (self.running_var + self.eps).rsqrt()
-        shift = self.bias - self.running_mean * scale
-        models = self.split(x)  # (B, n, C, H, W)
-        out = torch.addcmul(shift[:, None, :, None, None], models, scale[:, None, :, None, None])
-        return self.merge(out)
+        shared = self.is_shared(x)
+        if not shared:
+            self.check_merged(x)
+        return frozen_batch_norm(
+            x, self.running_mean, self.running_var, self.weight, self.bias, self.eps, layout=self.layout, shared=shared
+        )
 
     def extra_repr(self) -> str:
         return f"{self.num_features}, eps={self.eps}, batch={self.batch}"

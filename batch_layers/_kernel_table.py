@@ -4,8 +4,9 @@ preference, each with its conditions and the measured thresholds behind them, in
 A batched convolution runs as one grouped convolution (the models are groups, see ``_conv.py``). For each
 op below the first candidate whose conditions all hold runs; the last candidate of each op has none.
 :func:`choose` answers for a shape, :func:`explain` says why for every op (``python -m torchmb kernels``).
-The layers ask through :func:`~batch_layers._conv_triton.runs_on_triton`,
-:func:`~batch_layers._depthwise_triton.runs_depthwise_grad` and :func:`~batch_layers._conv.keeps_channels_last`.
+The functional core (``batch_layers/functional/_conv.py``) asks through
+:func:`~batch_layers._conv_triton.runs_on_triton`, :func:`~batch_layers._depthwise_triton.runs_depthwise_grad`
+and :func:`~batch_layers.functional._conv.keeps_channels_last`.
 
 Adding a kernel: its module beside the layer (the kernel and its launch), plus one :class:`Candidate` in
 :data:`OPS` before the op's fallback, with its conditions and the measurement behind its thresholds.

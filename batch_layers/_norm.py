@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from ._base import AbstractBatchModule, copy_into_every_model
 from ._batchnorm import _NormBase
+from .functional._norm import group_norm, instance_norm, layer_norm, rms_norm
 
 __all__ = ["GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LayerNorm", "RMSNorm"]
 
@@ -33,31 +34,18 @@ def _normalized_shape(normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
     return tuple(int(s) for s in normalized_shape)
 
 
-def _per_model(t: Tensor, dims: int, trailing: int = 0) -> Tensor:
-    """View a ``(B, *shape)`` parameter for broadcasting against ``(B, m, ...)``: ``(B, 1.., *shape, 1..)``."""
-    return t.view(t.shape[0], *([1] * (dims - t.dim() - trailing)), *t.shape[1:], *([1] * trailing))
-
-
 class _AffineNorm(AbstractBatchModule):
-    """Shared forward tail: ``y * weight + bias`` per model on the ``(B, m, ...)`` view of ``y``."""
+    """What the per-sample norms share: the check of an input whose normalised values a per-model affine (or
+    per-model running statistics) will split by model."""
 
     merged_order = "models"
 
-    def _affine(self, y: Tensor, weight: Tensor | None, bias: Tensor | None, trailing: int = 0) -> Tensor:
-        if weight is None and bias is None:
-            return y
-        models = self.split(y)
-        if weight is None:
-            out = models + _per_model(bias, models.dim(), trailing)
-        elif bias is None:
-            out = models * _per_model(weight, models.dim(), trailing)
-        else:
-            out = torch.addcmul(
-                _per_model(bias, models.dim(), trailing), models, _per_model(weight, models.dim(), trailing)
-            )
-        # torch's norms return the dtype of their normalised result (float32 under autocast for the ones on
-        # its float32 list, the input's dtype otherwise), never one promoted by the float32 weights.
-        return out.reshape(-1, *out.shape[2:]).to(y.dtype)
+    def _shared_or_checked(self, x: Tensor, per_model: bool) -> bool:
+        """Whether ``x`` is the shared input; if not and ``per_model``, refuse a dim 0 that cannot hold B models."""
+        shared = self.is_shared(x)
+        if not shared and per_model:
+            self.check_merged(x)
+        return shared
 
 
 class LayerNorm(_AffineNorm):
@@ -144,12 +132,13 @@ class LayerNorm(_AffineNorm):
                 f"{', '.join(map(str, self.normalized_shape))}), got {tuple(input.shape)}"
             )
         if self.weight is None:  # no parameters: per-sample, runs on any layout
-            return self._normalize(input)
-        if not self.is_shared(input):
+            return self._normalize(input, False)
+        shared = self.is_shared(input)
+        if not shared:
             dim = self.merged_dim(input, feature_dims=k)
             if dim:  # sequence-first layout: bring the model axis to the front
                 return self.forward(input.movedim(dim, 0)).movedim(0, dim)
-        return self._affine(self._normalize(input), self.weight, self.bias)
+        return self._normalize(input, shared)
 
     def layer_norm_form(
         self,
@@ -160,11 +149,11 @@ class LayerNorm(_AffineNorm):
         eps: float = 1e-5,
     ) -> Tensor:
         """``F.layer_norm`` of a merged input (model axis in dim 0) with per-model weights."""
-        y = F.layer_norm(x, normalized_shape, None, None, eps)
-        return self._affine(y, weight, bias)
+        shared = self._shared_or_checked(x, weight is not None or bias is not None)
+        return layer_norm(x, normalized_shape, weight, bias, eps, layout=self.layout, shared=shared)
 
-    def _normalize(self, x: Tensor) -> Tensor:
-        return F.layer_norm(x, self.normalized_shape, None, None, self.eps)
+    def _normalize(self, x: Tensor, shared: bool) -> Tensor:
+        return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps, layout=self.layout, shared=shared)
 
     def extra_repr(self) -> str:
         return (
@@ -219,10 +208,11 @@ class RMSNorm(LayerNorm):
         self, x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None = None, eps: float | None = None
     ) -> Tensor:
         """``F.rms_norm`` of a merged input (model axis in dim 0) with per-model weights."""
-        return self._affine(F.rms_norm(x, normalized_shape, None, eps), weight, None)
+        shared = self._shared_or_checked(x, weight is not None)
+        return rms_norm(x, normalized_shape, weight, eps, layout=self.layout, shared=shared)
 
-    def _normalize(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x, self.normalized_shape, None, self.eps)
+    def _normalize(self, x: Tensor, shared: bool) -> Tensor:
+        return rms_norm(x, self.normalized_shape, self.weight, self.eps, layout=self.layout, shared=shared)
 
 
 class GroupNorm(_AffineNorm):
@@ -307,8 +297,8 @@ class GroupNorm(_AffineNorm):
         self, x: Tensor, num_groups: int, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5
     ) -> Tensor:
         """``F.group_norm`` of a merged ``(B*n, C, *)`` input with per-model ``(B, C)`` weights."""
-        y = F.group_norm(x, num_groups, None, None, eps)
-        return self._affine(y, weight, bias, trailing=x.dim() - 2)
+        shared = self._shared_or_checked(x, weight is not None or bias is not None)
+        return group_norm(x, num_groups, weight, bias, eps, layout=self.layout, shared=shared)
 
     def extra_repr(self) -> str:
         return f"{nn.GroupNorm.extra_repr(self)}, batch={self.batch}"
@@ -374,36 +364,20 @@ class _InstanceNorm(_NormBase, _AffineNorm):
 
     def forward(self, input: Tensor) -> Tensor:
         self._check_input(input)
-        trailing = input.dim() - 2
-        if self.training or not self.track_running_stats:
-            y = F.instance_norm(input, None, None, None, None, True, 0.0, self.eps)
-            momentum = 0.0 if self.momentum is None else self.momentum
-            if self.training and self.track_running_stats and momentum != 0.0:
-                self._update_running_stats(input, momentum)
-            return self._affine(y, self.weight, self.bias, trailing)
-        # Evaluation with running statistics: y = input * scale + shift per model and channel.
-        scale = torch.rsqrt(self.running_var + self.eps)
-        if self.weight is not None:
-            scale = scale * self.weight
-        shift = -self.running_mean * scale
-        if self.bias is not None:
-            shift = shift + self.bias
-        models = self.split(input)
-        dims = models.dim()
-        out = torch.addcmul(_per_model(shift, dims, trailing), models, _per_model(scale, dims, trailing))
-        return out.reshape(-1, *out.shape[2:]).to(input.dtype)
-
-    @torch.no_grad()
-    def _update_running_stats(self, x: Tensor, momentum: float) -> None:
-        stats_dtype = torch.promote_types(x.dtype, self.running_mean.dtype)
-        var, mean = torch.var_mean(x.detach().to(stats_dtype), dim=tuple(range(2, x.dim())), correction=1)
-        if self.is_shared(x):  # every model saw the same samples
-            var, mean = var.mean(0).expand(self.batch, -1), mean.mean(0).expand(self.batch, -1)
-        else:
-            var = var.view(self.batch, -1, self.num_features).mean(1)
-            mean = mean.view(self.batch, -1, self.num_features).mean(1)
-        self.running_mean.lerp_(mean.to(self.running_mean.dtype), momentum)
-        self.running_var.lerp_(var.to(self.running_var.dtype), momentum)
+        per_model = self.weight is not None or self.bias is not None or self.track_running_stats
+        shared = self._shared_or_checked(input, per_model)
+        return instance_norm(
+            input,
+            self.running_mean,
+            self.running_var,
+            self.weight,
+            self.bias,
+            self.training or not self.track_running_stats,
+            0.0 if self.momentum is None else self.momentum,
+            self.eps,
+            layout=self.layout,
+            shared=shared,
+        )
 
     def extra_repr(self) -> str:
         return (

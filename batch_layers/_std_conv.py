@@ -25,6 +25,7 @@ from torch.nn.modules.utils import _pair
 
 from ._base import copy_into_every_model
 from ._conv import Conv2d
+from .functional._std_conv import standardize_weight
 
 __all__ = ["ScaledStdConv2d", "ScaledStdConv2dSame", "StdConv2d", "StdConv2dSame"]
 
@@ -142,17 +143,13 @@ class StdConv2d(Conv2d):
         return layer
 
     def _channel_gain(self) -> Tensor | None:
-        """The ``(B*out,)`` factors of the standardised weight's channels, or None (1)."""
+        """The ``(B, out, 1, 1, 1)`` factors of the standardised weight's channels, or None (1)."""
         return None
 
     def standardized_weight(self) -> Tensor:
         """The ``(B, out, in/groups, kh, kw)`` weight the convolution applies: timm's ``F.batch_norm`` of the
         weight with each (model, output channel) a channel of its own."""
-        channels = self.weight.reshape(1, self.batch * self.out_channels, -1)
-        standardized = F.batch_norm(
-            channels, None, None, weight=self._channel_gain(), training=True, momentum=0.0, eps=self.eps
-        )
-        return standardized.reshape_as(self.weight)
+        return standardize_weight(self.weight, self.eps, self._channel_gain())
 
     def forward(self, x: Tensor) -> Tensor:
         if self.same_pad:
@@ -264,7 +261,7 @@ class ScaledStdConv2d(StdConv2d):
         return layer
 
     def _channel_gain(self) -> Tensor:
-        return (self.gain * self.scale).reshape(-1)
+        return self.gain * self.scale
 
 
 class ScaledStdConv2dSame(ScaledStdConv2d):

@@ -1,0 +1,221 @@
+"""Batched normalisations: batch norm (the models as channel groups) and the per-sample norms.
+
+A batch norm's statistics mix samples, so model ``b``'s channels become channels ``b*C .. b*C + C-1`` of one
+batch norm over the grouped ``(n, B*C, ...)`` layout (a free view samples-major; a channels-last input stays
+channels-last, cuDNN's NHWC batch norm). The per-sample norms (layer, RMS, group, instance) take their
+statistics within one sample, so the normalisation runs unchanged on the merged tensor; only the elementwise
+affine differs per model, one broadcast ``addcmul`` against the ``(B, ...)`` weights on the ``(B, n, ...)``
+view. A shared ``(n, ...)`` input is normalised once; the per-model affine broadcasts it to B models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .._layout import Layout, from_grouped, shared_to_grouped, to_grouped
+
+__all__ = ["batch_norm", "frozen_batch_norm", "group_norm", "instance_norm", "layer_norm", "rms_norm"]
+
+
+def batch_norm(
+    input: Tensor,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    training: bool = False,
+    momentum: float | None = 0.1,
+    eps: float = 1e-5,
+    *,
+    layout: Layout,
+    shared: bool = False,
+    num_batches_tracked: Tensor | None = None,
+) -> Tensor:
+    """:func:`torch.nn.functional.batch_norm` for B models, each with its own statistics.
+
+    Args:
+        input: the merged ``(B*n, C, *)`` input (with ``shared``, one ``(n, C, *)`` every model reads).
+        running_mean, running_var: ``(B, C)``, updated in place per model in training (or None).
+        weight, bias: ``(B, C)`` (or None).
+        momentum: as torch's; ``None`` (``nn.BatchNorm``'s cumulative average) moves each model's running
+            statistics by ``1 / num_batches_tracked``, its own ``(B,)`` count (given, already incremented).
+
+    Returns:
+        the merged ``(B*n, C, *)`` in ``layout``'s order.
+    """
+    batch = layout.batch
+    channels = shared_to_grouped(input, batch) if shared else to_grouped(input, batch, layout.order)
+    flat_weight = None if weight is None else weight.reshape(-1)
+    flat_bias = None if bias is None else bias.reshape(-1)
+    if training and running_mean is not None and momentum is None:
+        y = _cumulative_average(channels, running_mean, running_var, flat_weight, flat_bias, eps, num_batches_tracked)
+    else:
+        flat_mean = None if running_mean is None else running_mean.view(-1)
+        flat_var = None if running_var is None else running_var.view(-1)
+        momentum = 0.0 if momentum is None else momentum
+        y = F.batch_norm(channels, flat_mean, flat_var, flat_weight, flat_bias, training, momentum, eps)
+    return from_grouped(y, batch, layout.order)
+
+
+def _cumulative_average(channels, running_mean, running_var, weight, bias, eps, num_batches_tracked) -> Tensor:
+    """``momentum=None``: each model averages its running stats over its own batch count."""
+    if num_batches_tracked is None:
+        raise ValueError("batch_norm with momentum=None (a cumulative average) needs each model's num_batches_tracked")
+    dims = [0, *range(2, channels.dim())]
+    with torch.no_grad():
+        var, mean = torch.var_mean(channels, dim=dims, correction=1)
+        factor = (1.0 / num_batches_tracked.to(mean.dtype)).repeat_interleave(running_mean.shape[1])
+        running_mean.view(-1).lerp_(mean, factor)
+        running_var.view(-1).lerp_(var, factor)
+    return F.batch_norm(channels, None, None, weight, bias, True, 0.0, eps)
+
+
+def frozen_batch_norm(
+    input: Tensor,
+    running_mean: Tensor,
+    running_var: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    eps: float = 1e-5,
+    *,
+    layout: Layout,
+    shared: bool = False,
+) -> Tensor:
+    """torchvision's ``FrozenBatchNorm2d`` for B models: ``(x - running_mean) / sqrt(running_var + eps) *
+    weight + bias`` with each model's ``(B, C)`` buffers, as one fused scale-and-shift of the merged
+    ``(B*n, C, H, W)`` input (with ``shared``, one ``(n, C, H, W)``)."""
+    scale = weight * (running_var + eps).rsqrt()
+    shift = bias - running_mean * scale
+    models = _split(input, layout, shared)  # (B, n, C, H, W)
+    return layout.merge(torch.addcmul(shift[:, None, :, None, None], models, scale[:, None, :, None, None]))
+
+
+def _split(x: Tensor, layout: Layout, shared: bool) -> Tensor:
+    """``(B, n, ...)``: the merged ``x`` split by model, or the shared ``x`` expanded (a view)."""
+    return x.expand(layout.batch, *x.shape) if shared else layout.split(x)
+
+
+def _per_model(t: Tensor, dims: int, trailing: int = 0) -> Tensor:
+    """View a ``(B, *shape)`` parameter for broadcasting against ``(B, m, ...)``: ``(B, 1.., *shape, 1..)``."""
+    return t.view(t.shape[0], *([1] * (dims - t.dim() - trailing)), *t.shape[1:], *([1] * trailing))
+
+
+def _affine(y: Tensor, weight: Tensor | None, bias: Tensor | None, layout: Layout, shared: bool, trailing: int = 0):
+    """``y * weight + bias`` per model on the ``(B, m, ...)`` view of the normalised ``y``."""
+    if weight is None and bias is None:
+        return y
+    models = _split(y, layout, shared)
+    dims = models.dim()
+    if weight is None:
+        out = models + _per_model(bias, dims, trailing)
+    elif bias is None:
+        out = models * _per_model(weight, dims, trailing)
+    else:
+        out = torch.addcmul(_per_model(bias, dims, trailing), models, _per_model(weight, dims, trailing))
+    # torch's norms return the dtype of their normalised result (float32 under autocast for the ones on
+    # its float32 list, the input's dtype otherwise), never one promoted by the float32 weights.
+    return layout.merge(out).to(y.dtype)
+
+
+def layer_norm(
+    input: Tensor,
+    normalized_shape: Sequence[int],
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    layout: Layout,
+    shared: bool = False,
+) -> Tensor:
+    """:func:`torch.nn.functional.layer_norm` for B models: the merged ``(B*n, *, *normalized_shape)`` input
+    (with ``shared``, one ``(n, ...)``), ``weight`` and ``bias`` ``(B, *normalized_shape)``. Without an affine
+    the output of a shared input stays shared."""
+    return _affine(F.layer_norm(input, normalized_shape, None, None, eps), weight, bias, layout, shared)
+
+
+def rms_norm(
+    input: Tensor,
+    normalized_shape: Sequence[int],
+    weight: Tensor | None = None,
+    eps: float | None = None,
+    *,
+    layout: Layout,
+    shared: bool = False,
+) -> Tensor:
+    """:func:`torch.nn.functional.rms_norm` for B models, as :func:`layer_norm` (``weight``
+    ``(B, *normalized_shape)``, no bias)."""
+    return _affine(F.rms_norm(input, normalized_shape, None, eps), weight, None, layout, shared)
+
+
+def group_norm(
+    input: Tensor,
+    num_groups: int,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    layout: Layout,
+    shared: bool = False,
+) -> Tensor:
+    """:func:`torch.nn.functional.group_norm` for B models: the merged ``(B*n, C, *)`` input (with ``shared``,
+    one ``(n, C, *)``), ``weight`` and ``bias`` ``(B, C)``."""
+    y = F.group_norm(input, num_groups, None, None, eps)
+    return _affine(y, weight, bias, layout, shared, trailing=input.dim() - 2)
+
+
+def instance_norm(
+    input: Tensor,
+    running_mean: Tensor | None = None,
+    running_var: Tensor | None = None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    use_input_stats: bool = True,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    *,
+    layout: Layout,
+    shared: bool = False,
+) -> Tensor:
+    """:func:`torch.nn.functional.instance_norm` for B models: the merged ``(B*n, C, *)`` input (with
+    ``shared``, one ``(n, C, *)``), ``(B, C)`` running statistics, weight and bias.
+
+    With ``use_input_stats`` each instance is normalised by its own statistics and, where running statistics
+    are given, model ``b``'s move towards the mean over *its own* samples of the per-instance mean and
+    unbiased variance (by ``momentum``), as torch's instance norm moves a single model's. Otherwise each
+    model's running statistics and affine apply as one fused scale-and-shift.
+    """
+    trailing = input.dim() - 2
+    if use_input_stats:
+        y = F.instance_norm(input, None, None, None, None, True, 0.0, eps)
+        if running_mean is not None and momentum != 0.0:
+            _update_running_stats(input, running_mean, running_var, momentum, layout, shared)
+        return _affine(y, weight, bias, layout, shared, trailing)
+    if running_mean is None or running_var is None:
+        raise ValueError("instance_norm: expected running_mean and running_var when use_input_stats=False")
+    scale = torch.rsqrt(running_var + eps)
+    if weight is not None:
+        scale = scale * weight
+    shift = -running_mean * scale
+    if bias is not None:
+        shift = shift + bias
+    models = _split(input, layout, shared)
+    dims = models.dim()
+    out = torch.addcmul(_per_model(shift, dims, trailing), models, _per_model(scale, dims, trailing))
+    return layout.merge(out).to(input.dtype)
+
+
+@torch.no_grad()
+def _update_running_stats(x: Tensor, running_mean: Tensor, running_var: Tensor, momentum: float, layout: Layout,
+                          shared: bool) -> None:
+    stats_dtype = torch.promote_types(x.dtype, running_mean.dtype)
+    var, mean = torch.var_mean(x.detach().to(stats_dtype), dim=tuple(range(2, x.dim())), correction=1)
+    if shared:  # every model saw the same samples
+        var, mean = var.mean(0).expand(layout.batch, -1), mean.mean(0).expand(layout.batch, -1)
+    else:
+        var, mean = layout.split(var).mean(1), layout.split(mean).mean(1)
+    running_mean.lerp_(mean.to(running_mean.dtype), momentum)
+    running_var.lerp_(var.to(running_var.dtype), momentum)
