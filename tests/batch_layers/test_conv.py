@@ -184,3 +184,55 @@ def test_grouped_layouts_round_trip_in_both_memory_formats(order: str) -> None:
         back = from_grouped(grouped, 2, order)
         torch.testing.assert_close(back, x, rtol=0, atol=0)
         assert back.is_contiguous(memory_format=memory_format)
+
+
+@pytest.mark.parametrize("order", ["models", "samples"])
+def test_a_contiguous_input_converted_to_channels_last_gives_the_same_grouped_tensor(order: str) -> None:
+    x = torch.randn(2 * 3, 4, 5, 6)  # (B*n, C, H, W), contiguous
+    grouped = to_grouped(x, 2, order, to_channels_last=True)
+    assert is_channels_last(grouped)
+    torch.testing.assert_close(grouped, to_grouped(x, 2, order), atol=0, rtol=0)
+
+
+def test_the_table_converts_contiguous_inputs_only_for_wide_stride_one_cuda_convolutions() -> None:
+    from batch_layers._kernel_table import ConvCall, choose
+
+    def layout(cuda: bool = True, in_per_group: int = 64, stride: int = 1, dtype: torch.dtype = torch.float32) -> str:
+        call = ConvCall(cuda, 4, dtype, 16 * in_per_group, (16 * 64, in_per_group, 3, 3), 16, stride=(stride, stride))
+        return choose("layout of a contiguous input", call).name
+
+    assert layout() == layout(dtype=torch.bfloat16) == "channels-last (converted)"
+    assert layout(cuda=False) == layout(in_per_group=32) == layout(stride=2) == "contiguous"
+    assert layout(dtype=torch.float64) == "contiguous"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("order", ["models", "samples"])
+def test_a_wide_contiguous_net_runs_channels_last_on_cuda_and_matches_plain_models(order: str) -> None:
+    """A contiguous input to a stride-1 convolution with 64 input channels per model runs cuDNN's NHWC
+    grouped kernels (the kernel table's 'channels-last (converted)'); its output, and the layers after
+    it, stay channels-last; the numbers are the plain models'."""
+    torch.manual_seed(0)
+    batch, samples = 3, 4
+
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Conv2d(64, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+                             nn.Conv2d(64, 8, 3, stride=2)).cuda()
+
+    plain = [make() for _ in range(batch)]
+    batched = BatchModule(make(), batch, merged_order=order)
+    batched.load_state_dicts([m.state_dict() for m in plain])
+    x = torch.randn(batch, samples, 64, 8, 8, device="cuda")
+    outputs = []
+    batched.module[0].register_forward_hook(lambda _, args, out: outputs.append(out))
+    with torch.backends.cudnn.flags(allow_tf32=False):
+        got = batched(x)
+        got.square().sum().backward()
+        assert is_channels_last(outputs[0])
+        for i, model in enumerate(plain):
+            expected = model(x[i])
+            expected.square().sum().backward()
+            torch.testing.assert_close(got[i], expected, atol=1e-4, rtol=1e-4)
+            for name, param in model.named_parameters():
+                torch.testing.assert_close(batched.module.get_parameter(name).grad[i], param.grad, atol=1e-3,
+                                           rtol=1e-4)
