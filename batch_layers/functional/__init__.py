@@ -9,3 +9,6 @@ functions, as ``torch.nn``'s are over ``torch.nn.functional``.
 from .._layout import Layout, MergedOrder
 
 __all__ = ["Layout", "MergedOrder"]
+from ._linear import bilinear, linear, transposed_linear
+
+__all__ += ["bilinear", "linear", "transposed_linear"]
