@@ -8,6 +8,7 @@ functions, as ``torch.nn``'s are over ``torch.nn.functional``.
 
 from .._layout import Layout, MergedOrder
 from ._activation import prelu
+from ._attention import multi_head_attention_forward
 from ._dropout import alpha_dropout, dropout, dropout1d, dropout2d, dropout3d, expand_shared, feature_alpha_dropout
 from ._linear import bilinear, linear, transposed_linear
 
@@ -15,3 +16,4 @@ __all__ = ["Layout", "MergedOrder"]
 __all__ += ["bilinear", "linear", "transposed_linear"]
 __all__ += ["alpha_dropout", "dropout", "dropout1d", "dropout2d", "dropout3d", "expand_shared", "feature_alpha_dropout"]
 __all__ += ["prelu"]
+__all__ += ["multi_head_attention_forward"]
