@@ -64,8 +64,8 @@ def _rows(x: Tensor, size: int, shared: bool, layout: Layout, what: str) -> tupl
         return (x.expand(batch, *x.shape) if batched else x.expand(batch, 1, size)), batched
     if batched and x.shape[0] % batch:
         raise ValueError(f"expected {what}'s dim 0 to be a multiple of B = {batch}, got shape {tuple(x.shape)}")
-    per_model = layout.split(x)
-    return (per_model if batched else per_model.view(batch, 1, size)), batched
+    # Unbatched models' vectors lie one after another in either order (one "row" per model).
+    return (layout.split(x) if batched else x.view(batch, 1, size)), batched
 
 
 def _cell_gates(
@@ -90,14 +90,14 @@ def _cell_gates(
 
 
 def _merged(y: Tensor, batched: bool, layout: Layout) -> Tensor:
-    merged = layout.merge(y)  # (B*N, H)
-    return merged if batched else merged.reshape(-1)
+    return layout.merge(y) if batched else y.reshape(-1)  # (B*N, H), or (B*H,): models one after another
 
 
 _CELL_ARGS = """
 
     Args:
-        input: ``(B*N, input_size)`` merged in ``layout``'s order or, for unbatched models, ``(B * input_size,)``.
+        input: ``(B*N, input_size)`` merged in ``layout``'s order or, for unbatched models, ``(B * input_size,)``
+            (each model's vector after the other, in either order).
         hx: {state} like the output (zeros when ``None``).
         w_ih, w_hh: ``(B, G * hidden_size, input_size)`` and ``(B, G * hidden_size, hidden_size)``.
         b_ih, b_hh: ``(B, G * hidden_size)`` or ``None``.
