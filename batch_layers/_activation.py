@@ -7,25 +7,10 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from ._base import AbstractBatchModule, autocast_dtype, copy_into_every_model
+from . import functional
+from ._base import AbstractBatchModule, copy_into_every_model
 
 __all__ = ["PReLU"]
-
-# torch.prelu reshapes its weight to (1, C, 1, ...) and calls this broadcasting elementwise kernel (with its
-# own fused backward); calling it directly with a (B, 1, C, 1, ...) weight gives every model its slopes in
-# one kernel. It exists in every supported torch (>= 2.5); the fallback keeps the maths if it goes away.
-_prelu_kernel = getattr(torch, "_prelu_kernel", None)
-
-
-def _prelu(x: Tensor, weight: Tensor) -> Tensor:
-    dtype = autocast_dtype(x.device.type)
-    if dtype is not None and x.is_floating_point():
-        # torch.prelu is on autocast's lower-precision list; the kernel it calls is not, so cast as it would.
-        x, weight = x.to(dtype), weight.to(dtype)
-    if _prelu_kernel is not None:
-        return _prelu_kernel(x, weight)
-    return torch.where(x > 0, x, weight * x)
-
 
 class PReLU(AbstractBatchModule):
     """``batch`` independent :class:`torch.nn.PReLU` layers.
@@ -97,18 +82,14 @@ class PReLU(AbstractBatchModule):
             )
         if input.dim() == 0:
             raise ValueError("PReLU: expected an input of shape (B*n, *) with the merged model axis, got a scalar")
-        if channels == 1 and not self.is_shared(input):
+        shared = self.is_shared(input)
+        if channels == 1 and not shared:
             dim = self.merged_dim(input, feature_dims=max(input.dim() - 2, 0))
             if dim:  # sequence-first layout
                 return self.forward(input.movedim(dim, 0)).movedim(0, dim)
-        models = self.split(input)  # (B, m, ...); an expanded view of a shared input
-        trailing = max(input.dim() - 2, 0)
-        if channels > 1:
-            weight = self.weight.view(self.batch, 1, channels, *([1] * trailing))
-        else:
-            weight = self.weight.view(self.batch, *([1] * (models.dim() - 1)))
-        y = _prelu(models, weight)
-        return y.reshape(-1, *y.shape[2:])
+        elif not shared:
+            self.check_merged(input)
+        return functional.prelu(input, self.weight, layout=self.layout, shared=shared)
 
     def extra_repr(self) -> str:
         return f"num_parameters={self.num_parameters}, batch={self.batch}"

@@ -19,9 +19,9 @@ import math
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import functional
 from ._base import AbstractBatchModule, current_forward, stack_copies
 
 __all__ = ["MultiheadAttention"]
@@ -47,13 +47,6 @@ class _Projection(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
-
-
-def _project(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``(B, m, in) @ (B, out, in)^T + (B, out)`` as one batched product."""
-    if bias is None:
-        return torch.bmm(x, weight.transpose(1, 2))
-    return torch.baddbmm(bias.unsqueeze(1), x, weight.transpose(1, 2))
 
 
 class MultiheadAttention(AbstractBatchModule):
@@ -201,29 +194,27 @@ class MultiheadAttention(AbstractBatchModule):
                 target.copy_(stack_copies(source, batch).view(target.shape))
         return layer
 
-    # -- layout helpers ---------------------------------------------------------------------------
-    def _by_model(self, x: Tensor, batched: bool, what: str) -> Tensor:
-        """``(B, N, T, F)`` (a view where possible) from a merged query/key/value in this layer's layout."""
+    def _check_rows(self, x: Tensor, batched: bool, what: str) -> bool:
+        """Refuse a query/key/value whose merged dim cannot hold B models' samples; whether it is shared."""
         if not batched:
             if x.dim() != 2:
                 raise ValueError(f"{type(self).__name__}: expected a 2-D unbatched {what}, got shape {tuple(x.shape)}")
             if self.is_shared(x):
-                return x.expand(self.batch, 1, *x.shape)
+                return True
             if x.shape[0] % self.batch:
                 raise ValueError(
                     f"{type(self).__name__}: expected the unbatched {what}'s dim 0 to be a multiple of B = "
                     f"{self.batch} (models' sequences one after another), got shape {tuple(x.shape)}"
                 )
-            return x.view(self.batch, 1, -1, x.shape[-1])
+            return False
         if x.dim() != 3:
             raise ValueError(f"{type(self).__name__}: expected a 3-D {what}, got shape {tuple(x.shape)}")
-        if not self.batch_first:
-            x = x.transpose(0, 1)
-        if self.is_shared(x):
-            return x.expand(self.batch, *x.shape)
+        rows = x if self.batch_first else x.transpose(0, 1)
+        if self.is_shared(rows):
+            return True
         context = current_forward()
         step = self.batch * (context.samples if context is not None else 1)
-        if x.shape[0] % step:
+        if rows.shape[0] % step:
             dim = 0 if self.batch_first else 1
             where = f"B * n = {self.batch} * {context.samples}" if context is not None else f"B = {self.batch}"
             raise ValueError(
@@ -231,50 +222,8 @@ class MultiheadAttention(AbstractBatchModule):
                 f"of {where} (the merged model axis), got shape {tuple(x.shape)}; a sequence-first model must "
                 "take batch-first inputs at the BatchModule boundary and transpose them itself"
             )
-        return x.reshape(self.batch, -1, *x.shape[1:])
+        return False
 
-    def _padding_mask(self, mask: Tensor, per_model: int, src_len: int) -> Tensor:
-        """A key padding mask as ``(B*N, S)`` (or broadcastable ``(1, S)`` rows when one mask serves all)."""
-        if mask.dim() == 1:  # unbatched models: (B*S,) or (S,)
-            if mask.shape[0] == src_len:
-                return mask.unsqueeze(0).expand(self.batch, src_len)
-            if mask.shape[0] == self.batch * src_len:
-                return mask.view(self.batch, src_len)
-        elif mask.dim() == 2 and mask.shape[1] == src_len:
-            if mask.shape[0] == self.batch * per_model:
-                return mask
-            if mask.shape[0] == per_model:
-                return mask.unsqueeze(0).expand(self.batch, *mask.shape).reshape(-1, src_len)
-        expected = f"({self.batch * per_model}, {src_len}) or ({per_model}, {src_len})"
-        if per_model == 1:
-            expected += f" (or ({self.batch * src_len},) / ({src_len},) for unbatched models)"
-        raise ValueError(
-            f"{type(self).__name__}: expected key_padding_mask of shape {expected}, got {tuple(mask.shape)}"
-        )
-
-    def _attention_mask(self, mask: Tensor, per_model: int, tgt_len: int, src_len: int, batched: bool) -> Tensor:
-        """An attention mask broadcastable to ``(B*N, num_heads, L, S)``."""
-        heads = self.num_heads
-        if mask.dim() == 2:
-            if mask.shape == (tgt_len, src_len):
-                return mask.view(1, 1, tgt_len, src_len)
-            if mask.shape == (self.batch * tgt_len, src_len):
-                mask = mask.view(self.batch, 1, 1, tgt_len, src_len).expand(-1, per_model, -1, -1, -1)
-                return mask.reshape(self.batch * per_model, 1, tgt_len, src_len)
-        elif mask.dim() == 3 and mask.shape[1:] == (tgt_len, src_len):
-            if mask.shape[0] == self.batch * per_model * heads:
-                return mask.view(self.batch * per_model, heads, tgt_len, src_len)
-            if mask.shape[0] == per_model * heads:
-                mask = mask.view(1, per_model, heads, tgt_len, src_len).expand(self.batch, -1, -1, -1, -1)
-                return mask.reshape(self.batch * per_model, heads, tgt_len, src_len)
-        n = "" if not batched else f"{per_model}*"
-        raise ValueError(
-            f"{type(self).__name__}: expected attn_mask of shape ({tgt_len}, {src_len}) (shared), "
-            f"({self.batch}*{tgt_len}, {src_len}) (one per model), ({n}{heads}, {tgt_len}, {src_len}) (shared) or "
-            f"({self.batch}*{n}{heads}, {tgt_len}, {src_len}) (per model), got {tuple(mask.shape)}"
-        )
-
-    # -- forward ----------------------------------------------------------------------------------
     def forward(
         self,
         query: Tensor,
@@ -308,134 +257,19 @@ class MultiheadAttention(AbstractBatchModule):
                 raise ValueError(
                     f"{type(self).__name__}: expected {what} with {features} features, got shape {tuple(tensor.shape)}"
                 )
-        self_attention = query is key and key is value
-        q_in = self._by_model(query, batched, "query")  # (B, N, L, E)
-        k_in = q_in if key is query else self._by_model(key, batched, "key")
-        v_in = k_in if value is key else q_in if value is query else self._by_model(value, batched, "value")
-        if k_in.shape[:2] != q_in.shape[:2] or v_in.shape[:3] != k_in.shape[:3]:
-            raise ValueError(
-                f"{type(self).__name__}: query, key and value disagree on batch or key/value on source length: "
-                f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
-            )
-        batch, per_model, tgt_len, _ = q_in.shape
-        src_len = k_in.shape[2]
-        rows = batch * per_model
-
-        key_padding_mask = F._canonical_mask(
-            mask=key_padding_mask,
-            mask_name="key_padding_mask",
-            other_type=F._none_or_dtype(attn_mask),
-            other_name="attn_mask",
-            target_type=query.dtype,
-        )
-        if is_causal and attn_mask is None:
-            raise RuntimeError(
-                "Need attn_mask if specifying the is_causal hint. You may use the Transformer module method "
-                "`generate_square_subsequent_mask` to create this mask."
-            )
-        if is_causal and key_padding_mask is None and not need_weights:
-            attn_mask = None
+        shared_query = self._check_rows(query, batched, "query")
+        shared_key = shared_query if key is query else self._check_rows(key, batched, "key")
+        if value is key or value is query:
+            shared_value = shared_key if value is key else shared_query
         else:
-            attn_mask = F._canonical_mask(
-                mask=attn_mask,
-                mask_name="attn_mask",
-                other_type=None,
-                other_name="",
-                target_type=query.dtype,
-                check_other=False,
-            )
-            if key_padding_mask is not None:
-                is_causal = False
-
-        q, k, v = self._in_projection(q_in, k_in, v_in, self_attention)  # (B, N*T, E) each
-        heads, head_dim = self.num_heads, self.head_dim
-        q = q.view(rows, tgt_len, heads, head_dim).transpose(1, 2)
-        k = k.view(rows, src_len, heads, head_dim).transpose(1, 2)
-        v = v.view(rows, src_len, heads, head_dim).transpose(1, 2)
-
-        if attn_mask is not None:
-            attn_mask = self._attention_mask(attn_mask, per_model, tgt_len, src_len, batched)
-        if key_padding_mask is not None:
-            key_padding_mask = self._padding_mask(key_padding_mask, per_model, src_len)
-        extra = 0
-        if self.bias_k is not None:
-            bias_k = self.bias_k.view(batch, 1, heads, 1, head_dim).expand(-1, per_model, -1, -1, -1)
-            bias_v = self.bias_v.view(batch, 1, heads, 1, head_dim).expand(-1, per_model, -1, -1, -1)
-            k = torch.cat([k, bias_k.reshape(rows, heads, 1, head_dim)], dim=2)
-            v = torch.cat([v, bias_v.reshape(rows, heads, 1, head_dim)], dim=2)
-            extra += 1
-        if self.add_zero_attn:
-            k = torch.cat([k, k.new_zeros(rows, heads, 1, head_dim)], dim=2)
-            v = torch.cat([v, v.new_zeros(rows, heads, 1, head_dim)], dim=2)
-            extra += 1
-        if extra:
-            if attn_mask is not None:
-                attn_mask = F.pad(attn_mask, (0, extra))
-            if key_padding_mask is not None:
-                key_padding_mask = F.pad(key_padding_mask, (0, extra))
-        if key_padding_mask is not None:
-            padding = key_padding_mask.view(-1, 1, 1, src_len + extra)
-            attn_mask = padding if attn_mask is None else attn_mask + padding
-        dropout_p = self.dropout if self.training else 0.0
-
-        if need_weights:
-            scores = torch.matmul(q * math.sqrt(1.0 / head_dim), k.transpose(-2, -1))
-            if attn_mask is not None:
-                scores = scores + attn_mask
-            weights = torch.softmax(scores, dim=-1)
-            if dropout_p > 0.0:
-                weights = F.dropout(weights, p=dropout_p)
-            attended = torch.matmul(weights, v)
-        else:
-            weights = None
-            attended = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal)
-
-        attended = attended.transpose(1, 2).reshape(batch, per_model * tgt_len, self.embed_dim)
-        out = _project(attended, self.out_proj.weight, self.out_proj.bias)
-        out = self._to_layout(out.view(rows, tgt_len, self.embed_dim), batched)
-        if weights is not None:
-            if average_attn_weights:
-                weights = weights.mean(dim=1)
-            if not batched:  # unbatched models: (B*L, S) or (B*heads, L, S)
-                weights = (
-                    weights.reshape(batch * weights.shape[-2], -1) if average_attn_weights else weights.flatten(0, 1)
-                )
-        return out, weights
-
-    def _in_projection(self, q_in: Tensor, k_in: Tensor, v_in: Tensor, self_attention: bool) -> tuple[Tensor, ...]:
-        batch, embed = self.batch, self.embed_dim
-        bias_q = bias_k = bias_v = None
-        if self.in_proj_bias is not None:
-            bias_q, bias_k, bias_v = self.in_proj_bias.chunk(3, dim=1)
-        flat = [t.reshape(batch, -1, t.shape[-1]) for t in (q_in, k_in, v_in)]
-        if self._qkv_same_embed_dim:
-            w_q, w_k, w_v = self.in_proj_weight.chunk(3, dim=1)
-            if self_attention:
-                return _project(flat[0], self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)
-            q = _project(flat[0], w_q, bias_q)
-            if k_in is v_in:
-                kv = _project(
-                    flat[1], self.in_proj_weight[:, embed:], None if bias_k is None else self.in_proj_bias[:, embed:]
-                )
-                k, v = kv.chunk(2, dim=-1)
-            else:
-                k, v = _project(flat[1], w_k, bias_k), _project(flat[2], w_v, bias_v)
-            return q, k, v
-        return (
-            _project(flat[0], self.q_proj_weight, bias_q),
-            _project(flat[1], self.k_proj_weight, bias_k),
-            _project(flat[2], self.v_proj_weight, bias_v),
-        )
-
-    def _to_layout(self, out: Tensor, batched: bool) -> Tensor:
-        """``(B*N, L, E)`` to the layout of the query: seq-first, batch-first or unbatched ``(B*L, E)``.
-
-        Sequence-first, torch's layer returns a contiguous ``(L, N, E)``; so does this one (a copy: the
-        per-model output projection writes the rows model by model), so that code viewing the output as
-        torch's keeps working."""
-        if not batched:
-            return out.reshape(-1, self.embed_dim)
-        return out if self.batch_first else out.transpose(0, 1).contiguous()
+            shared_value = self._check_rows(value, batched, "value")
+        return functional.multi_head_attention_forward(
+            query, key, value, self.embed_dim, self.num_heads, self.in_proj_weight, self.in_proj_bias, self.bias_k,
+            self.bias_v, self.add_zero_attn, self.dropout, self.out_proj.weight, self.out_proj.bias, self.training,
+            key_padding_mask, need_weights, attn_mask, not self._qkv_same_embed_dim, self.q_proj_weight,
+            self.k_proj_weight, self.v_proj_weight, average_attn_weights=average_attn_weights, is_causal=is_causal,
+            layout=self.layout, batch_first=self.batch_first, shared=(shared_query, shared_key, shared_value),
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         parts = [f"embed_dim={self.embed_dim}", f"num_heads={self.num_heads}"]

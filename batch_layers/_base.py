@@ -26,7 +26,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from ._layout import Layout, MergedOrder, is_channels_last
+from ._layout import Layout, MergedOrder, expand_shared
 
 __all__ = [
     "AbstractBatchModule",
@@ -263,14 +263,7 @@ class AbstractBatchModule(nn.Module):
     def expand_shared(self, x: Tensor) -> Tensor:
         """A shared ``(n, ...)`` input as the merged ``(B*n, ...)`` tensor of B models (a copy), in this
         module's order; a channels-last input gives a channels-last result."""
-        channels_last = is_channels_last(x)
-        if channels_last:
-            x = x.permute(0, 2, 3, 1)
-        if self.merged_order == "models":
-            merged = x.expand(self.batch, *x.shape).reshape(-1, *x.shape[1:])
-        else:
-            merged = x.unsqueeze(1).expand(x.shape[0], self.batch, *x.shape[1:]).reshape(-1, *x.shape[1:])
-        return merged.permute(0, 3, 1, 2) if channels_last else merged
+        return expand_shared(x, self.layout)
 
     def merged_dim(self, x: Tensor, feature_dims: int = 1) -> int:
         """The dim of ``x`` holding the merged model axis, for layers that take any leading dims.

@@ -1,12 +1,12 @@
 from __future__ import annotations
 
-import functools
 import math
 from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
 
+from . import functional
 from ._base import UNBATCHED, AbstractBatchModule, copy_into_every_model
 
 __all__ = ["Bilinear"]
@@ -106,57 +106,12 @@ class Bilinear(AbstractBatchModule):
 
     def forward(self, input1: Tensor, input2: Tensor) -> Tensor:
         self._check_inputs(input1, input2)
-        device = input1.device.type
-        if torch.is_autocast_enabled(device):
-            # torch.bilinear is on autocast's "promote" list (computed in the widest input dtype), while the
-            # bmm/matmul used here would run in the low-precision dtype: do what autocast does for bilinear.
-            tensors = [t for t in (input1, input2, self.weight, self.bias) if t is not None]
-            dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
-            with torch.autocast(device, enabled=False):
-                return self._forward(input1.to(dtype), input2.to(dtype))
-        return self._forward(input1, input2)
-
-    def _forward(self, input1: Tensor, input2: Tensor) -> Tensor:
-        shared1, shared2 = self.is_shared(input1), self.is_shared(input2)
-        if not (shared1 or shared2):
+        shared = (self.is_shared(input1), self.is_shared(input2))
+        if not any(shared):
             dim = self.merged_dim(input1)
             if dim:  # sequence-first layout: bring the model axis to the front
-                return self._forward(input1.movedim(dim, 0), input2.movedim(dim, 0)).movedim(0, dim)
-        batch = self.batch
-        shape1 = (batch * input1.shape[0], *input1.shape[1:]) if shared1 else tuple(input1.shape)
-        shape2 = (batch * input2.shape[0], *input2.shape[1:]) if shared2 else tuple(input2.shape)
-        if shape1[:-1] != shape2[:-1]:
-            raise ValueError(
-                f"Bilinear: input1 {tuple(input1.shape)} and input2 {tuple(input2.shape)} must agree in every dim "
-                "but the last (per model)"
-            )
-        out, in1, in2 = self.out_features, self.in1_features, self.in2_features
-        x1 = self.split(input1).reshape(batch, -1, in1)  # (B, m, in1); an expanded view when shared
-        x2 = self.split(input2).reshape(batch, -1, in2)
-        rows = x1.shape[1]
-        if shared1 or (not shared2 and out * in2 <= min(out * in1, in1 * in2)):
-            partial = self._contract(input1, x1, shared1, self.weight.transpose(1, 2), out * in2)
-            y = torch.matmul(partial.view(batch, rows, out, in2), x2.unsqueeze(-1)).squeeze(-1)
-        elif shared2 or out * in1 <= in1 * in2:
-            partial = self._contract(input2, x2, shared2, self.weight.permute(0, 3, 1, 2), out * in1)
-            y = torch.matmul(partial.view(batch, rows, out, in1), x1.unsqueeze(-1)).squeeze(-1)
-        else:  # the outer product x1 x2^T is the smallest intermediate
-            outer = (x1.unsqueeze(3) * x2.unsqueeze(2)).reshape(batch, rows, in1 * in2)
-            y = torch.bmm(outer, self.weight.reshape(batch, out, in1 * in2).transpose(1, 2))
-        if self.bias is not None:
-            y = y + self.bias.unsqueeze(1).to(y.dtype)
-        return y.reshape(*shape1[:-1], out)
-
-    def _contract(self, given: Tensor, rows: Tensor, shared: bool, weight: Tensor, width: int) -> Tensor:
-        """``rows @ weight`` per model, ``(B, m, width)``; ``weight`` is ``(B, in, ...)`` with ``in`` first.
-
-        A shared input is multiplied once by all models' weights side by side (one dense GEMM).
-        """
-        batch, features = self.batch, weight.shape[1]
-        if shared:
-            dense = given.reshape(-1, features) @ weight.transpose(0, 1).reshape(features, batch * width)
-            return dense.view(-1, batch, width).transpose(0, 1)
-        return torch.bmm(rows, weight.reshape(batch, features, width))
+                return self.forward(input1.movedim(dim, 0), input2.movedim(dim, 0)).movedim(0, dim)
+        return functional.bilinear(input1, input2, self.weight, self.bias, layout=self.layout, shared=shared)
 
     def extra_repr(self) -> str:
         return f"{nn.Bilinear.extra_repr(self)}, batch={self.batch}"

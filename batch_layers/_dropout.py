@@ -11,10 +11,12 @@ stays shared).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 from torch import Tensor, nn
 
+from . import functional
 from ._base import AbstractBatchModule
 
 __all__ = ["AlphaDropout", "Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "FeatureAlphaDropout"]
@@ -32,6 +34,8 @@ class _Dropout(AbstractBatchModule):
     merged_order = "models"
     merged_orders = ("models", "samples")
     base_class: ClassVar[type[nn.Module]]
+    # The batched functional of the class: torch's dropout on the merged axis, a shared input expanded first.
+    dropout_function: ClassVar[Callable[..., Tensor]]
 
     def __init__(self, p: float = 0.5, inplace: bool = False, *, batch: int) -> None:
         super().__init__(batch)
@@ -45,9 +49,8 @@ class _Dropout(AbstractBatchModule):
         return cls(module.p, module.inplace, batch=batch)
 
     def forward(self, input: Tensor) -> Tensor:
-        if self.training and self.p > 0 and self.is_shared(input):
-            input = self.expand_shared(input)  # one mask per model
-        return self.base_class.forward(self, input)
+        shared = self.training and self.p > 0 and self.is_shared(input)
+        return self.dropout_function(input, self.p, self.training, self.inplace, layout=self.layout, shared=shared)
 
 
 class Dropout(_Dropout):
@@ -61,33 +64,39 @@ class Dropout(_Dropout):
     """
 
     base_class = nn.Dropout
+    dropout_function = staticmethod(functional.dropout)
 
 
 class Dropout1d(_Dropout):
     """``batch`` independent :class:`torch.nn.Dropout1d`: whole channels of ``(B*n, C, L)`` per sample."""
 
     base_class = nn.Dropout1d
+    dropout_function = staticmethod(functional.dropout1d)
 
 
 class Dropout2d(_Dropout):
     """``batch`` independent :class:`torch.nn.Dropout2d`: whole channels of ``(B*n, C, H, W)`` per sample."""
 
     base_class = nn.Dropout2d
+    dropout_function = staticmethod(functional.dropout2d)
 
 
 class Dropout3d(_Dropout):
     """``batch`` independent :class:`torch.nn.Dropout3d`: whole channels of ``(B*n, C, D, H, W)`` per sample."""
 
     base_class = nn.Dropout3d
+    dropout_function = staticmethod(functional.dropout3d)
 
 
 class AlphaDropout(_Dropout):
     """``batch`` independent :class:`torch.nn.AlphaDropout` (keeps SELU's mean and variance per model)."""
 
     base_class = nn.AlphaDropout
+    dropout_function = staticmethod(functional.alpha_dropout)
 
 
 class FeatureAlphaDropout(_Dropout):
     """``batch`` independent :class:`torch.nn.FeatureAlphaDropout`: alpha dropout of whole channels."""
 
     base_class = nn.FeatureAlphaDropout
+    dropout_function = staticmethod(functional.feature_alpha_dropout)

@@ -16,7 +16,15 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-__all__ = ["Layout", "MergedOrder", "from_grouped", "is_channels_last", "shared_to_grouped", "to_grouped"]
+__all__ = [
+    "Layout",
+    "MergedOrder",
+    "expand_shared",
+    "from_grouped",
+    "is_channels_last",
+    "shared_to_grouped",
+    "to_grouped",
+]
 
 MergedOrder = Literal["models", "samples"]
 
@@ -100,3 +108,16 @@ def from_grouped(y: Tensor, batch: int, order: MergedOrder = "models", channels_
         return y.reshape(n * batch, y.shape[1] // batch, *y.shape[2:])
     y = y.view(n, batch, y.shape[1] // batch, *y.shape[2:]).transpose(0, 1)
     return y.reshape(batch * n, *y.shape[2:])
+
+
+def expand_shared(x: Tensor, layout: Layout) -> Tensor:
+    """A shared ``(n, ...)`` input as the merged ``(B*n, ...)`` tensor of B models (a copy) in ``layout``'s
+    order; a channels-last input gives a channels-last result."""
+    channels_last = is_channels_last(x)
+    if channels_last:
+        x = x.permute(0, 2, 3, 1)
+    if layout.order == "models":
+        merged = x.expand(layout.batch, *x.shape).reshape(-1, *x.shape[1:])
+    else:
+        merged = x.unsqueeze(1).expand(x.shape[0], layout.batch, *x.shape[1:]).reshape(-1, *x.shape[1:])
+    return merged.permute(0, 3, 1, 2) if channels_last else merged

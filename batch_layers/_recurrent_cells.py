@@ -1,5 +1,5 @@
-"""Batched recurrent cells: B models' RNNCell / LSTMCell / GRUCell, one batched product per projection and
-the gate nonlinearities (those of :mod:`batch_layers._recurrent`) on the merged rows."""
+"""Batched recurrent cells: B models' RNNCell / LSTMCell / GRUCell, thin over ``batch_layers.functional``'s
+cells (one batched product per projection, the gate nonlinearities on the merged rows)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
+from . import functional
 from ._base import AbstractBatchModule, stack_copies
-from ._recurrent import _GATES, _bmm_t, _gru_cell, _lstm_cell, _rnn_cell
+from .functional._recurrent_cells import GATES
 
 __all__ = ["GRUCell", "LSTMCell", "RNNCell"]
 
@@ -36,7 +37,7 @@ class _CellBase(AbstractBatchModule):
         self.input_size = input_size
         self.hidden_size = hidden_size
         self.bias = bias
-        gates = _GATES[self.mode] * hidden_size
+        gates = GATES[self.mode] * hidden_size
         self.weight_ih = nn.Parameter(torch.empty(batch, gates, input_size, **factory_kwargs))
         self.weight_hh = nn.Parameter(torch.empty(batch, gates, hidden_size, **factory_kwargs))
         if bias:
@@ -74,49 +75,51 @@ class _CellBase(AbstractBatchModule):
                 param.copy_(stack_copies(module.get_parameter(name), batch))
         return layer
 
-    def _rows(self, x: Tensor, size: int, what: str) -> tuple[Tensor, bool]:
-        """``(B, N, size)`` from a merged ``(B*N, size)`` tensor or an unbatched models' ``(B*size,)``."""
+    def _check_rows(self, x: Tensor, size: int, what: str) -> bool:
+        """Refuse a merged ``(B*N, size)`` tensor or unbatched models' ``(B*size,)`` that cannot be B models';
+        whether it is the shared one."""
         if x.dim() == 1:
             if x.shape[0] == size and self.is_shared(x):  # one shared unbatched sample
-                return x.expand(self.batch, 1, size), False
+                return True
             if x.shape[0] != self.batch * size:
                 raise ValueError(
                     f"{type(self).__name__}: expected an unbatched {what} of shape ({self.batch} * {size},), got "
                     f"{tuple(x.shape)}"
                 )
-            return x.view(self.batch, 1, size), False
+            return False
         if x.dim() != 2 or x.shape[1] != size:
             raise ValueError(f"{type(self).__name__}: expected {what} of shape (B*N, {size}), got {tuple(x.shape)}")
         if self.is_shared(x):
-            return x.expand(self.batch, *x.shape), True
+            return True
         if x.shape[0] % self.batch:
             raise ValueError(
                 f"{type(self).__name__}: expected {what}'s dim 0 to be a multiple of B = {self.batch} (the merged "
                 f"model axis), got shape {tuple(x.shape)}"
             )
-        return x.view(self.batch, -1, size), True
+        return False
 
-    def _gates(self, x: Tensor, hx: Tensor | None) -> tuple[Tensor, Tensor, Tensor, bool]:
+    def _check(self, x: Tensor, states: tuple[Tensor, ...], what: tuple[str, ...]) -> tuple[bool, ...]:
+        """Check the input and the given states; whether each is shared by all models."""
         if not x.is_floating_point():
             raise TypeError(f"{type(self).__name__}: expected a floating-point input, got dtype {x.dtype}")
-        inputs, batched = self._rows(x, self.input_size, "input")
-        if hx is None:
-            h = inputs.new_zeros(self.batch, inputs.shape[1], self.hidden_size)
-        else:
-            h, _ = self._rows(hx, self.hidden_size, "hidden state")
-            if h.shape[1] != inputs.shape[1]:
+        shared = [self._check_rows(x, self.input_size, "input")]
+        for state, name in zip(states, what):
+            shared.append(self._check_rows(state, self.hidden_size, name))
+            if name == "hidden state" and self._per_model(x, shared[0]) != self._per_model(state, shared[-1]):
                 raise ValueError(
-                    f"{type(self).__name__}: input {tuple(x.shape)} and hidden state {tuple(hx.shape)} disagree on "
+                    f"{type(self).__name__}: input {tuple(x.shape)} and hidden state {tuple(state.shape)} disagree on "
                     "the batch size"
                 )
-        bias_ih, bias_hh = self.bias_ih, self.bias_hh
-        gates_x = _bmm_t(inputs, self.weight_ih, bias_ih)
-        gates_h = _bmm_t(h.to(gates_x.dtype), self.weight_hh, bias_hh)
-        return gates_x, gates_h, h, batched
+        return tuple(shared)
 
-    @staticmethod
-    def _out(y: Tensor, batched: bool) -> Tensor:
-        return y.reshape(-1, y.shape[-1]) if batched else y.reshape(-1)
+    def _per_model(self, x: Tensor, shared: bool) -> int:
+        """Samples per model of a checked input or state (1 for unbatched models)."""
+        if x.dim() == 1:
+            return 1
+        return x.shape[0] if shared else x.shape[0] // self.batch
+
+    def _weights(self) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        return self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh
 
     def extra_repr(self) -> str:
         text = f"{self.input_size}, {self.hidden_size}"
@@ -165,8 +168,9 @@ class RNNCell(_CellBase):
         return {"nonlinearity": module.nonlinearity}
 
     def forward(self, input: Tensor, hx: Tensor | None = None) -> Tensor:
-        gates_x, gates_h, _, batched = self._gates(input, hx)
-        return self._out(_rnn_cell(gates_x, gates_h, self.mode), batched)
+        shared = self._check(input, () if hx is None else (hx,), ("hidden state",))
+        cell = functional.rnn_tanh_cell if self.nonlinearity == "tanh" else functional.rnn_relu_cell
+        return cell(input, hx, *self._weights(), layout=self.layout, shared=shared)
 
     def extra_repr(self) -> str:
         text = super().extra_repr()
@@ -182,15 +186,8 @@ class LSTMCell(_CellBase):
     def forward(self, input: Tensor, hx: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         if hx is not None and (not isinstance(hx, tuple) or len(hx) != 2):
             raise TypeError(f"{type(self).__name__}: expected hx as a tuple (h_0, c_0)")
-        gates_x, gates_h, h, batched = self._gates(input, None if hx is None else hx[0])
-        c = h.new_zeros(h.shape) if hx is None else self._rows(hx[1], self.hidden_size, "cell state")[0]
-        batch, rows = gates_x.shape[0], gates_x.shape[0] * gates_x.shape[1]
-        h_new, c_new = _lstm_cell(
-            gates_x.reshape(rows, -1), gates_h.reshape(rows, -1), c.to(gates_x.dtype).reshape(rows, -1)
-        )
-        return self._out(h_new.view(batch, -1, self.hidden_size), batched), self._out(
-            c_new.view(batch, -1, self.hidden_size), batched
-        )
+        shared = self._check(input, () if hx is None else hx, ("hidden state", "cell state"))
+        return functional.lstm_cell(input, hx, *self._weights(), layout=self.layout, shared=shared)
 
 
 class GRUCell(_CellBase):
@@ -200,10 +197,8 @@ class GRUCell(_CellBase):
     mode = "GRU"
 
     def forward(self, input: Tensor, hx: Tensor | None = None) -> Tensor:
-        gates_x, gates_h, h, batched = self._gates(input, hx)
-        rows = gates_x.shape[0] * gates_x.shape[1]
-        h_new = _gru_cell(gates_x.reshape(rows, -1), gates_h.reshape(rows, -1), h.to(gates_x.dtype).reshape(rows, -1))
-        return self._out(h_new.view(self.batch, -1, self.hidden_size), batched)
+        shared = self._check(input, () if hx is None else (hx,), ("hidden state",))
+        return functional.gru_cell(input, hx, *self._weights(), layout=self.layout, shared=shared)
 
 
 RNNCell.__doc__ += _CELL_DOC.format(extra=", nonlinearity", name="RNNCell", state="hx")

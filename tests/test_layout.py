@@ -7,7 +7,9 @@
 - imports point one way: ``torchmb -> batch_layers -> offload -> torchmb_config`` (see ``docs/contributing.md``);
 - no environment variable read (``os.environ``, ``os.getenv``) outside ``torchmb_config``;
 - no access to another object's private name (``obj._x`` where ``obj`` is not ``self``/``cls``) that the
-  file does not define itself.
+  file does not define itself;
+- no layer module of ``batch_layers`` branches on the merged layout: the order-dependent code lives in
+  ``batch_layers.functional``, which the layer calls with ``layout=self.layout`` (issue 23).
 
 The rules are checked with :mod:`ast` on every ``.py`` file of the packages, so files added later are
 covered as they appear.
@@ -271,3 +273,66 @@ def test_no_reach_into_another_files_private_names():
 def test_private_reach_finder():
     tree = ast.parse("class A:\n    def f(self, other):\n        self._mine = 1\n        return other._x + self._y\n")
     assert _defined_private_names(tree) == {"_mine"}
+
+
+# -- layer modules do not branch on the layout (issue 23) ---------------------------------------------------------
+ORDER_ATTRIBUTES = ("merged_order", "order")
+ORDER_NAMES = ("models", "samples")
+
+
+def _layout_branches(tree: ast.Module) -> list[int]:
+    """Lines that read a layout's order (``.merged_order``, ``.order``) or compare with ``"models"`` /
+    ``"samples"``; the class attribute declarations ``merged_order = ...`` / ``merged_orders = (...)`` are
+    stores, not reads, and pass."""
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in ORDER_ATTRIBUTES and isinstance(node.ctx, ast.Load):
+            lines.add(node.lineno)
+        elif isinstance(node, ast.Compare):
+            for part in (node.left, *node.comparators):
+                items = part.elts if isinstance(part, (ast.Tuple, ast.List, ast.Set)) else [part]
+                if any(isinstance(item, ast.Constant) and item.value in ORDER_NAMES for item in items):
+                    lines.add(node.lineno)
+    return sorted(lines)
+
+
+def _layer_module_files() -> list[str]:
+    """``batch_layers/_*.py`` files that define a subclass of ``AbstractBatchModule``."""
+    import importlib
+    import inspect
+
+    import batch_layers
+
+    files = []
+    for path in sorted((ROOT / "batch_layers").glob("_*.py")):
+        name = f"batch_layers.{path.stem}"
+        module = importlib.import_module(name)
+        if any(inspect.isclass(obj) and obj.__module__ == name and issubclass(obj, batch_layers.AbstractBatchModule)
+               and obj is not batch_layers.AbstractBatchModule for obj in vars(module).values()):
+            files.append(str(path.relative_to(ROOT)))
+    return files
+
+
+def test_layer_modules_do_not_branch_on_the_layout():
+    files = _layer_module_files()
+    assert "batch_layers/_linear.py" in files and "batch_layers/_base.py" not in files
+    bad = [f"{file}:{line}" for file in files for line in _layout_branches(SOURCES[_module_name(ROOT / file)][1])]
+    assert not bad, "layer modules branching on the merged order (move that code into batch_layers.functional " \
+        "and call it with layout=self.layout):\n" + "\n".join(bad)
+
+
+def test_layout_branch_finder():
+    source = (
+        "class A:\n"
+        "    merged_order = 'models'\n"
+        "    merged_orders = ('models', 'samples')\n"
+        "    def forward(self, x):\n"
+        "        if self.merged_order == 'models':\n"
+        "            return x\n"
+        "        if current_forward().order in ('samples',):\n"
+        "            return x\n"
+        "        return f(x, layout=self.layout)\n"
+        "def g(order):\n"
+        "    return 1 if order == 'samples' else 2\n"
+    )
+    assert _layout_branches(ast.parse(source)) == [5, 7, 11]

@@ -22,7 +22,7 @@ from .._base import autocast_dtype
 from .._conv_triton import grouped_conv2d, input_grad, runs_on_triton
 from .._depthwise_triton import depthwise_weight_grad, runs_depthwise_grad
 from .._kernel_table import CHANNELS_LAST, CHANNELS_LAST_CONVERTED, TRITON_GROUPED_INPUT_GRAD
-from .._layout import Layout, from_grouped, is_channels_last, to_grouped
+from .._layout import Layout, expand_shared, from_grouped, is_channels_last, to_grouped
 
 __all__ = [
     "conv1d",
@@ -171,17 +171,6 @@ def _grouped(grouped, weight, bias, stride, padding, dilation, groups, transpose
     return torch.convolution(grouped, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
 
 
-def expand_shared(x: Tensor, layout: Layout) -> Tensor:
-    """A shared ``(n, ...)`` input as the merged ``(B*n, ...)`` tensor of B models (a copy) in ``layout``'s
-    order; a channels-last input gives a channels-last result."""
-    channels_last = is_channels_last(x)
-    if channels_last:
-        x = x.permute(0, 2, 3, 1)
-    if layout.order == "models":
-        merged = x.expand(layout.batch, *x.shape).reshape(-1, *x.shape[1:])
-    else:
-        merged = x.unsqueeze(1).expand(x.shape[0], layout.batch, *x.shape[1:]).reshape(-1, *x.shape[1:])
-    return merged.permute(0, 3, 1, 2) if channels_last else merged
 
 
 def models_per_call(

@@ -36,8 +36,7 @@ def test_double_backward_matches_finite_differences() -> None:
     params = (x, layer.weight, layer.bias)
 
     def fn(x, weight, bias):
-        rows = x.reshape(2, -1, 3)
-        return batch_layers._linear._BatchedLinear.apply(rows, weight, bias)
+        return batch_layers.functional.linear(x, weight, bias, layout=batch_layers.functional.Layout(2))
 
     assert torch.autograd.gradcheck(fn, params)
     assert torch.autograd.gradgradcheck(fn, params)

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 import batch_layers
-from batch_layers import _recurrent
+from batch_layers.functional import _recurrent_cells
 from torchmb import BatchModule
 from torchmb.testing import assert_equivalent
 
@@ -320,13 +320,13 @@ def test_cuda_fused_cells_run_and_match_the_reference_maths(mode: str, monkeypat
     gx, gh = (torch.randn(rows, gates * hidden, device="cuda", requires_grad=True) for _ in range(2))
     state = torch.randn(rows, hidden, device="cuda", requires_grad=True)
     name = "_FUSED_LSTM" if mode == "LSTM" else "_FUSED_GRU"
-    original, calls = getattr(_recurrent, name), []
+    original, calls = getattr(_recurrent_cells, name), []
     assert original is not None, f"torch has no fused {mode} cell kernel"
-    monkeypatch.setattr(_recurrent, name, lambda *a: calls.append(1) or original(*a))
-    step = _recurrent._lstm_cell if mode == "LSTM" else _recurrent._gru_cell
+    monkeypatch.setattr(_recurrent_cells, name, lambda *a: calls.append(1) or original(*a))
+    step = _recurrent_cells.lstm_step if mode == "LSTM" else _recurrent_cells.gru_step
     fused = step(gx, gh, state)
     assert calls, "the fused CUDA kernel did not run"
-    monkeypatch.setattr(_recurrent, "_fused_cells", lambda t: False)
+    monkeypatch.setattr(_recurrent_cells, "_fused_cells", lambda t: False)
     reference = step(gx, gh, state)
     fused, reference = (list(r) if isinstance(r, tuple) else [r] for r in (fused, reference))
     for a, b in zip(fused, reference):
