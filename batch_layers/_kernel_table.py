@@ -154,28 +154,12 @@ CHANNELS_LAST = Candidate(
     "NCHW for LeNet's 1-16 channels per model; from 64 on NHWC was 4% faster (tests/benchmarks/"
     "bench_conv_forms.py)")
 CONTIGUOUS = Candidate("contiguous", measured="the grouped layout in memory order (NCHW)")
-CHANNELS_LAST_CONVERTED = Candidate(
-    "channels-last (converted)",
-    (_CUDA, _TWO_D, _NOT_TRANSPOSED, _FLOAT,
-     ("stride 1", lambda lim, cuda, dims, dtype, c, w, g, t, s, d: set(s) == {1}),
-     ("at least {min_in_per_group} input channels per group",
-      lambda lim, cuda, dims, dtype, c, w, g, t, s, d: w[1] >= lim["min_in_per_group"])),
-    {"min_in_per_group": 64},
-    "H100, n=128, forward + backward (tests/benchmarks/bench_grouped_layouts.py, 2026-11-25): ResNet-18's "
-    "stride-1 3x3 layers ran in 0.36-0.80x the time with a channels-last input, B=16 and 64, fp32 with TF32 "
-    "and bf16 (ties: bf16 B=16 at 64 channels 8x8; fp32 at 256 channels 2x2, 0.50-1.13 between two runs); "
-    "at 8x8 and larger as fast as the limit's channels-last convolution. From a contiguous input cuDNN's "
-    "grouped kernels convert every group's slice to NHWC and back (about 1,700 conversion launches a "
-    "ResNet-18 step at B=64). Strided layers were mixed (0.7-1.5x) and keep their input's layout. The grouped "
-    "copy that the models-major layout makes anyway writes channels-last at no extra cost, and the layer's "
-    "output stays channels-last, so the next layers find it so")
 
 OPS: dict[str, tuple[Candidate, ...]] = {
     "forward": (TRITON_GROUPED, _ATEN),
     "input grad": (TRITON_GROUPED_INPUT_GRAD, _ATEN),
     "weight grad": (TRITON_DEPTHWISE_GRAD, _ATEN),
     "layout of a channels-last input": (CHANNELS_LAST, CONTIGUOUS),
-    "layout of a contiguous input": (CHANNELS_LAST_CONVERTED, CONTIGUOUS),
 }
 """op -> its candidates in order of preference (the last always applies)."""
 

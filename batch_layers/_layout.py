@@ -59,17 +59,15 @@ def is_channels_last(x: Tensor) -> bool:
     return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
 
 
-def to_grouped(x: Tensor, batch: int, order: MergedOrder = "models", keep_channels_last: bool = True,
-               to_channels_last: bool = False) -> Tensor:
+def to_grouped(x: Tensor, batch: int, order: MergedOrder = "models", keep_channels_last: bool = True) -> Tensor:
     """``(B*n, C, *S)`` in the merged ``order`` to ``(n, B*C, *S)``: the models become channel groups.
 
     Samples-major, this is a view of a contiguous input. A channels-last input gives a channels-last
     result, ``(n, H, W, B*C)`` in memory, so cuDNN runs its NHWC kernels, unless ``keep_channels_last`` is
-    false; a 4-D contiguous one gives one where ``to_channels_last`` asks for it (in the one copy that the
-    models-major order makes anyway); any other gives a contiguous one.
+    false; any other gives a contiguous one.
     """
     n = x.shape[0] // batch
-    if (keep_channels_last and is_channels_last(x)) or (to_channels_last and x.dim() == 4):
+    if keep_channels_last and is_channels_last(x):
         channels, height, width = x.shape[1:]
         if order == "models":
             grouped = x.view(batch, n, channels, height, width).permute(1, 3, 4, 0, 2).contiguous()

@@ -21,7 +21,7 @@ from .. import _kernel_table
 from .._base import autocast_dtype
 from .._conv_triton import grouped_conv2d, input_grad, runs_on_triton
 from .._depthwise_triton import depthwise_weight_grad, runs_depthwise_grad
-from .._kernel_table import CHANNELS_LAST, CHANNELS_LAST_CONVERTED, TRITON_GROUPED_INPUT_GRAD
+from .._kernel_table import CHANNELS_LAST, TRITON_GROUPED_INPUT_GRAD
 from .._layout import Layout, expand_shared, from_grouped, is_channels_last, to_grouped
 
 __all__ = [
@@ -49,18 +49,6 @@ def keeps_channels_last(weight: Tensor, groups: int, transposed: bool) -> bool:
     return CHANNELS_LAST.applies(False, 0, weight.dtype, 0, weight.shape, groups, transposed, (), ())
 
 
-def runs_channels_last(x: Tensor, weight: Tensor, groups: int, transposed: bool, stride: Sequence[int],
-                       dilation: Sequence[int]) -> bool:
-    """Whether the grouped convolution of the merged ``x`` runs on a channels-last layout: a channels-last
-    input keeps it where :data:`~batch_layers._kernel_table.CHANNELS_LAST` says so; a contiguous one is
-    converted where :data:`~batch_layers._kernel_table.CHANNELS_LAST_CONVERTED` says so (its output then
-    stays channels-last)."""
-    if is_channels_last(x):
-        return keeps_channels_last(weight, groups, transposed)
-    return CHANNELS_LAST_CONVERTED.applies(x.is_cuda, x.dim(), x.dtype, x.shape[1], weight.shape, groups, transposed,
-                                           stride, dilation)
-
-
 class _GroupedConv(torch.autograd.Function):
     """The models-as-groups convolution (or transposed convolution), saving the merged input instead of
     its grouped copy.
@@ -80,27 +68,25 @@ class _GroupedConv(torch.autograd.Function):
     def forward(ctx, x, weight, bias, batch, stride, padding, dilation, groups, transposed, output_padding, order):
         dtype = autocast_dtype(x.device.type)
         config = (stride, padding, dilation, groups, transposed, output_padding)
-        channels_last = runs_channels_last(x, weight, groups, transposed, stride, dilation)
+        layout = keeps_channels_last(weight, groups, transposed)
         if dtype is None:
-            y = _grouped(to_grouped(x, batch, order, channels_last, channels_last), weight, bias, *config)
+            y = _grouped(to_grouped(x, batch, order, layout), weight, bias, *config)
         else:  # autocast does not reach a custom backward: cast here, once
             x, weight = x.to(dtype), weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
             with torch.autocast(x.device.type, enabled=False):
-                y = _grouped(to_grouped(x, batch, order, channels_last, channels_last), weight, bias, *config)
+                y = _grouped(to_grouped(x, batch, order, layout), weight, bias, *config)
         ctx.save_for_backward(x, weight)
-        ctx.config = (batch, *config, bias is not None, order, channels_last)
+        ctx.config = (batch, *config, bias is not None, order)
         return y
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        batch, stride, padding, dilation, groups, transposed, output_padding, has_bias, order, channels_last = (
-            ctx.config
-        )
+        batch, stride, padding, dilation, groups, transposed, output_padding, has_bias, order = ctx.config
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2]]
         out_channels = weight.shape[1] * groups if transposed else weight.shape[0]
-        grouped = to_grouped(x, batch, order, channels_last, channels_last)
+        grouped = to_grouped(x, batch, order, keeps_channels_last(weight, groups, transposed))
         grad = grad.to(x.dtype)
         config = (stride, padding, dilation, groups, transposed)
         own = _kernel_grads(grad, grouped, weight, *config, mask) if not torch.is_grad_enabled() else {}
@@ -160,8 +146,7 @@ def grouped_conv(
     """The models-as-groups (transposed) convolution of a merged ``(B*n, C, *S)`` input in the merged ``order``:
     ``weight`` is the stacked ``(B*O, C/g, *k)`` (``(B*C, O/g, *k)`` transposed) and ``groups`` counts ``B * g``."""
     config = (stride, padding, dilation, groups, transposed, output_padding, order)
-    # a channels-last input gives a channels-last output, as a plain layer's would, whichever layout ran; a
-    # contiguous one converted to channels-last gives one too, so that the next layers find it so
+    # a channels-last input gives a channels-last output, as a plain layer's would, whichever layout ran
     return from_grouped(_GroupedConv.apply(x, weight, bias, batch, *config), batch, order, is_channels_last(x))
 
 
