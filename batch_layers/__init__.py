@@ -32,6 +32,7 @@ from ._frozen_batchnorm import FrozenBatchNorm2d
 from ._kernel_table import explain_kernels
 from ._layout import Layout
 from ._linear import Linear
+from ._linear_cross_entropy import LinearCrossEntropyLoss
 from ._norm import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm, RMSNorm
 from ._recurrent import GRU, LSTM, RNN
 from ._recurrent_cells import GRUCell, LSTMCell, RNNCell
@@ -75,6 +76,7 @@ __all__ = [
     "LayerNorm",
     "Layout",
     "Linear",
+    "LinearCrossEntropyLoss",
     "MultiEmbedding",
     "MultiheadAttention",
     "OffloadedBatchEmbedding",
