@@ -209,6 +209,9 @@ class ModelDataTracker(TorchFunctionMode):
     def _is_per_model(self, tensor: Tensor) -> bool:
         return self.kind(tensor) is Kind.PER_MODEL
 
+    def _is_constant(self, tensor: Tensor) -> bool:
+        return self.kind(tensor) is None
+
     def __enter__(self) -> ModelDataTracker:
         context = current_forward()
         if self.check_decisions and context is not None and context.samples:  # n = 0: no rows to decide on
@@ -340,7 +343,7 @@ class ModelDataTracker(TorchFunctionMode):
         if read is not None and not shared_metadata(func):
             mixing = f"reads {read}, all models' stacked tensor"
         elif Kind.PER_MODEL in kinds:
-            mixing = sample_axis_op(func, args, kwargs, self._is_per_model, context.batch * context.samples)
+            mixing = sample_axis_op(func, args, kwargs, self._is_per_model, self._is_constant, context)
             if mixing:
                 mixing += " of per-model tensors"
         if Kind.RANDOM in kinds and not mixing and len(kinds - {None}) > 1:
