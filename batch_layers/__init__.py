@@ -36,6 +36,7 @@ from ._linear_cross_entropy import LinearCrossEntropyLoss
 from ._norm import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm, RMSNorm
 from ._recurrent import GRU, LSTM, RNN
 from ._recurrent_cells import GRUCell, LSTMCell, RNNCell
+from ._stacked_reads import StackedReadError, stacked_reads_watched_elsewhere
 from ._std_conv import ScaledStdConv2d, ScaledStdConv2dSame, StdConv2d, StdConv2dSame
 from ._subclass import batched_subclass
 from ._transposed_linear import TransposedLinear
@@ -86,6 +87,7 @@ __all__ = [
     "SamplesOrderError",
     "ScaledStdConv2d",
     "ScaledStdConv2dSame",
+    "StackedReadError",
     "StdConv2d",
     "StdConv2dSame",
     "TransposedLinear",
@@ -103,6 +105,7 @@ __all__ = [
     "offload_embeddings",
     "recognise_shared_by",
     "set_backend",
+    "stacked_reads_watched_elsewhere",
     "use_backend",
     "use_cupy",
     "use_torch",

@@ -60,7 +60,7 @@ from torch.utils._pytree import tree_flatten
 
 import batch_layers
 import offload
-from batch_layers import AbstractBatchModule, current_forward, is_shared_parameter
+from batch_layers import AbstractBatchModule, current_forward, is_shared_parameter, stacked_reads_watched_elsewhere
 
 from ._dim0_reductions import refuse_reduction_over_models
 from ._generic import is_generic, looping_over_models
@@ -220,10 +220,13 @@ class ModelDataTracker(TorchFunctionMode):
             register_module_forward_pre_hook(self._before_module),
             register_module_forward_hook(self._after_module),
         ]
+        self._reads = stacked_reads_watched_elsewhere() if self.check_decisions else contextlib.nullcontext()
+        self._reads.__enter__()  # a read of a stacked tensor is this tracker's to find (_check_mixing)
         return super().__enter__()
 
     def __exit__(self, *exc_info: object) -> None:
         super().__exit__(*exc_info)
+        self._reads.__exit__(*exc_info)
         for hook in self._hooks:
             hook.remove()
 
