@@ -33,9 +33,11 @@ from ._frozen_batchnorm import FrozenBatchNorm2d
 from ._kernel_table import explain_kernels
 from ._layout import Layout
 from ._linear import Linear
+from ._linear_cross_entropy import LinearCrossEntropyLoss
 from ._norm import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm, RMSNorm
 from ._recurrent import GRU, LSTM, RNN
 from ._recurrent_cells import GRUCell, LSTMCell, RNNCell
+from ._stacked_reads import StackedReadError, stacked_reads_watched_elsewhere
 from ._std_conv import ScaledStdConv2d, ScaledStdConv2dSame, StdConv2d, StdConv2dSame
 from ._subclass import batched_subclass
 from ._transposed_linear import TransposedLinear
@@ -76,6 +78,7 @@ __all__ = [
     "LayerNorm",
     "Layout",
     "Linear",
+    "LinearCrossEntropyLoss",
     "MultiEmbedding",
     "MultiheadAttention",
     "OffloadedBatchEmbedding",
@@ -86,6 +89,7 @@ __all__ = [
     "SamplesOrderProbe",
     "ScaledStdConv2d",
     "ScaledStdConv2dSame",
+    "StackedReadError",
     "StdConv2d",
     "StdConv2dSame",
     "TransposedLinear",
@@ -103,6 +107,7 @@ __all__ = [
     "offload_embeddings",
     "recognise_shared_by",
     "set_backend",
+    "stacked_reads_watched_elsewhere",
     "use_backend",
     "use_cupy",
     "use_torch",

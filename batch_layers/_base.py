@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from ._layout import Layout, MergedOrder, expand_shared
+from ._stacked_reads import check_stacked_read
 
 __all__ = [
     "AbstractBatchModule",
@@ -236,6 +238,14 @@ class AbstractBatchModule(nn.Module):
         if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
             raise ValueError(f"batch must be a positive int (the number of models), got {batch!r}")
         self.batch = batch
+
+    def __getattr__(self, name: str) -> Any:
+        # Parameters and buffers are read through here: refuse a read of the stacked tensors by code other
+        # than the layer's own during a batched forward (batch_layers._stacked_reads).
+        value = nn.Module.__getattr__(self, name)
+        if isinstance(value, Tensor) and not torch.compiler.is_compiling() and _FORWARD.get() is not None:
+            check_stacked_read(self, name, value, sys._getframe(1))
+        return value
 
     @classmethod
     def from_module(cls, module: nn.Module, batch: int) -> AbstractBatchModule:

@@ -97,16 +97,19 @@ def run_per_model(
     if _owns_parameters(module) or is_generic(module) or isinstance(module, AbstractBatchModule):
         raise RuntimeError(f"torchmb cannot run {name or 'the model'} per model: {reason}")
     position = next(i for i, entry in enumerate(entries) if entry.name == name)
+    # Without state below it, the whole subtree runs per model (one model after the other where vmap cannot).
+    whole = next(module.parameters(), None) is None and next(module.buffers(), None) is None
     entry = ConversionEntry(
         name,
         entries[position].type,
-        "generic-own",
+        "generic-whole" if whole else "generic-own",
         f"no parameters; at the first forward, its code {reason}: its code runs per model",
         0,
     )
     entries[position] = entry
-    batch_generically(module, batch, whole=False)
-    _escape_below(module)
+    batch_generically(module, batch, whole=whole)
+    if not whole:
+        _escape_below(module)
     return entry
 
 

@@ -433,8 +433,15 @@ def _vmapped_call(module: nn.Module, original_forward: Callable[..., Any], *args
     try:
         outputs, reassigned = vmap(one_model, randomness="different")(mapped_state, *mapped_inputs)
     except RuntimeError as error:
-        if not (module._torchmb_whole and _data_dependent(error)):
+        if not _data_dependent(error):
             raise
+        if not module._torchmb_whole:
+            raise RuntimeError(
+                f"{type(module).__name__} runs per model under torch.func.vmap (its batched layers below it on the "
+                f"merged axis), and vmap cannot run its code, whose shapes depend on each model's data: {error}. "
+                "Keep the shapes fixed (torch.where with the mask instead of indexing by it), or move that code into "
+                "a module of its own without batched layers below it, which then runs one model after the other"
+            ) from error
         module._torchmb_looped = True  # from now on, one model after the other
         return _looped_call(module, original_forward, leaves, spec, dict(zip(positions, mapped_inputs)), rows)
     _swap(module, {**reassigned_shared, **reassigned})

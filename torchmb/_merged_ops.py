@@ -25,6 +25,8 @@ import torch._C._functorch as functorch
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
+from batch_layers import ForwardContext
+
 __all__ = ["PooledSize", "Recipes", "random_draw", "sample_axis_op", "shared_metadata"]
 
 _CONCATENATIONS = frozenset({torch.cat, torch.concat, torch.concatenate})
@@ -34,6 +36,9 @@ _SPLITS = frozenset(
         torch.narrow, Tensor.narrow, torch.split_with_sizes, Tensor.split_with_sizes,
     }
 )  # fmt: skip
+_STACKS = frozenset({torch.stack, torch.vstack, torch.row_stack, torch.hstack})
+_UNBINDS = frozenset({torch.unbind, Tensor.unbind})
+_REORDERS = frozenset({torch.flip, Tensor.flip, torch.flipud, Tensor.flipud, torch.roll, Tensor.roll})
 _RANDOM = frozenset(
     {
         torch.rand, torch.randn, torch.randint, torch.randperm, torch.rand_like, torch.randn_like,
@@ -72,35 +77,101 @@ def _dim(args: tuple, kwargs: dict, position: int, default: int = 0) -> int:
     return dim if isinstance(dim, int) else 1  # a tuple of dims: not along the sample axis
 
 
-def sample_axis_op(func: Callable, args: tuple, kwargs: dict, is_per_model: Callable[[Tensor], bool], rows: int) -> str:
+def sample_axis_op(
+    func: Callable,
+    args: tuple,
+    kwargs: dict,
+    is_per_model: Callable[[Tensor], bool],
+    is_constant: Callable[[Tensor], bool],
+    context: ForwardContext,
+) -> str:
     """``""``, or what ``func`` does along the merged sample axis of a per-model tensor that mixes models."""
-    if func in _CONCATENATIONS:
+    rows = context.batch * context.samples
+    if func in _CONCATENATIONS or func in _STACKS:
         tensors = args[0] if args else kwargs.get("tensors", ())
         merged = [t for t in tensors if _is_merged(t, rows) and is_per_model(t)]
-        if merged and _dim(args, kwargs, 1) % merged[0].dim() == 0:
-            return f"{func.__name__} along dim 0"
-        return ""
+        if not merged:
+            return ""
+        if func in _CONCATENATIONS:
+            return f"{func.__name__} along dim 0" if _dim(args, kwargs, 1) % merged[0].dim() == 0 else ""
+        if func in (torch.stack, torch.hstack) or merged[0].dim() == 1:  # vstack of 1-D tensors stacks them
+            if func is torch.hstack and merged[0].dim() > 1:
+                return ""  # along dim 1
+            along = _dim(args, kwargs, 1) if func is torch.stack else 0
+            return f"{func.__name__} along dim 0" if along % (merged[0].dim() + 1) == 0 else ""
+        return f"{func.__name__} along dim 0"
     if not args or not (_is_merged(args[0], rows) and is_per_model(args[0])):
         return ""
     x = args[0]
     if func in _SPLITS:
         position = 1 if func in (torch.narrow, Tensor.narrow) else 2
         return f"{func.__name__} along dim 0" if _dim(args, kwargs, position) % x.dim() == 0 else ""
-    if func is Tensor.__getitem__:
-        index = args[1]
-        first = index[0] if isinstance(index, tuple) and index else index
-        if isinstance(first, slice) and first == slice(None):
+    if func in _UNBINDS:
+        return f"{func.__name__} along dim 0" if _dim(args, kwargs, 1) % x.dim() == 0 else ""
+    if func in _REORDERS:
+        return f"{func.__name__} along dim 0" if _reorders_dim_0(func, args, kwargs, x.dim()) else ""
+    if func in (torch.index_select, Tensor.index_select):
+        index = kwargs.get("index", args[2] if len(args) > 2 else None)
+        if _dim(args, kwargs, 1) % x.dim() or _keeps_models(index, x.shape[0], is_constant, context):
             return ""
-        if isinstance(first, (int, slice)) and not isinstance(first, bool):
-            return f"indexing [{_describe_index(first)}] of dim 0"
+        return "index_select along dim 0"
+    if func is Tensor.__getitem__:
+        return _indexing(x, args[1], is_constant, context)
     return ""
 
 
-def _describe_index(index: int | slice) -> str:
-    if isinstance(index, slice):
-        parts = ["" if v is None else str(v) for v in (index.start, index.stop)]
-        return ":".join(parts) + ("" if index.step is None else f":{index.step}")
-    return repr(index)
+def _reorders_dim_0(func: Callable, args: tuple, kwargs: dict, dims_of_x: int) -> bool:
+    """Whether a flip or roll moves rows along dim 0 (``roll`` without dims rolls the flattened tensor)."""
+    if func in (torch.flipud, Tensor.flipud):
+        return True
+    if func in (torch.roll, Tensor.roll):
+        dims = kwargs.get("dims", args[2] if len(args) > 2 else None)
+        if dims is None:
+            return True
+    else:  # flip(x, dims), x.flip(dims) or x.flip(*dims)
+        dims = kwargs.get("dims", args[1] if len(args) == 2 else args[1:])
+    dims = (dims,) if isinstance(dims, int) else dims
+    return any(isinstance(d, int) and d % dims_of_x == 0 for d in dims)
+
+
+def _describe_index(index: slice) -> str:
+    parts = ["" if v is None else str(v) for v in (index.start, index.stop)]
+    return ":".join(parts) + ("" if index.step is None else f":{index.step}")
+
+
+def _indexing(x: Tensor, index: Any, is_constant: Callable[[Tensor], bool], context: ForwardContext) -> str:
+    """What ``x[index]`` does to dim 0 of a merged per-model ``x`` that mixes models, or ``""``."""
+    first = index[0] if isinstance(index, tuple) and index else index
+    if isinstance(first, slice):
+        whole = first.start in (None, 0) and first.stop is None and first.step in (None, 1)
+        return "" if whole else f"indexing [{_describe_index(first)}] of dim 0"
+    if isinstance(first, int) and not isinstance(first, bool):
+        return f"indexing [{first!r}] of dim 0"
+    if isinstance(first, list) and first and all(isinstance(i, int) and not isinstance(i, bool) for i in first):
+        first = torch.tensor(first, device=x.device)
+    if isinstance(first, Tensor):
+        if _keeps_models(first, x.shape[0], is_constant, context):
+            return ""
+        kind = "a boolean mask" if first.dtype == torch.bool else f"an index tensor of shape {tuple(first.shape)}"
+        return f"indexing dim 0 with {kind}"
+    return ""
+
+
+def _keeps_models(index: Any, rows: int, is_constant: Callable[[Tensor], bool], context: ForwardContext) -> bool:
+    """Whether selecting the rows ``index`` of a merged tensor of ``rows`` rows keeps every model's rows with
+    its model: a constant integer index (the same in every forward, such as ``torch.arange(x.shape[0])``
+    beside a per-row position) whose every row ``i`` picks from the model that owns result row ``i``."""
+    if not isinstance(index, Tensor) or index.dtype == torch.bool or index.is_floating_point() or index.dim() == 0:
+        return False
+    if not is_constant(index) or index.shape[0] % context.batch or functorch.is_batchedtensor(index):
+        return False
+    source = torch.remainder(index.long(), rows)
+    target = torch.arange(index.shape[0], device=index.device).view(-1, *([1] * (index.dim() - 1)))
+    if context.order == "models":
+        same = source // (rows // context.batch) == target // (index.shape[0] // context.batch)
+    else:
+        same = source % context.batch == target % context.batch
+    return bool(same.all())
 
 
 class PooledSize(int):

@@ -186,6 +186,8 @@ def refused_batch_modules() -> dict[type[nn.Module], str]:
 
 for _layer in batch_layers.LAYERS:
     register_batch_module(_layer)
+if hasattr(nn, "LinearCrossEntropyLoss"):  # torch >= 2.13
+    register_batch_module(batch_layers.LinearCrossEntropyLoss)
 
 # Lazy modules: their weight shapes are unknown until the first forward (and, subclassing the concrete layers,
 # they would otherwise be handed to Linear, ConvNd, BatchNormNd or InstanceNormNd and break on their

@@ -60,7 +60,7 @@ from torch.utils._pytree import tree_flatten
 
 import batch_layers
 import offload
-from batch_layers import AbstractBatchModule, current_forward, is_shared_parameter
+from batch_layers import AbstractBatchModule, current_forward, is_shared_parameter, stacked_reads_watched_elsewhere
 
 from ._dim0_reductions import refuse_reduction_over_models
 from ._generic import is_generic, looping_over_models
@@ -209,6 +209,9 @@ class ModelDataTracker(TorchFunctionMode):
     def _is_per_model(self, tensor: Tensor) -> bool:
         return self.kind(tensor) is Kind.PER_MODEL
 
+    def _is_constant(self, tensor: Tensor) -> bool:
+        return self.kind(tensor) is None
+
     def __enter__(self) -> ModelDataTracker:
         context = current_forward()
         if self.check_decisions and context is not None and context.samples:  # n = 0: no rows to decide on
@@ -217,10 +220,13 @@ class ModelDataTracker(TorchFunctionMode):
             register_module_forward_pre_hook(self._before_module),
             register_module_forward_hook(self._after_module),
         ]
+        self._reads = stacked_reads_watched_elsewhere() if self.check_decisions else contextlib.nullcontext()
+        self._reads.__enter__()  # a read of a stacked tensor is this tracker's to find (_check_mixing)
         return super().__enter__()
 
     def __exit__(self, *exc_info: object) -> None:
         super().__exit__(*exc_info)
+        self._reads.__exit__(*exc_info)
         for hook in self._hooks:
             hook.remove()
 
@@ -340,7 +346,7 @@ class ModelDataTracker(TorchFunctionMode):
         if read is not None and not shared_metadata(func):
             mixing = f"reads {read}, all models' stacked tensor"
         elif Kind.PER_MODEL in kinds:
-            mixing = sample_axis_op(func, args, kwargs, self._is_per_model, context.batch * context.samples)
+            mixing = sample_axis_op(func, args, kwargs, self._is_per_model, self._is_constant, context)
             if mixing:
                 mixing += " of per-model tensors"
         if Kind.RANDOM in kinds and not mixing and len(kinds - {None}) > 1:

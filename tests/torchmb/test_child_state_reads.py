@@ -89,14 +89,3 @@ def test_shared_metadata_of_a_childs_weight_keeps_the_merged_axis() -> None:
     assert paths(batched)[""][0] == "passthrough"
     assert batched.generic_modules == []
 
-
-@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
-def test_linear_cross_entropy_loss(reduction: str) -> None:
-    """torch's LinearCrossEntropyLoss reshapes its linear layer's weight in its forward."""
-    make = lambda: nn.LinearCrossEntropyLoss(4, 5, reduction=reduction).double()  # noqa: E731
-    batched = BatchModule.from_factory(make, B, seed=0)
-    x, target = torch.randn(B, N, 4, dtype=torch.float64), torch.randint(0, 5, (B, N))
-    out = batched(x, target)
-    for i in range(B):
-        expected = batched.unbatch(i)(x[i], target[i])
-        torch.testing.assert_close(out[i].reshape(expected.shape), expected, **DOUBLE)

@@ -77,7 +77,7 @@ REFUSALS = [
         "torchmb.batch_loss reduces per model (with shared input the loss is every model's and passes)",
         r"the model returned a tensor of shape \(\) whose dim 0 is not a multiple of batch=3",
         lambda case: _reduces(case) and not case.shared and not _tensor_constructor_argument(case)
-        and case.module not in {"nn.CTCLoss", "nn.LinearCrossEntropyLoss"},  # the latter runs per model: (B,)
+        and case.module not in {"nn.CTCLoss", "nn.LinearCrossEntropyLoss"},  # the latter reduces per model: (B,)
     ),
     Refusal(
         "an unbatched input (one sample without a batch dim) to a layer whose batched form needs one",
@@ -127,27 +127,8 @@ REFUSALS += [
     ),
 ]
 
-# Cases failing for a known root cause still open, each with its reason (none now: LinearCrossEntropyLoss,
-# which reads its child's weight, runs per model since that root cause was fixed).
+# Cases failing for a known root cause still open, each with its reason (none now).
 PENDING: dict[str, str] = {}
-# LinearCrossEntropyLoss runs per model and matches on 1,566 of its 1,714 cases; on these inputs (by index
-# in module_db's list, per-model and shared) the batched weight gets no gradient or the target's size is
-# refused: issue 25 stays open on them.
-PENDING_INPUTS: dict[tuple[str, bool], frozenset[int]] = {
-    ("nn.LinearCrossEntropyLoss", False): frozenset({
-        168, 170, 176, 178, 184, 185, 188, 189, 200, 201, 204, 205, 216, 217, 220, 221, 312, 314, 320, 322,
-        328, 329, 332, 333, 344, 345, 348, 349, 360, 361, 364, 365, 456, 458, 464, 466, 472, 473, 476, 477,
-        488, 489, 492, 493, 504, 505, 508, 509, 600, 602, 608, 610, 616, 617, 620, 621, 632, 633, 636, 637,
-        648, 649, 652, 653, 745, 747, 749, 751, 753, 755, 757, 759, 773, 775, 777, 779, 853
-    }),
-    ("nn.LinearCrossEntropyLoss", True): frozenset({
-        168, 170, 176, 178, 184, 185, 188, 189, 200, 201, 204, 205, 216, 217, 220, 221, 312, 314, 320, 322,
-        328, 329, 332, 333, 344, 345, 348, 349, 360, 361, 364, 365, 456, 458, 464, 466, 472, 473, 476, 477,
-        488, 489, 492, 493, 504, 505, 508, 509, 600, 602, 608, 610, 616, 617, 620, 621, 632, 633, 636, 637,
-        648, 649, 652, 653, 804, 805, 808, 809, 812, 813, 816, 817, 820, 821, 853, 856
-    }),
-}
-PENDING_REASON = "issue 25: LinearCrossEntropyLoss run per model: no weight gradient, or a target size refused, here"
 
 
 # Modules that draw random numbers in forward: the batched module draws other ones than B plain modules,
@@ -181,15 +162,9 @@ def test_module_db_first_input(case: Case) -> None:
     check(case)
 
 
-def _pending_input(case: Case) -> list:
-    if case.index in PENDING_INPUTS.get((case.module, case.shared), ()):
-        return [pytest.mark.xfail(strict=True, reason=PENDING_REASON)]
-    return _pending(case.module)
-
-
 def _slow_cases() -> list:
     return [
-        pytest.param(case, id=str(case), marks=_pending_input(case))
+        pytest.param(case, id=str(case), marks=_pending(case.module))
         for name, info in MODULES.items()
         for mode in modes(info)
         for shared in (False, True)

@@ -123,7 +123,7 @@ def test_splitting_inside_a_child_runs_only_that_child_per_model() -> None:
     torch.manual_seed(0)
     batched = BatchModule(model, B)
     batched(torch.randn(B, N, 4))
-    assert paths(batched)["1"][0] == "generic-own" and "split along dim 0" in paths(batched)["1"][1]
+    assert paths(batched)["1"][0] == "generic-whole" and "split along dim 0" in paths(batched)["1"][1]
     assert paths(batched)[""][0] == "passthrough"
     torch.manual_seed(0)
     assert_equivalent(

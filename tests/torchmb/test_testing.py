@@ -236,7 +236,10 @@ class LeaksIntoLaterModels(nn.Module):
 class LeaksIntoEarlierModels(LeaksIntoLaterModels):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.fc(x)
-        return y + 0.1 * y.detach().flip(0).cumsum(0).flip(0)
+        # A sum over every later row, as a product with a constant matrix: a mix of rows that the first
+        # forward's checks do not look for (they look for cat, slices, flips), assert_isolated's to catch.
+        later = torch.ones(y.shape[0], y.shape[0], dtype=y.dtype).triu()
+        return y + 0.1 * later @ y.detach()
 
 
 class LeaksIntoModelZero(LeaksIntoLaterModels):
@@ -245,10 +248,12 @@ class LeaksIntoModelZero(LeaksIntoLaterModels):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.fc(x)
         rows = y.shape[0] // B
-        # Rolling the rows moves the last model's to the first model's place (a shuffle that the first forward's
-        # checks do not look for, as they look for cat and slices: assert_isolated's to catch).
+        # A constant permutation matrix moves the last model's rows to the first model's place (a shuffle that
+        # the first forward's checks do not look for, as they look for cat, slices and rolls: assert_isolated's
+        # to catch).
         first = (torch.arange(y.shape[0]) < rows).unsqueeze(1)
-        return y + 0.1 * first * y.detach().roll(rows, 0)
+        rolled = torch.eye(y.shape[0], dtype=y.dtype).roll(rows, 0)
+        return y + 0.1 * first * (rolled @ y.detach())
 
 
 def test_a_leak_into_later_models_only_is_caught_by_default() -> None:
