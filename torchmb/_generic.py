@@ -85,7 +85,7 @@ def _stack(tensor: Tensor, batch: int) -> Tensor:
     return tensor.detach().unsqueeze(0).expand(batch, *tensor.shape).clone()
 
 
-def batch_generically(module: nn.Module, batch: int, *, whole: bool) -> nn.Module:
+def batch_generically(module: nn.Module, batch: int, *, whole: bool, stacked: bool = False) -> nn.Module:
     """Turn ``module`` (in place) into ``batch`` models run through ``torch.func.vmap``; returns it.
 
     Args:
@@ -93,14 +93,16 @@ def batch_generically(module: nn.Module, batch: int, *, whole: bool) -> nn.Modul
         batch: number of models B.
         whole: stack the state of every module below ``module`` too (a subtree with no registered
             layer); otherwise only ``module``'s own state, its children being batched on their own.
+        stacked: the state is stacked already (a module whose parameters were broadcast per model until its
+            first forward found a use that is not element-wise).
     """
-    stacked: dict[int, Tensor] = {}
-    for owner in module.modules() if whole else (module,):
+    done: dict[int, Tensor] = {}
+    for owner in () if stacked else module.modules() if whole else (module,):
         for name, param in owner._parameters.items():
             if param is not None and not is_shared_parameter(param):  # a shared one is read unbatched
-                if id(param) not in stacked:
-                    stacked[id(param)] = nn.Parameter(_stack(param, batch), requires_grad=param.requires_grad)
-                owner._parameters[name] = stacked[id(param)]
+                if id(param) not in done:
+                    done[id(param)] = nn.Parameter(_stack(param, batch), requires_grad=param.requires_grad)
+                owner._parameters[name] = done[id(param)]
         for name, buffer in owner._buffers.items():
             if buffer is not None and name not in owner._non_persistent_buffers_set:
                 owner._buffers[name] = _stack(buffer, batch)
