@@ -93,7 +93,7 @@ def _per_model_op(func: Callable, args: tuple, kwargs: dict) -> Any:
     per_model = [leaf for leaf in leaves if isinstance(leaf, PerModelOperand)]
     batch = per_model[0].shape[0]
     values = (*args, *kwargs.values())
-    nested = any(isinstance(v, (tuple, list)) and any(isinstance(i, Tensor) for i in v) for v in values)
+    nested = any([isinstance(v, (tuple, list)) and any([isinstance(i, Tensor) for i in v]) for v in values])
     data = [leaf for leaf in leaves if isinstance(leaf, Tensor) and not isinstance(leaf, PerModelOperand)]
     data = [t for t in data if _is_data(t, batch)]
     if not data:
@@ -138,29 +138,26 @@ def _shape_op(func: Callable, tensor: Tensor, rest: tuple, kwargs: dict) -> Tens
     if func in (Tensor.view, Tensor.reshape, torch.reshape) and not kwargs:
         if len(rest) == 1 and isinstance(rest[0], torch.dtype):
             return None
-        sizes = _sizes(rest)
-        if -1 in sizes:
-            known = math.prod(s for s in sizes if s != -1)
-            sizes[sizes.index(-1)] = math.prod(shape) // known if known else 0
+        sizes = _sizes(rest)  # a -1 resolves to the plain model's size, each model's numel being the plain one
         return tensor.view(batch, *sizes) if func is Tensor.view else tensor.reshape(batch, *sizes)
     if func in (Tensor.unsqueeze, torch.unsqueeze) and len(rest) == 1 and not kwargs:
         dim = rest[0]
         return tensor.unsqueeze(dim + 1 if dim >= 0 else dim)
     if func in (Tensor.squeeze, torch.squeeze) and not kwargs:
         dims = [rest[0]] if rest else [i for i, size in enumerate(shape) if size == 1]
-        return tensor.squeeze(tuple(_plain_dim(d) for d in dims)) if dims else tensor
+        return tensor.squeeze(tuple([_plain_dim(d) for d in dims])) if dims else tensor
     if func in (Tensor.expand,) and not kwargs:
         sizes = _sizes(rest)
         lifted = tensor.view(batch, *[1] * (len(sizes) - len(shape)), *shape)
         return lifted.expand(batch, *sizes)
     if func in (Tensor.permute, torch.permute) and not kwargs:
         dims = [d % len(shape) for d in _sizes(rest)]
-        return tensor.permute(0, *(d + 1 for d in dims))
+        return tensor.permute(0, *[d + 1 for d in dims])
     if func in (Tensor.transpose, torch.transpose) and len(rest) == 2 and not kwargs:
         return tensor.transpose(_plain_dim(rest[0]), _plain_dim(rest[1]))
     if func is Tensor.__getitem__ and len(rest) == 1:
         index = rest[0] if isinstance(rest[0], tuple) else (rest[0],)
-        if all(i is None or i is Ellipsis or (isinstance(i, (int, slice)) and not isinstance(i, bool)) for i in index):
+        if all([i is None or i is Ellipsis or (type(i) in (int, slice)) for i in index]):
             return tensor[(slice(None), *index)]
     return None
 
@@ -179,8 +176,8 @@ def _per_model_only(func: Callable, leaves: list, spec: Any, batch: int) -> Any:
     other runs per model under ``vmap``."""
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, PerModelOperand)]
     if func in _ELEMENTWISE and not _is_in_place(func):
-        rank = max(leaf.dim() - 1 if isinstance(leaf, PerModelOperand) else leaf.dim() for leaf in leaves
-                   if isinstance(leaf, Tensor))  # fmt: skip
+        ranks = [t.dim() - 1 if isinstance(t, PerModelOperand) else t.dim() for t in leaves if isinstance(t, Tensor)]
+        rank = max(ranks)
         lifted = list(leaves)
         for i in positions:
             lifted[i] = _lift(leaves[i], rank)
@@ -196,13 +193,22 @@ def _per_model_only(func: Callable, leaves: list, spec: Any, batch: int) -> Any:
         args, kwargs = tree_unflatten(call, spec)
         return func(*args, **kwargs)
 
-    out = torch.vmap(one_model, randomness="different")(*(leaves[i].as_subclass(Tensor) for i in positions))
+    out = torch.vmap(one_model, randomness="different")(*[leaves[i].view(leaves[i].shape) for i in positions])
     if not isinstance(out, Tensor):
         raise NotElementwise(f"{_name(func)} of a per-model parameter returning {type(out).__name__}")
     return out.as_subclass(PerModelOperand)
 
 
+_IN_PLACE = (
+    Tensor.mul_, Tensor.add_, Tensor.sub_, Tensor.div_, Tensor.addcmul_, Tensor.addcdiv_, Tensor.lerp_,
+    Tensor.__imul__, Tensor.__iadd__, Tensor.__isub__, Tensor.__itruediv__,
+)  # fmt: skip
+
+
 def _is_in_place(func: Callable) -> bool:
+    """Whether ``func`` writes into its first argument: among the element-wise ops, or by torch's naming."""
+    if func in _ELEMENTWISE:
+        return func in _IN_PLACE
     name = _name(func)
     return name.startswith("__i") or (name.endswith("_") and not name.endswith("__"))
 
@@ -212,7 +218,7 @@ def _lift(tensor: Tensor, rank: int) -> Tensor:
     shape = tensor.shape[1:]
     if len(shape) > rank:
         raise NotElementwise("a per-model parameter with more dims than the data it meets")
-    return tensor.as_subclass(Tensor).view(tensor.shape[0], *[1] * (rank - len(shape)), *shape)
+    return tensor.view(tensor.shape[0], *[1] * (rank - len(shape)), *shape)
 
 
 def _broadcast(func: Callable, args: tuple, kwargs: dict, batch: int) -> Tensor:
@@ -221,7 +227,7 @@ def _broadcast(func: Callable, args: tuple, kwargs: dict, batch: int) -> Tensor:
     samples_major = context is not None and context.order == "samples"
     leaves, spec = tree_flatten((args, kwargs))
     tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
-    rank = max(t.dim() - 1 if isinstance(t, PerModelOperand) else t.dim() for t in tensors)
+    rank = max([t.dim() - 1 if isinstance(t, PerModelOperand) else t.dim() for t in tensors])
     lifted = list(leaves)
     for i, leaf in enumerate(leaves):
         if not isinstance(leaf, Tensor):
