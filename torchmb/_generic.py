@@ -168,7 +168,7 @@ def _make_extra_repr(original_extra_repr: Callable[[nn.Module], str]) -> Callabl
 def _make_forward(original_forward: Callable[..., Any]) -> Callable[..., Any]:
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         call = functools.partial(_vmapped_call, self, original_forward)
-        if torch.compiler.is_compiling():  # one graph break: the region runs eagerly (torchmb._eager_regions)
+        if torch.compiler.is_dynamo_compiling():  # one graph break: the region runs eagerly (torchmb._eager_regions)
             from ._eager_regions import run_eagerly
 
             return run_eagerly(_on_merged_axis, self, call, args, kwargs)
@@ -200,7 +200,7 @@ _REGION: contextvars.ContextVar[_Region | None] = contextvars.ContextVar("torchm
 def _outside_regions() -> bool:
     """Whether no region's code is running. Code that dynamo traces never is one: regions run eagerly in a
     compiled model (and dynamo cannot trace ``ContextVar.get``)."""
-    return torch.compiler.is_compiling() or _REGION.get() is None
+    return torch.compiler.is_dynamo_compiling() or _REGION.get() is None
 
 
 def escape_from_regions(module: nn.Module) -> None:
