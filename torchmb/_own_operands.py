@@ -80,7 +80,7 @@ class PerModelOperand(Tensor):
 def _per_model_op(func: Callable, args: tuple, kwargs: dict) -> Any:
     first = args[0] if args else None
     if isinstance(first, PerModelOperand) and func in _METADATA:
-        return _metadata(func, first, args[1:])
+        return _metadata(func, first, args[1:], kwargs)
     if func in _PROPERTIES:
         return func(*args, **kwargs)
     if isinstance(first, PerModelOperand):
@@ -107,12 +107,13 @@ def _name(func: Callable) -> str:
     return getattr(func, "__name__", str(func))
 
 
-def _metadata(func: Callable, tensor: Tensor, rest: tuple) -> Any:
+def _metadata(func: Callable, tensor: Tensor, rest: tuple, kwargs: dict) -> Any:
     shape = tensor.shape[1:]
     if func == Tensor.shape.__get__:
         return shape
     if func is Tensor.size:
-        return shape[rest[0]] if rest else shape
+        dim = rest[0] if rest else kwargs.get("dim")
+        return shape if dim is None else shape[dim]
     if func in (Tensor.dim, Tensor.ndimension) or func == Tensor.ndim.__get__:
         return len(shape)
     if func is Tensor.__len__:
