@@ -83,6 +83,8 @@ def _per_model_op(func: Callable, args: tuple, kwargs: dict) -> Any:
         return _metadata(func, first, args[1:], kwargs)
     if func in _PROPERTIES:
         return func(*args, **kwargs)
+    if func in (Tensor.type_as, Tensor.to) and not isinstance(first, PerModelOperand):
+        return func(*args, **kwargs)  # x.type_as(self.gamma): only the parameter's dtype and device are read
     if isinstance(first, PerModelOperand):
         shaped = _shape_op(func, first, args[1:], kwargs)
         if shaped is not None:
@@ -194,7 +196,10 @@ def _per_model_only(func: Callable, leaves: list, spec: Any, batch: int) -> Any:
         args, kwargs = tree_unflatten(call, spec)
         return func(*args, **kwargs)
 
-    out = torch.vmap(one_model, randomness="different")(*[leaves[i].view(leaves[i].shape) for i in positions])
+    try:
+        out = torch.vmap(one_model, randomness="different")(*[leaves[i].view(leaves[i].shape) for i in positions])
+    except RuntimeError as error:  # a Python decision on a parameter, an op without a batching rule
+        raise NotElementwise(f"{_name(func)} of a per-model parameter, which vmap cannot run: {error}") from None
     if not isinstance(out, Tensor):
         raise NotElementwise(f"{_name(func)} of a per-model parameter returning {type(out).__name__}")
     return out.as_subclass(PerModelOperand)
@@ -242,7 +247,7 @@ def _broadcast(func: Callable, args: tuple, kwargs: dict, batch: int) -> Tensor:
             if is_shared_input(leaf, batch):
                 lifted[i] = leaf.unsqueeze(1) if samples_major else leaf.unsqueeze(0)
             else:
-                rows = (-1, batch) if samples_major else (batch, -1)
+                rows = (leaf.shape[0] // batch, batch) if samples_major else (batch, leaf.shape[0] // batch)
                 lifted[i] = leaf.view(*rows, *leaf.shape[1:])
         # constants (fewer dims, or one row) broadcast over the trailing dims as in the plain model
     call_args, call_kwargs = tree_unflatten(lifted, spec)
@@ -253,7 +258,7 @@ def _broadcast(func: Callable, args: tuple, kwargs: dict, batch: int) -> Tensor:
         func(*call_args, **call_kwargs)
         return target
     out = func(*call_args, **call_kwargs)
-    return out.reshape(-1, *out.shape[2:])
+    return out.reshape(out.shape[0] * out.shape[1], *out.shape[2:])
 
 
 # -- conversion: which modules, and the class swap -----------------------------------------------------------
