@@ -63,10 +63,10 @@ class _SwapFunctionals(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        touched = [leaf for leaf in tree_flatten((args, kwargs))[0] if id(leaf) in self.per_model]
+        touched = [leaf for leaf in _leaves(args, kwargs) if id(leaf) in self.per_model]
         if not touched:
             return func(*args, **kwargs)
-        others = [leaf for leaf in tree_flatten((args[1:], kwargs))[0] if isinstance(leaf, Tensor)]
+        others = [leaf for leaf in _leaves(args[1:], kwargs) if isinstance(leaf, Tensor)]
         form = self.layer.functional_forms.get(func)
         if form is not None and all(id(tensor) in self.per_model for tensor in others):
             return getattr(self.layer, form)(*args, **kwargs)
@@ -89,6 +89,22 @@ class _SwapFunctionals(TorchFunctionMode):
             f"in-place updates by a number). Register a batched "
             f"class for {plain.__qualname__} (torchmb.register_batch_module) instead."
         )
+
+
+def _leaves(args: tuple, kwargs: dict) -> list:
+    """The leaves of a torch call's arguments: its arguments and the items of its tuples and lists, without a
+    pytree walk (a layer norm's every torch call passes here); deeper structures take the walk."""
+    leaves = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, (tuple, list)):
+            if any([isinstance(item, (tuple, list, dict)) for item in value]):
+                return tree_flatten((args, kwargs))[0]
+            leaves.extend(value)
+        elif isinstance(value, dict):
+            return tree_flatten((args, kwargs))[0]
+        else:
+            leaves.append(value)
+    return leaves
 
 
 class _SubclassForward:

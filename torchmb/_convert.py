@@ -10,6 +10,9 @@ Each module takes one of five paths (:class:`ConversionEntry.path`):
   through ``vmap``, its children are converted as usual and keep their fast paths. So does a module
   without parameters whose code must run per model (``torchmb._calls``): it calls a method other than
   ``forward`` of a child with per-model state, or such a child on constants alone.
+- ``"broadcast-own"``: it owns parameters that its ``forward`` uses only element-wise with the data (a layer
+  scale, ``x.mul(self.gamma.reshape(1, -1, 1, 1))``; ``torchmb._own_operands``): its code runs on the merged
+  axis, each own parameter broadcast per model over that model's rows; its children are converted as usual.
 - ``"shared"``: every parameter in its subtree is shared by all models (frozen, stored once: see
   ``BatchModule``'s ``shared``) and it holds no persistent buffer; the plain module runs unchanged on all
   B*n samples of the merged axis, with the plain layer's own kernels.
@@ -37,12 +40,13 @@ from batch_layers import AbstractBatchModule, is_shared_parameter
 
 from ._calls import _CONTAINERS, per_model_call
 from ._generic import batch_generically, escape_from_regions, is_generic, is_per_model
+from ._own_operands import broadcast_own_parameters, elementwise_only, is_broadcast_own, plain_class
 from ._registry import lookup_batch_module, registered_batch_modules
 
 __all__ = ["ConversionEntry", "convert", "run_per_model", "stacked_state", "warn_if_mostly_generic"]
 
 
-ConversionPath = Literal["registered", "generic-whole", "generic-own", "passthrough", "shared"]
+ConversionPath = Literal["registered", "generic-whole", "generic-own", "broadcast-own", "passthrough", "shared"]
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,8 @@ class ConversionEntry:
     Attributes:
         name: its qualified name in the model (``""`` for the root).
         type: its plain class name.
-        path: ``"registered"``, ``"generic-whole"``, ``"generic-own"``, ``"passthrough"`` or ``"shared"``.
+        path: ``"registered"``, ``"generic-whole"``, ``"generic-own"``, ``"broadcast-own"``, ``"passthrough"`` or
+            ``"shared"``.
         reason: why it took that path.
         parameters: parameter elements per model that this path batches (the subtree's for
             ``"registered"`` and ``"generic-whole"``, the module's own for ``"generic-own"``); a tied
@@ -94,20 +99,25 @@ def run_per_model(
     forward found mixing the models, run its code per model (a region); its entry in ``entries`` says why.
     Returns the new entry."""
     name = next(n for n, m in root.named_modules(remove_duplicate=False) if m is module)
-    if _owns_parameters(module) or is_generic(module) or isinstance(module, AbstractBatchModule):
+    broadcast = is_broadcast_own(module)
+    if not broadcast and (_owns_parameters(module) or is_generic(module) or isinstance(module, AbstractBatchModule)):
         raise RuntimeError(f"torchmb cannot run {name or 'the model'} per model: {reason}")
     position = next(i for i, entry in enumerate(entries) if entry.name == name)
+    owns = f"owns {', '.join(module._torchmb_operands)}" if broadcast else "no parameters"
     # Without state below it, the whole subtree runs per model (one model after the other where vmap cannot).
-    whole = next(module.parameters(), None) is None and next(module.buffers(), None) is None
+    whole = not broadcast and next(module.parameters(), None) is None and next(module.buffers(), None) is None
     entry = ConversionEntry(
         name,
         entries[position].type,
         "generic-whole" if whole else "generic-own",
-        f"no parameters; at the first forward, its code {reason}: its code runs per model",
-        0,
+        f"{owns}; at the first forward, its code {reason}: its code runs per model",
+        entries[position].parameters,
     )
     entries[position] = entry
-    batch_generically(module, batch, whole=whole)
+    if broadcast:  # its parameters are stacked already
+        module.__class__ = plain_class(module)
+        del module._torchmb_operands
+    batch_generically(module, batch, whole=whole, stacked=broadcast)
     if not whole:
         _escape_below(module)
     return entry
@@ -118,6 +128,10 @@ def stacked_state(root: nn.Module) -> dict[int, tuple[Tensor, str]]:
     ``id``, with its qualified name: tensors of all B models, which only their owner's code may read."""
     found = {}
     for module_name, module in root.named_modules():
+        if is_broadcast_own(module):
+            for name in module._torchmb_operands:
+                found[id(module._parameters[name])] = (module._parameters[name], f"{module_name}.{name}".lstrip("."))
+            continue
         if not (isinstance(module, AbstractBatchModule) or is_generic(module)):
             continue
         batch = module.batch if isinstance(module, AbstractBatchModule) else module._torchmb_batch
@@ -185,6 +199,12 @@ class _Walk:
             batched = batch_class.from_module(module, self.batch)  # first: refuses what it cannot batch
             self._record(module, name, "registered", f"registered: {batch_class.__qualname__}", module.parameters())
             return batched
+        broadcast = self._broadcast_names(module)
+        if broadcast:
+            reason = f"owns {', '.join(broadcast)}, used only element-wise: broadcast per model on the merged axis"
+            self._record(module, name, "broadcast-own", reason, module.parameters(recurse=False))
+            self._convert_children(module, name)
+            return broadcast_own_parameters(module, self.batch, broadcast)
         whole_reason = self._whole_reason(module)
         if whole_reason is not None:
             self._record(module, name, "generic-whole", whole_reason, module.parameters())
@@ -206,12 +226,30 @@ class _Walk:
             self._record(module, name, "generic-own", f"owns {', '.join(own)}", module.parameters(recurse=False))
         else:
             self._record(module, name, "passthrough", "no per-model state of its own", ())
+        self._convert_children(module, name)
+        _adapt_transformer(module)
+        return batch_generically(module, self.batch, whole=False) if region else module
+
+    def _convert_children(self, module: nn.Module, name: str) -> None:
         for child_name, child in module.named_children():
             converted = self.convert(child, f"{name}.{child_name}" if name else child_name)
             if converted is not child:
                 setattr(module, child_name, converted)
-        _adapt_transformer(module)
-        return batch_generically(module, self.batch, whole=False) if region else module
+
+    def _broadcast_names(self, module: nn.Module) -> list[str]:
+        """The own parameters of ``module`` to broadcast per model on the merged axis (``torchmb._own_operands``),
+        or ``[]`` where its code must run per model: it holds persistent buffers, is parametrized or a container,
+        calls or reads its children's per-model state, or its ``forward`` uses a parameter otherwise than
+        element-wise."""
+        own = _own_state(module)
+        parameters = [name for name, p in module._parameters.items() if p is not None]
+        if not own or not _owns_parameters(module) or own != parameters:
+            return []  # persistent buffers, or a shared parameter (not in own), keep the per-model region
+        if parametrize.is_parametrized(module) or isinstance(module, _CONTAINERS):
+            return []
+        if per_model_call(module, _stateful) is not None or not elementwise_only(module, own):
+            return []
+        return own
 
     def _whole_reason(self, module: nn.Module) -> str | None:
         """Why ``module``'s whole subtree goes through ``vmap``, or None when it should not."""

@@ -85,7 +85,7 @@ def _stack(tensor: Tensor, batch: int) -> Tensor:
     return tensor.detach().unsqueeze(0).expand(batch, *tensor.shape).clone()
 
 
-def batch_generically(module: nn.Module, batch: int, *, whole: bool) -> nn.Module:
+def batch_generically(module: nn.Module, batch: int, *, whole: bool, stacked: bool = False) -> nn.Module:
     """Turn ``module`` (in place) into ``batch`` models run through ``torch.func.vmap``; returns it.
 
     Args:
@@ -93,14 +93,16 @@ def batch_generically(module: nn.Module, batch: int, *, whole: bool) -> nn.Modul
         batch: number of models B.
         whole: stack the state of every module below ``module`` too (a subtree with no registered
             layer); otherwise only ``module``'s own state, its children being batched on their own.
+        stacked: the state is stacked already (a module whose parameters were broadcast per model until its
+            first forward found a use that is not element-wise).
     """
-    stacked: dict[int, Tensor] = {}
-    for owner in module.modules() if whole else (module,):
+    done: dict[int, Tensor] = {}
+    for owner in () if stacked else module.modules() if whole else (module,):
         for name, param in owner._parameters.items():
             if param is not None and not is_shared_parameter(param):  # a shared one is read unbatched
-                if id(param) not in stacked:
-                    stacked[id(param)] = nn.Parameter(_stack(param, batch), requires_grad=param.requires_grad)
-                owner._parameters[name] = stacked[id(param)]
+                if id(param) not in done:
+                    done[id(param)] = nn.Parameter(_stack(param, batch), requires_grad=param.requires_grad)
+                owner._parameters[name] = done[id(param)]
         for name, buffer in owner._buffers.items():
             if buffer is not None and name not in owner._non_persistent_buffers_set:
                 owner._buffers[name] = _stack(buffer, batch)
@@ -137,7 +139,7 @@ def _make_guarded(cls: type[nn.Module], name: str, method: Callable[..., Any]) -
 
     @functools.wraps(method)
     def guarded(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if _REGION.get() is None and current_forward() is not None:
+        if _outside_regions() and current_forward() is not None:
             caller = sys._getframe(1)
             where = f"{getattr(caller.f_code, 'co_qualname', caller.f_code.co_name)} ({caller.f_code.co_filename}:"
             raise RuntimeError(
@@ -165,7 +167,12 @@ def _make_extra_repr(original_extra_repr: Callable[[nn.Module], str]) -> Callabl
 
 def _make_forward(original_forward: Callable[..., Any]) -> Callable[..., Any]:
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return _on_merged_axis(self, functools.partial(_vmapped_call, self, original_forward), args, kwargs)
+        call = functools.partial(_vmapped_call, self, original_forward)
+        if torch.compiler.is_dynamo_compiling():  # one graph break: the region runs eagerly (torchmb._eager_regions)
+            from ._eager_regions import run_eagerly
+
+            return run_eagerly(_on_merged_axis, self, call, args, kwargs)
+        return _on_merged_axis(self, call, args, kwargs)
 
     return forward
 
@@ -190,6 +197,12 @@ class _Region:
 _REGION: contextvars.ContextVar[_Region | None] = contextvars.ContextVar("torchmb_region", default=None)
 
 
+def _outside_regions() -> bool:
+    """Whether no region's code is running. Code that dynamo traces never is one: regions run eagerly in a
+    compiled model (and dynamo cannot trace ``ContextVar.get``)."""
+    return torch.compiler.is_dynamo_compiling() or _REGION.get() is None
+
+
 def escape_from_regions(module: nn.Module) -> None:
     """Make ``module`` run on the merged model axis whenever a generic module's own code calls it."""
     if is_generic(module) or "_torchmb_escapes" in module.__dict__:
@@ -205,9 +218,9 @@ def _escaping_forward(module: nn.Module, inner: Callable[..., Any] | None, *args
 
 
 def _on_merged_axis(module: nn.Module, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    region = _REGION.get()
-    if region is None:
+    if _outside_regions():
         return call(*args, **kwargs)
+    region = _REGION.get()
     interpreter = retrieve_current_functorch_interpreter()
     if interpreter is None or interpreter.level() != region.level:
         raise RuntimeError(

@@ -194,6 +194,7 @@ class ModelDataTracker(TorchFunctionMode):
         if type(tensor) is not Tensor and (
             (isinstance(tensor, nn.Parameter) and not is_shared_parameter(tensor))  # a shared one: a constant
             or torch._C._functorch.is_batchedtensor(tensor)
+            or getattr(tensor, "holds_models", False)  # an own parameter broadcast per model (torchmb._own_operands)
         ):
             return Kind.PER_MODEL
         entry = self._kinds.get(id(tensor))

@@ -87,10 +87,9 @@ def is_random(model: nn.Module) -> bool:
 # Modules that own parameters (or are made of nothing else) go through torch.func for those parameters
 # alone; every layer below them stays registered. These are the generic modules the zoo expects.
 _OWN = "own parameters through torch.func, the layers below them registered"
-_CNBLOCK = f"each CNBlock owns layer_scale: {_OWN}"
 _SWIN = f"each shifted-window attention owns its relative position bias table: {_OWN}"
 _MAXVIT = f"each relative-position attention owns its bias table: {_OWN}"
-_TV_VIT = f"the root owns class_token, the encoder pos_embedding: {_OWN}"
+_TV_VIT = f"the root owns class_token: {_OWN}"
 _RELPOS_MLP = (
     "each RelPosAttention calls its RelPosMlp's get_bias() rather than its forward, and get_bias runs the "
     "registered Mlp on a constant coordinate table: both run per model, the layers below them registered"
@@ -258,7 +257,7 @@ def _torchvision_models() -> list[ZooModel]:
     entries = [
         ZooModel("alexnet", _alexnet, size=63),
         *(
-            ZooModel(f"convnext_{s}", functools.partial(_convnext, p), generic=2, why_generic=_CNBLOCK)
+            ZooModel(f"convnext_{s}", functools.partial(_convnext, p))
             for s, p in (("tiny", 0.1), ("small", 0.4), ("base", 0.5), ("large", 0.5))
         ),
         *(
@@ -315,11 +314,11 @@ def _torchvision_models() -> list[ZooModel]:
         ),
         *(ZooModel(name, functools.partial(_vgg, layers, False)) for name, layers in _VGG_LAYERS.items()),
         *(ZooModel(f"{name}_bn", functools.partial(_vgg, layers, True)) for name, layers in _VGG_LAYERS.items()),
-        ZooModel("vit_b_16", functools.partial(_vit, 8), generic=2, why_generic=_TV_VIT),
-        ZooModel("vit_b_32", functools.partial(_vit, 16), generic=2, why_generic=_TV_VIT),
-        ZooModel("vit_h_14", functools.partial(_vit, 14, 28), size=28, generic=2, why_generic=_TV_VIT),
-        ZooModel("vit_l_16", functools.partial(_vit, 8), generic=2, why_generic=_TV_VIT),
-        ZooModel("vit_l_32", functools.partial(_vit, 16), generic=2, why_generic=_TV_VIT),
+        ZooModel("vit_b_16", functools.partial(_vit, 8), generic=1, why_generic=_TV_VIT),
+        ZooModel("vit_b_32", functools.partial(_vit, 16), generic=1, why_generic=_TV_VIT),
+        ZooModel("vit_h_14", functools.partial(_vit, 14, 28), size=28, generic=1, why_generic=_TV_VIT),
+        ZooModel("vit_l_16", functools.partial(_vit, 8), generic=1, why_generic=_TV_VIT),
+        ZooModel("vit_l_32", functools.partial(_vit, 16), generic=1, why_generic=_TV_VIT),
     ]
     return entries
 
@@ -412,8 +411,6 @@ TIMM_MODELS: list[ZooModel] = [
     ZooModel(
         "dm_nfnet_f0",  # timm's test_nfnet widths
         _timm("dm_nfnet_f0", depths=(1, 1, 1, 1), channels=(32, 64, 96, 128), stem_chs=16, group_size=8),
-        generic=4,
-        why_generic=_own("each NormFreeBlock owns skipinit_gain"),
     ),
     ZooModel("efficientnet_b0", _timm("efficientnet_b0"), samples=8, slow=True),
     ZooModel("tf_efficientnet_b0", _timm("tf_efficientnet_b0"), samples=8),
@@ -430,12 +427,10 @@ TIMM_MODELS: list[ZooModel] = [
     ZooModel("regnetx_002", _timm("regnetx_002")),
     ZooModel("regnety_002", _timm("regnety_002")),
     ZooModel("regnetz_005", _timm("regnetz_005"), slow=True),
-    ZooModel("convnext_atto", _timm("convnext_atto"), generic=12, why_generic=_own("each ConvNeXtBlock owns gamma")),
+    ZooModel("convnext_atto", _timm("convnext_atto")),
     ZooModel(
         "convnextv2_atto",
         _timm("convnextv2_atto"),
-        generic=12,
-        why_generic=_own("GlobalResponseNorm is made of its own parameters"),
     ),
     ZooModel(
         "vit_tiny_patch16_224",
@@ -458,14 +453,14 @@ TIMM_MODELS: list[ZooModel] = [
     ZooModel(
         "deit3_small_patch16_224",
         _timm("deit3_small_patch16_224", **_VIT_TINY),
-        generic=5,
-        why_generic=_own("the root owns cls_token and pos_embed; LayerScale is made of its own gamma"),
+        generic=1,
+        why_generic=_own("the root owns cls_token and pos_embed"),
     ),
     ZooModel(
         "vit_relpos_small_patch16_224",
         _timm("vit_relpos_small_patch16_224", **_VIT_TINY),
-        generic=8,
-        why_generic=_own("LayerScale is made of its own gamma") + f"; {_RELPOS_MLP}",
+        generic=4,
+        why_generic=_RELPOS_MLP,
     ),
     ZooModel(
         "eva02_tiny_patch14_224",
@@ -477,20 +472,20 @@ TIMM_MODELS: list[ZooModel] = [
     ZooModel(
         "beit_base_patch16_224",
         _timm("beit_base_patch16_224", embed_dim=32, num_heads=2, **_VIT_TINY),
-        generic=5,
-        why_generic=_own("the root owns cls_token, each block gamma_1/gamma_2, each attention its biases and table"),
+        generic=3,
+        why_generic=_own("the root owns cls_token, each attention its biases and table"),
     ),
     ZooModel(
         "cait_xxs24_224",
         _timm("cait_xxs24_224", depth_token_only=1, **_VIT_TINY),
-        generic=4,
-        why_generic=_own("the root owns cls_token and pos_embed, each block gamma_1 and gamma_2"),
+        generic=1,
+        why_generic=_own("the root owns cls_token and pos_embed"),
     ),
     ZooModel(
         "xcit_nano_12_p16_224",
         _timm("xcit_nano_12_p16_224", img_size=32, depth=2),
-        generic=7,
-        why_generic=_own("the root owns cls_token, the blocks their gammas, cross-covariance attention temperature"),
+        generic=1,
+        why_generic=_own("the root owns cls_token"),
     ),
     ZooModel(
         "swin_tiny_patch4_window7_224",
@@ -510,11 +505,9 @@ TIMM_MODELS: list[ZooModel] = [
     ZooModel(
         "resmlp_12_224",
         _timm_class(functools.partial(_mixer, True)),
-        generic=7,
-        why_generic=_own("each ResBlock owns ls1 and ls2; Affine is made of its own parameters"),
     ),
     ZooModel(
-        "poolformer_s12", _timm_class(_poolformer), generic=8, why_generic=_own("Scale is made of its own parameter")
+        "poolformer_s12", _timm_class(_poolformer)
     ),
     ZooModel("convmixer_768_32", _timm_class(_convmixer)),
     ZooModel("vgg11", _timm_class(_timm_vgg)),
@@ -550,10 +543,10 @@ TIMM_MODELS: list[ZooModel] = [
     ZooModel(
         "edgenext_xx_small",
         _timm("edgenext_xx_small"),
-        generic=15,
-        why_generic=_own("the blocks own gamma, gamma_xca; cross-covariance attention owns temperature"),
+        generic=1,
+        why_generic="a SplitTransposeBlock calls its position encoding on sizes alone: its code runs per model",
     ),
-    ZooModel("fastvit_t8", _timm("fastvit_t8"), generic=20, why_generic=_own("LayerScale2d is made of its own gamma")),
+    ZooModel("fastvit_t8", _timm("fastvit_t8")),
     ZooModel("repvit_m1", _timm("repvit_m1", drop_path=False)),
     ZooModel("mobileone_s0", _timm("mobileone_s0")),
     ZooModel("densenet121", _timm("densenet121", drop_path=False, block_config=(2, 2))),
@@ -563,8 +556,6 @@ TIMM_MODELS: list[ZooModel] = [
     ZooModel(
         "hgnetv2_b0",
         _timm("hgnetv2_b0"),
-        generic=31,
-        why_generic=_own("LearnableAffineBlock is made of its own scale and bias"),
     ),
     ZooModel("sequencer2d_s", _timm("sequencer2d_s", layers=(1, 1, 1, 1))),
     ZooModel(
@@ -576,8 +567,6 @@ TIMM_MODELS: list[ZooModel] = [
     ZooModel(
         "inception_next_atto",
         _timm("inception_next_atto"),
-        generic=12,
-        why_generic=_own("each MetaNeXtBlock owns gamma"),
     ),
 ]
 

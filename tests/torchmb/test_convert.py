@@ -37,7 +37,7 @@ def test_warns_when_most_parameters_go_generic() -> None:
             self.w = nn.Parameter(torch.ones(100))
 
         def forward(self, x: Tensor) -> Tensor:
-            return x * self.w
+            return x * self.w.flip(0)  # not element-wise alone: the module runs per model
 
     with pytest.warns(UserWarning, match=r"96% of the model's parameters .* largest: 1 \(unregistered type .*Scale;"):
         BatchModule(nn.Sequential(nn.Linear(1, 2), Scale()), B)
@@ -166,7 +166,7 @@ def test_repr_lists_a_few_generic_modules() -> None:
             self.w = nn.Parameter(torch.ones(2))
 
         def forward(self, x: Tensor) -> Tensor:
-            return x * self.w
+            return x * self.w.flip(0)  # not element-wise alone: the module runs per model
 
     batched = BatchModule(nn.Sequential(nn.Linear(2, 100), *(Scale() for _ in range(7))), B)
     assert "torch.func path: 1, 2, 3, 4, 5, ... (7 in all, see conversion_report())" in repr(batched)

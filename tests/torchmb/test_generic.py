@@ -140,7 +140,9 @@ def test_torchvision_vit_class_token_and_encoder_positions() -> None:
 
     torch.manual_seed(0)
     batched = BatchModule(make(), B)
-    assert generic_paths(batched) == {"": "generic-own", "encoder": "generic-own"}  # class_token; pos_embedding
+    assert generic_paths(batched) == {"": "generic-own"}  # class_token
+    paths = {entry.name: entry.path for entry in batched.conversion_report()}
+    assert paths["encoder"] == "broadcast-own"  # it adds pos_embedding element-wise
     assert registered_layers_everywhere(batched, nn.Conv2d) == 1
     assert_equivalent(make, B, torch.randn(B, N, 3, 16, 16, dtype=torch.float64), steps=2, **DOUBLE)
 
@@ -217,9 +219,9 @@ class OwnNoise(nn.Module):
 
 
 def test_randomness_in_generic_code_differs_between_models() -> None:
-    with pytest.warns(UserWarning, match="batched through torch.func"):
-        batched = BatchModule(OwnNoise(), 4)
-    out = batched(torch.ones(4, 8, 16))
+    batched = BatchModule(OwnNoise(), 4)  # its w is used element-wise: broadcast per model on the merged axis,
+    out = batched(torch.ones(4, 8, 16))  # until the first forward finds torch.rand(16) drawn once for all models
+    assert batched.generic_modules == ["OwnNoise"]
     assert all(not torch.equal(out[0], out[i]) for i in range(1, 4))
     batched.eval()
     torch.testing.assert_close(batched(torch.ones(4, 8, 16)), torch.ones(4, 8, 16))

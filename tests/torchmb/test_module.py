@@ -288,7 +288,7 @@ def test_generic_path_dropout_masks_differ_between_models() -> None:
             self.w = nn.Parameter(torch.ones(64))
 
         def forward(self, x):
-            return F.dropout(x * self.w, 0.5, self.training)
+            return F.dropout(x @ torch.diag(self.w), 0.5, self.training)  # not element-wise: per model
 
     with pytest.warns(UserWarning, match="100% of the model's parameters are batched through torch.func"):
         batched = BatchModule(Noisy(), 4)

@@ -1,0 +1,169 @@
+"""Own parameters used only element-wise (layer scales, affines) run on the merged axis, broadcast per model
+(``broadcast-own``), against B plain models; a use the source reading missed sends the module per model at
+the first forward, and later raises."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.torchvision_ops import import_torchvision
+from torch import Tensor, nn
+
+from torchmb import BatchModule
+from torchmb.testing import assert_equivalent
+
+B, N = 3, 2
+
+
+class _LayerScaleBlock(nn.Module):
+    """ConvNeXt's pattern and more: a reshaped layer scale, a bias add, an in-place scale through a local name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.gamma = nn.Parameter(torch.rand(4) + 0.5)
+        self.shift = nn.Parameter(torch.randn(4, 1, 1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.conv(x).mul(self.gamma.reshape(1, -1, 1, 1)) + self.shift
+        gamma = self.gamma.view(1, -1, 1, 1)
+        return y.mul_(gamma).relu() + x
+
+
+class _Affine(nn.Module):
+    """timm's ResMLP Affine and HGNet's learnable affine: ``torch.addcmul`` and ``scale * x + bias``."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.rand(dim) + 0.5)
+        self.beta = nn.Parameter(torch.randn(dim))
+        self.scale = nn.Parameter(torch.tensor([1.5]))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.scale * torch.addcmul(self.beta, self.alpha, x) + self.beta.unsqueeze(0)
+
+
+class _HiddenMatmul(nn.Module):
+    """Reads its parameter element-wise (``self.mix * 2.0``), then multiplies the data by a matrix made of it:
+    the source reading passes it, the first forward finds the matrix product."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.mix = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        scale = self.mix * 2.0
+        return self.fc(x) @ torch.diag(scale)
+
+
+class _LaterMatmul(_HiddenMatmul):
+    """Multiplies by the matrix only once switched on, after the first forward."""
+
+    switched = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        scale = self.mix * 2.0
+        return self.fc(x) @ torch.diag(scale) if self.switched else self.fc(x) * scale
+
+
+class _Projection(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.w = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x) @ self.w
+
+
+def _paths(batched: BatchModule) -> dict[str, str]:
+    return {entry.name: entry.path for entry in batched.conversion_report()}
+
+
+def _matches_plain_models(make, x: Tensor, **kwargs) -> None:
+    assert_equivalent(lambda: make().double(), B, x.double(), steps=2, lr=0.01, atol=1e-9, rtol=1e-7, **kwargs)
+
+
+@pytest.mark.parametrize("order", ["models", "samples"])
+def test_a_layer_scale_block_is_broadcast_per_model_like_plain_models(order: str) -> None:
+    torch.manual_seed(0)
+    batched = BatchModule.from_factory(_LayerScaleBlock, B, seed=0, merged_order=order)
+    assert _paths(batched)[""] == "broadcast-own" and batched.generic_modules == []
+    x = torch.randn(B, N, 4, 5, 5)
+    out = batched(x)
+    out.square().sum().backward()
+    for i in range(B):
+        torch.manual_seed(i)
+        plain = _LayerScaleBlock()
+        want = plain(x[i])
+        want.square().sum().backward()
+        torch.testing.assert_close(out[i], want, atol=1e-5, rtol=1e-5)
+        for (name, got), expected in zip(batched.module.named_parameters(), plain.parameters(), strict=True):
+            torch.testing.assert_close(got.grad[i], expected.grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_affines_and_timm_layer_scales_match_plain_models() -> None:
+    import_torchvision()  # timm imports torchvision
+    from timm.layers import LayerScale, LayerScale2d
+
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 6), LayerScale(6, inplace=True), _Affine(6), LayerScale(6), nn.Linear(6, 2))
+
+    batched = BatchModule(make(), B)
+    assert [path for name, path in _paths(batched).items() if name in ("1", "2", "3")] == ["broadcast-own"] * 3
+    _matches_plain_models(make, torch.randn(B, N, 4))
+    _matches_plain_models(lambda: nn.Sequential(nn.Conv2d(3, 4, 1), LayerScale2d(4)), torch.randn(B, N, 3, 4, 4))
+
+
+def test_a_layer_scale_on_the_shared_input_gives_each_model_its_own_output() -> None:
+    import_torchvision()
+    from timm.layers import LayerScale
+
+    def make() -> nn.Module:
+        return nn.Sequential(LayerScale(4, init_values=1.0), nn.Linear(4, 3))
+
+    _matches_plain_models(make, torch.randn(N, 4), shared_input=True)
+
+
+def test_a_use_the_source_hides_runs_the_module_per_model_from_the_first_forward() -> None:
+    torch.manual_seed(0)
+    batched = BatchModule.from_factory(_HiddenMatmul, B, seed=0)
+    assert _paths(batched)[""] == "broadcast-own"
+    batched(torch.randn(B, N, 4))
+    entry = batched.conversion_report()[0]
+    assert entry.path == "generic-own" and "at the first forward" in entry.reason and "matmul" in entry.reason
+    assert batched.generic_modules == ["_HiddenMatmul"]
+    _matches_plain_models(_HiddenMatmul, torch.randn(B, N, 4))
+
+
+def test_a_use_found_after_the_first_forward_is_refused() -> None:
+    batched = BatchModule(_LaterMatmul(), B)
+    batched(torch.randn(B, N, 4))
+    batched.module.switched = True
+    with pytest.raises(RuntimeError, match="uses its own parameter otherwise than element-wise: matmul"):
+        batched(torch.randn(B, N, 4))
+
+
+def test_a_parameter_used_otherwise_stays_a_per_model_region() -> None:
+    batched = BatchModule(_Projection(), B)
+    assert _paths(batched)[""] == "generic-own"
+    _matches_plain_models(_Projection, torch.randn(B, N, 4))
+
+
+class _ReadsChildScale(nn.Module):
+    """A parent reading its child's broadcast layer scale: on the merged axis that is all models' stack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _LayerScaleBlock()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.block(x) / self.block.gamma.norm()
+
+
+def test_a_parent_reading_a_broadcast_parameter_runs_per_model() -> None:
+    batched = BatchModule(_ReadsChildScale(), B)
+    batched(torch.randn(B, N, 4, 5, 5))
+    assert batched.generic_modules == ["_ReadsChildScale"]
+    _matches_plain_models(_ReadsChildScale, torch.randn(B, N, 4, 5, 5))

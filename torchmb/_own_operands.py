@@ -1,0 +1,383 @@
+"""Own parameters that meet the models' data only element-wise: broadcast per model on the merged axis.
+
+A module that owns a layer scale (timm's ``ConvNeXtBlock``: ``x.mul(self.gamma.reshape(1, -1, 1, 1))``,
+``LayerScale``: ``x * self.gamma`` or ``x.mul_(self.gamma)``), a learnable affine (``self.scale * x +
+self.bias``) or a response norm's ``torch.addcmul(self.bias.view(...), self.weight.view(...), x)`` needs no
+per-model region (``torchmb._generic``): each model's parameter only scales or shifts that model's rows. Its
+code runs on the merged ``(B*n, ...)`` axis like a module without state, its children called as usual (no
+escape, no ``vmap``), and while it runs each own parameter is a :class:`PerModelOperand`: the stacked
+``(B, *shape)`` tensor, seen by the module's code as one model's. Its metadata is one model's (``shape``,
+``dim()``), a shape op or a cast gives another per-model operand (``reshape(1, -1, 1, 1)`` of ``(B, C)`` is
+``(B, 1, C, 1, 1)``), and an element-wise op with the merged data views the data as ``(B, rows, ...)`` (or
+``(rows, B, ...)`` samples-major), each model's parameter broadcast over its rows, and merges the result
+again: one kernel, as in the plain model. Any other op on a per-model operand with the data raises
+:class:`NotElementwise`, and the module runs per model instead (at the first forward, which is undone and
+run again; later, as an error).
+
+Which modules take this path is decided at conversion by reading the source of their ``forward``
+(:func:`elementwise_only`): every read of an own parameter is ``self.p`` through shape ops and casts, used as
+an operand of ``*``, ``+``, ``-``, ``/`` or of an element-wise method or function, or compared with
+``None`` (directly or through a local name assigned once).
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from batch_layers import current_forward, is_shared_input
+
+from ._calls import _definition
+from ._tracking import PerModelCodeFound
+
+__all__ = ["NotElementwise", "PerModelOperand", "broadcast_own_parameters", "elementwise_only", "is_broadcast_own"]
+
+
+class NotElementwise(RuntimeError):
+    """A module's code used its own per-model parameter otherwise than element-wise with the data."""
+
+
+_METADATA = (Tensor.shape.__get__, Tensor.size, Tensor.dim, Tensor.ndim.__get__, Tensor.ndimension, Tensor.numel,
+             Tensor.nelement, Tensor.__len__)  # fmt: skip
+_PROPERTIES = (
+    Tensor.dtype.__get__, Tensor.device.__get__, Tensor.requires_grad.__get__, Tensor.is_cuda.__get__,
+    Tensor.layout.__get__, Tensor.grad_fn.__get__, Tensor.is_leaf.__get__, Tensor.is_floating_point,
+    Tensor.element_size, Tensor.__repr__, Tensor.__format__,
+)  # fmt: skip
+_CASTS = (Tensor.to, Tensor.float, Tensor.double, Tensor.half, Tensor.bfloat16, Tensor.type_as, Tensor.contiguous,
+          Tensor.clone, Tensor.detach)  # fmt: skip
+_ELEMENTWISE = (
+    torch.mul, torch.multiply, torch.add, torch.sub, torch.subtract, torch.div, torch.divide, torch.true_divide,
+    torch.addcmul, torch.addcdiv, torch.maximum, torch.minimum, torch.lerp, torch.where,
+    Tensor.mul, Tensor.multiply, Tensor.add, Tensor.sub, Tensor.subtract, Tensor.div, Tensor.divide,
+    Tensor.addcmul, Tensor.addcdiv, Tensor.maximum, Tensor.minimum, Tensor.lerp,
+    Tensor.__mul__, Tensor.__rmul__, Tensor.__add__, Tensor.__radd__, Tensor.__sub__, Tensor.__rsub__,
+    Tensor.__truediv__, Tensor.__rtruediv__,
+    Tensor.mul_, Tensor.add_, Tensor.sub_, Tensor.div_, Tensor.addcmul_, Tensor.addcdiv_, Tensor.lerp_,
+    Tensor.__imul__, Tensor.__iadd__, Tensor.__isub__, Tensor.__itruediv__,
+)  # fmt: skip
+
+
+class PerModelOperand(Tensor):
+    """A module's own parameter of B models, ``(B, *shape)``, as the module's code sees it on the merged axis:
+    one model's metadata, per-model shape ops and casts, element-wise ops broadcast per model over the data."""
+
+    holds_models = True  # what torchmb._tracking labels per-model
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            return _per_model_op(func, args, kwargs)
+
+
+def _per_model_op(func: Callable, args: tuple, kwargs: dict) -> Any:
+    first = args[0] if args else None
+    if isinstance(first, PerModelOperand) and func in _METADATA:
+        return _metadata(func, first, args[1:], kwargs)
+    if func in _PROPERTIES:
+        return func(*args, **kwargs)
+    if func in (Tensor.type_as, Tensor.to) and not isinstance(first, PerModelOperand):
+        return func(*args, **kwargs)  # x.type_as(self.gamma): only the parameter's dtype and device are read
+    if isinstance(first, PerModelOperand):
+        shaped = _shape_op(func, first, args[1:], kwargs)
+        if shaped is not None:
+            return shaped.as_subclass(PerModelOperand)
+    if "out" in kwargs:
+        raise NotElementwise(f"{_name(func)} with out= on a per-model parameter")
+    leaves, spec = tree_flatten((args, kwargs))
+    per_model = [leaf for leaf in leaves if isinstance(leaf, PerModelOperand)]
+    batch = per_model[0].shape[0]
+    values = (*args, *kwargs.values())
+    nested = any([isinstance(v, (tuple, list)) and any([isinstance(i, Tensor) for i in v]) for v in values])
+    data = [leaf for leaf in leaves if isinstance(leaf, Tensor) and not isinstance(leaf, PerModelOperand)]
+    data = [t for t in data if _is_data(t, batch)]
+    if not data:
+        return _per_model_only(func, leaves, spec, batch)
+    if func not in _ELEMENTWISE or nested:
+        raise NotElementwise(f"{_name(func)} of a per-model parameter with the models' data")
+    return _broadcast(func, args, kwargs, batch)
+
+
+def _name(func: Callable) -> str:
+    return getattr(func, "__name__", str(func))
+
+
+def _metadata(func: Callable, tensor: Tensor, rest: tuple, kwargs: dict) -> Any:
+    shape = tensor.shape[1:]
+    if func == Tensor.shape.__get__:
+        return shape
+    if func is Tensor.size:
+        dim = rest[0] if rest else kwargs.get("dim")
+        return shape if dim is None else shape[dim]
+    if func in (Tensor.dim, Tensor.ndimension) or func == Tensor.ndim.__get__:
+        return len(shape)
+    if func is Tensor.__len__:
+        return shape[0]
+    return math.prod(shape)  # numel, nelement
+
+
+def _plain_dim(dim: int) -> int:
+    """A dim of one model's tensor as the dim of the stacked one (negative dims count from the end in both)."""
+    return dim + 1 if dim >= 0 else dim
+
+
+def _sizes(rest: tuple) -> list[int]:
+    return list(rest[0]) if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)) else list(rest)
+
+
+def _shape_op(func: Callable, tensor: Tensor, rest: tuple, kwargs: dict) -> Tensor | None:
+    """The per-model result of a shape op or cast on one model's tensor, computed on the stacked one; None for
+    other ops."""
+    batch, shape = tensor.shape[0], tensor.shape[1:]
+    if func in _CASTS:
+        return func(tensor, *rest, **kwargs)
+    if func in (Tensor.view, Tensor.reshape, torch.reshape) and not kwargs:
+        if len(rest) == 1 and isinstance(rest[0], torch.dtype):
+            return None
+        sizes = _sizes(rest)  # a -1 resolves to the plain model's size, each model's numel being the plain one
+        return tensor.view(batch, *sizes) if func is Tensor.view else tensor.reshape(batch, *sizes)
+    if func in (Tensor.unsqueeze, torch.unsqueeze) and len(rest) == 1 and not kwargs:
+        dim = rest[0]
+        return tensor.unsqueeze(dim + 1 if dim >= 0 else dim)
+    if func in (Tensor.squeeze, torch.squeeze) and not kwargs:
+        dims = [rest[0]] if rest else [i for i, size in enumerate(shape) if size == 1]
+        return tensor.squeeze(tuple([_plain_dim(d) for d in dims])) if dims else tensor
+    if func in (Tensor.expand,) and not kwargs:
+        sizes = _sizes(rest)
+        lifted = tensor.view(batch, *[1] * (len(sizes) - len(shape)), *shape)
+        return lifted.expand(batch, *sizes)
+    if func in (Tensor.permute, torch.permute) and not kwargs:
+        dims = [d % len(shape) for d in _sizes(rest)]
+        return tensor.permute(0, *[d + 1 for d in dims])
+    if func in (Tensor.transpose, torch.transpose) and len(rest) == 2 and not kwargs:
+        return tensor.transpose(_plain_dim(rest[0]), _plain_dim(rest[1]))
+    if func is Tensor.__getitem__ and len(rest) == 1:
+        index = rest[0] if isinstance(rest[0], tuple) else (rest[0],)
+        if all([i is None or i is Ellipsis or (type(i) in (int, slice)) for i in index]):
+            return tensor[(slice(None), *index)]
+    return None
+
+
+def _is_data(tensor: Tensor, batch: int) -> bool:
+    """Whether ``tensor`` holds the models' data: merged (dim 0 a multiple of ``B * n``) or the shared input."""
+    if tensor.dim() == 0:
+        return False
+    context = current_forward()
+    samples = context.samples if context is not None else 1
+    return tensor.shape[0] % (batch * max(samples, 1)) == 0 or is_shared_input(tensor, batch)
+
+
+def _per_model_only(func: Callable, leaves: list, spec: Any, batch: int) -> Any:
+    """An op on per-model parameters and constants alone: element-wise ones broadcast the stacked tensors, any
+    other runs per model under ``vmap``."""
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, PerModelOperand)]
+    if func in _ELEMENTWISE and not _is_in_place(func):
+        ranks = [t.dim() - 1 if isinstance(t, PerModelOperand) else t.dim() for t in leaves if isinstance(t, Tensor)]
+        rank = max(ranks)
+        lifted = list(leaves)
+        for i in positions:
+            lifted[i] = _lift(leaves[i], rank)
+        args, kwargs = tree_unflatten(lifted, spec)
+        return func(*args, **kwargs).as_subclass(PerModelOperand)
+    if _is_in_place(func):
+        raise NotElementwise(f"{_name(func)} in place on a per-model parameter")
+
+    def one_model(*slices: Tensor) -> Any:
+        call = list(leaves)
+        for i, value in zip(positions, slices):
+            call[i] = value
+        args, kwargs = tree_unflatten(call, spec)
+        return func(*args, **kwargs)
+
+    try:
+        out = torch.vmap(one_model, randomness="different")(*[leaves[i].view(leaves[i].shape) for i in positions])
+    except RuntimeError as error:  # a Python decision on a parameter, an op without a batching rule
+        raise NotElementwise(f"{_name(func)} of a per-model parameter, which vmap cannot run: {error}") from None
+    if not isinstance(out, Tensor):
+        raise NotElementwise(f"{_name(func)} of a per-model parameter returning {type(out).__name__}")
+    return out.as_subclass(PerModelOperand)
+
+
+_IN_PLACE = (
+    Tensor.mul_, Tensor.add_, Tensor.sub_, Tensor.div_, Tensor.addcmul_, Tensor.addcdiv_, Tensor.lerp_,
+    Tensor.__imul__, Tensor.__iadd__, Tensor.__isub__, Tensor.__itruediv__,
+)  # fmt: skip
+
+
+def _is_in_place(func: Callable) -> bool:
+    """Whether ``func`` writes into its first argument: among the element-wise ops, or by torch's naming."""
+    if func in _ELEMENTWISE:
+        return func in _IN_PLACE
+    name = _name(func)
+    return name.startswith("__i") or (name.endswith("_") and not name.endswith("__"))
+
+
+def _lift(tensor: Tensor, rank: int) -> Tensor:
+    """A per-model ``(B, *shape)`` tensor as ``(B, 1, ..., *shape)`` of ``rank + 1`` dims."""
+    shape = tensor.shape[1:]
+    if len(shape) > rank:
+        raise NotElementwise("a per-model parameter with more dims than the data it meets")
+    return tensor.view(tensor.shape[0], *[1] * (rank - len(shape)), *shape)
+
+
+def _broadcast(func: Callable, args: tuple, kwargs: dict, batch: int) -> Tensor:
+    """``func`` of the merged data and per-model parameters: each model's rows with its own parameter."""
+    context = current_forward()
+    samples_major = context is not None and context.order == "samples"
+    leaves, spec = tree_flatten((args, kwargs))
+    tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
+    rank = max([t.dim() - 1 if isinstance(t, PerModelOperand) else t.dim() for t in tensors])
+    lifted = list(leaves)
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, Tensor):
+            continue
+        if isinstance(leaf, PerModelOperand):
+            value = _lift(leaf, rank)
+            lifted[i] = value.transpose(0, 1) if samples_major else value
+        elif _is_data(leaf, batch):
+            if leaf.dim() != rank:
+                raise NotElementwise(f"{_name(func)} of a per-model parameter with data of fewer dims than it")
+            if is_shared_input(leaf, batch):
+                lifted[i] = leaf.unsqueeze(1) if samples_major else leaf.unsqueeze(0)
+            else:
+                rows = (leaf.shape[0] // batch, batch) if samples_major else (batch, leaf.shape[0] // batch)
+                lifted[i] = leaf.view(*rows, *leaf.shape[1:])
+        # constants (fewer dims, or one row) broadcast over the trailing dims as in the plain model
+    call_args, call_kwargs = tree_unflatten(lifted, spec)
+    if _is_in_place(func):
+        target = args[0]
+        if isinstance(target, PerModelOperand) or not isinstance(target, Tensor) or is_shared_input(target, batch):
+            raise NotElementwise(f"{_name(func)} writing into a per-model parameter or the shared input")
+        func(*call_args, **call_kwargs)
+        return target
+    out = func(*call_args, **call_kwargs)
+    return out.reshape(out.shape[0] * out.shape[1], *out.shape[2:])
+
+
+# -- conversion: which modules, and the class swap -----------------------------------------------------------
+
+_SHAPE_METHODS = frozenset(
+    {"reshape", "view", "unsqueeze", "squeeze", "expand", "permute", "transpose", "to", "float", "double", "half",
+     "bfloat16", "type_as", "contiguous", "clone", "detach"}
+)  # fmt: skip
+_ELEMENTWISE_NAMES = frozenset(
+    {"mul", "multiply", "add", "sub", "subtract", "div", "divide", "true_divide", "addcmul", "addcdiv", "maximum",
+     "minimum", "lerp", "where", "mul_", "add_", "sub_", "div_", "addcmul_", "addcdiv_", "lerp_"}
+)  # fmt: skip
+_ARITHMETIC = (ast.Mult, ast.Add, ast.Sub, ast.Div)
+
+
+def elementwise_only(module: nn.Module, names: list[str]) -> bool:
+    """Whether the source of ``module``'s ``forward`` reads each of its parameters ``names`` only element-wise
+    (see the module docstring); False where the source cannot be read."""
+    definition = _definition(type(module).forward)
+    if definition is None or not definition.args.args:
+        return False
+    self_name = definition.args.args[0].arg
+    parents = {id(child): node for node in ast.walk(definition) for child in ast.iter_child_nodes(node)}
+    reads = [
+        node
+        for node in ast.walk(definition)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == self_name
+        and node.attr in names
+    ]  # fmt: skip
+    if {node.attr for node in reads} != set(names):
+        return False  # a parameter read elsewhere (a helper method): not seen, not guessed
+    aliases: dict[str, int] = {}
+    pending = list(reads)
+    while pending:
+        node = pending.pop()
+        use = _use(node, parents)
+        if use is None:
+            return False
+        if isinstance(use, str):  # assigned to a local name: its reads are uses too
+            aliases[use] = aliases.get(use, 0) + 1
+            pending.extend(n for n in ast.walk(definition) if isinstance(n, ast.Name) and n.id == use and _loads(n))
+    assigned = [n.id for n in ast.walk(definition) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)]
+    return all(assigned.count(name) == 1 for name in aliases)
+
+
+def _loads(node: ast.Name) -> bool:
+    return isinstance(node.ctx, ast.Load)
+
+
+def _use(node: ast.AST, parents: dict[int, ast.AST]) -> str | bool | None:
+    """How a per-model expression is used: True for an element-wise use, the local name it is assigned to, or
+    None for any other use."""
+    parent = parents.get(id(node))
+    while (
+        isinstance(parent, ast.Attribute) and parent.attr in _SHAPE_METHODS
+        and isinstance(parents.get(id(parent)), ast.Call) and parents[id(parent)].func is parent
+    ):  # fmt: skip
+        node = parents[id(parent)]  # self.gamma.reshape(...): a per-model expression too
+        parent = parents.get(id(node))
+    if isinstance(parent, ast.BinOp) and isinstance(parent.op, _ARITHMETIC):
+        return True
+    if isinstance(parent, ast.AugAssign) and isinstance(parent.op, _ARITHMETIC) and parent.value is node:
+        return True
+    if isinstance(parent, ast.Compare) and all(isinstance(op, (ast.Is, ast.IsNot)) for op in parent.ops):
+        return all(isinstance(c, ast.Constant) and c.value is None for c in parent.comparators) or None
+    if isinstance(parent, ast.Attribute) and parent.attr in _ELEMENTWISE_NAMES:
+        return True  # self.gamma.mul(x)
+    if isinstance(parent, ast.keyword):
+        parent = parents.get(id(parent))
+    if isinstance(parent, ast.Call) and node is not parent.func:
+        func = parent.func
+        if isinstance(func, ast.Attribute) and func.attr in _ELEMENTWISE_NAMES:
+            return True  # x.mul(self.gamma), torch.addcmul(self.beta, self.alpha, x)
+        return None
+    if isinstance(parent, ast.Assign) and len(parent.targets) == 1 and isinstance(parent.targets[0], ast.Name):
+        return parent.targets[0].id
+    return None
+
+
+_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+
+
+def is_broadcast_own(module: nn.Module) -> bool:
+    """Whether ``module``'s own parameters are broadcast per model on the merged axis (see the module
+    docstring)."""
+    return type(module) in _CLASSES.values()
+
+
+def broadcast_own_parameters(module: nn.Module, batch: int, names: list[str]) -> nn.Module:
+    """Stack ``module``'s parameters ``names`` for ``batch`` models (in place) and make its ``forward`` see
+    them as :class:`PerModelOperand`; returns it."""
+    for name in names:
+        param = module._parameters[name]
+        stacked = param.detach().unsqueeze(0).expand(batch, *param.shape).clone()
+        module._parameters[name] = nn.Parameter(stacked, requires_grad=param.requires_grad)
+    cls = type(module)
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(cls.__name__, (cls,), {"forward": _make_forward(cls.forward)})
+    module.__class__ = _CLASSES[cls]
+    module._torchmb_operands = tuple(names)
+    return module
+
+
+def plain_class(module: nn.Module) -> type[nn.Module]:
+    """The class ``module`` had before :func:`broadcast_own_parameters`."""
+    return type(module).__mro__[1]
+
+
+def _make_forward(original_forward: Callable[..., Any]) -> Callable[..., Any]:
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        parameters = self._parameters
+        stacked = {name: parameters[name] for name in self._torchmb_operands}
+        for name, tensor in stacked.items():
+            parameters[name] = tensor.as_subclass(PerModelOperand)
+        try:
+            return original_forward(self, *args, **kwargs)
+        except NotElementwise as refused:  # at the first forward, BatchModule runs the module per model instead
+            raise PerModelCodeFound(self, f"uses its own parameter otherwise than element-wise: {refused}") from None
+        finally:
+            parameters.update(stacked)
+
+    return forward
