@@ -37,7 +37,7 @@ from ._linear_cross_entropy import LinearCrossEntropyLoss
 from ._norm import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm, RMSNorm
 from ._recurrent import GRU, LSTM, RNN
 from ._recurrent_cells import GRUCell, LSTMCell, RNNCell
-from ._stacked_reads import StackedReadError, stacked_reads_watched_elsewhere
+from ._stacked_reads import StackedReadError, check_stacked_read, stacked_reads_watched_elsewhere
 from ._std_conv import ScaledStdConv2d, ScaledStdConv2dSame, StdConv2d, StdConv2dSame
 from ._subclass import batched_subclass
 from ._transposed_linear import TransposedLinear
@@ -97,6 +97,7 @@ __all__ = [
     "batched_subclass",
     "check_indices",
     "check_merged_rows",
+    "check_stacked_read",
     "current_forward",
     "explain_kernels",
     "forward_context",

@@ -51,6 +51,7 @@ from batch_layers import (
     AbstractBatchModule,
     ForwardContext,
     check_merged_rows,
+    check_stacked_read,
     current_forward,
     forward_context,
     is_shared_input,
@@ -115,9 +116,29 @@ def batch_generically(module: nn.Module, batch: int, *, whole: bool, stacked: bo
 def _generic_class(cls: type[nn.Module]) -> type[nn.Module]:
     if cls not in _GENERIC_CLASSES:
         namespace = {name: _make_guarded(cls, name, method) for name, method in _other_methods(cls).items()}
-        namespace.update(forward=_make_forward(cls.forward), extra_repr=_make_extra_repr(cls.extra_repr))
+        namespace.update(forward=_make_forward(cls.forward), extra_repr=_make_extra_repr(cls.extra_repr),
+                         __getattr__=_make_guarded_getattr(cls.__getattr__))
         _GENERIC_CLASSES[cls] = type(f"FuncBatched{cls.__name__}", (cls,), namespace)
     return _GENERIC_CLASSES[cls]
+
+
+def _make_guarded_getattr(getattr_: Callable[[nn.Module, str], Any]) -> Callable[[nn.Module, str], Any]:
+    """``getattr_`` (``nn.Module``'s, which every parameter read goes through), refusing a read of the module's
+    stacked ``(B, ...)`` parameter by code other than its own during a batched forward (a parent's helper
+    reaching it after the first forward): ``batch_layers.check_stacked_read``, as for registered layers."""
+
+    def guarded_getattr(self: nn.Module, name: str) -> Any:
+        value = getattr_(self, name)
+        if (
+            isinstance(value, nn.Parameter)
+            and not torch.compiler.is_compiling()
+            and current_forward() is not None
+            and not is_shared_parameter(value)
+        ):
+            check_stacked_read(self, name, value, sys._getframe(1))
+        return value
+
+    return guarded_getattr
 
 
 def _other_methods(cls: type[nn.Module]) -> dict[str, Callable[..., Any]]:

@@ -430,7 +430,7 @@ def test_cpu_engine_worker_exception_reaches_the_caller(monkeypatch, op):
     monkeypatch.setattr(_row_copy, "MIN_PIECE_BYTES", 4096)
     monkeypatch.setattr(_staging._Staging, "CHUNK_BYTES", 64 << 10)
     main = threading.get_ident()
-    name = "_take" if op == "gather" else "_put"
+    name = "take_rows" if op == "gather" else "put_rows"
     real = getattr(_row_copy, name)
 
     def broken(*args):

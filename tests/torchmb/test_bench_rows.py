@@ -236,6 +236,7 @@ def test_launches_are_counted_on_cuda_and_a_batch_too_large_is_skipped_or_caught
     rows = _bench.run(["lenet"], [2], 4, cuda, ("torchmb", "limit"), launches=True, **QUICK)
     by_impl = {r["impl"]: r for r in rows}
     for row in rows:
+        assert "launches_per_step" in row, f"no launch count (a profiler that saw no CUDA activity?): {row}"
         assert row["launches_per_step"] > 0 and row["kernels_per_step"] > 0 and row["aten_ops_per_step"] > 0
     assert by_impl["torchmb"]["launches_vs_limit"] > 0
     # ResNet-18 at 100,000 models: the estimate skips it before its inputs or models are made

@@ -79,3 +79,49 @@ def test_a_read_seen_in_the_first_forward_runs_per_model() -> None:
     assert root.path == "generic-own" and "reads fc.weight" in root.reason
     assert_equivalent(lambda: EvalNormed().double(), B, torch.randn(B, N, 4, dtype=torch.float64), steps=2,
                       train=False, **DOUBLE)
+
+
+class Mixer(nn.Module):
+    """Owns a parameter it multiplies its input by as a matrix: no registered layer, it runs per model
+    through torch.func (a generic path)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x @ self.mix
+
+
+def mixed_norm(module: nn.Module, h: Tensor) -> Tensor:
+    return h / module.mixer.mix.norm()
+
+
+class EvalMixed(nn.Module):
+    """A registered layer, then a generic one whose parameter a helper reads in eval mode only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.mixer = Mixer()
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.mixer(self.fc(x))
+        return h if self.training else mixed_norm(self, h)
+
+
+def test_a_late_read_of_a_generic_modules_parameter_raises() -> None:
+    batched = BatchModule.from_factory(EvalMixed, B, seed=0)
+    x = torch.randn(B, N, 4)
+    batched(x)
+    assert [entry.path for entry in batched.conversion_report()] == ["passthrough", "registered", "generic-whole"]
+    batched.eval()
+    with pytest.raises(batch_layers.StackedReadError, match=r"mixed_norm \(.*\) reads mix of FuncBatchedMixer"):
+        batched(x)
+    assert batched.module.mixer.mix.shape == (B, 4, 4)  # outside a forward, reads are the user's
+
+
+def test_a_generic_modules_own_reads_and_first_forward_reads_stay_exact() -> None:
+    x = torch.randn(B, N, 4, dtype=torch.float64)
+    assert_equivalent(lambda: EvalMixed().double(), B, x, steps=2, **DOUBLE)  # training: its own reads only
+    assert_equivalent(lambda: EvalMixed().double().eval(), B, x, steps=2, train=False, **DOUBLE)
