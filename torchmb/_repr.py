@@ -3,7 +3,8 @@
 The text is torch's own (``nn.Module.__repr__``, and ``nn.ModuleList``'s runs of equal entries such as
 ``(0-11): 12 x Block(...)``), with ``[path]`` before the class name of every module the conversion batched
 (``registered``: its batched class; ``generic-own`` / ``generic-whole``: its own state, or its whole
-subtree, per model through ``torch.func``; ``shared``: the plain module over all B*n samples). Modules that
+subtree, per model through ``torch.func``; ``broadcast-own``: its own element-wise parameters broadcast per
+model on the merged axis; ``shared``: the plain module over all B*n samples). Modules that
 run unchanged on the merged axis (``passthrough``) carry no tag. A module whose class writes its own
 ``__repr__`` is shown by it, untagged inside.
 """

@@ -380,7 +380,8 @@ def test_equivalent_and_isolated_cuda(name: str) -> None:
 
 
 class _OwnScale(nn.Module):
-    """Owns a parameter above a registered layer: its own state goes through torch.func, its child stays fast."""
+    """Owns a parameter above a registered layer, read other than element-wise (flipped): its own state goes
+    through torch.func, its child stays fast."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -388,7 +389,7 @@ class _OwnScale(nn.Module):
         self.fc = nn.Linear(4, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(x) * self.scale
+        return self.fc(x) * self.scale.flip(0)
 
 
 class _OwnOnly(nn.Module):
@@ -398,21 +399,32 @@ class _OwnOnly(nn.Module):
         self.inner = nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner(x + self.offset)
+        return self.inner(x + self.offset.flip(0))
+
+
+class _LayerScale(nn.Module):
+    """Owns a parameter it only multiplies by: broadcast per model on the merged axis."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((4,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
 
 
 def test_repr_names_the_path_of_every_converted_module() -> None:
     """Each converted module's line says what runs it; the rest is torch's own repr of the same tree."""
     frozen = nn.Linear(4, 4).requires_grad_(False)
     blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)] + [nn.ReLU()])
-    model = nn.Sequential(frozen, _OwnScale(), blocks, _OwnOnly(), nn.ReLU())
+    model = nn.Sequential(frozen, _OwnScale(), blocks, _OwnOnly(), nn.ReLU(), _LayerScale())
     batched = BatchModule(model, B)
     text = repr(batched)
     paths = {entry.name: entry.path for entry in batched.conversion_report()}
     assert paths == {
         "": "passthrough", "0": "shared", "1": "generic-own", "1.fc": "registered", "2": "passthrough",
         "2.0": "registered", "2.1": "registered", "2.2": "registered", "2.3": "passthrough", "3": "generic-whole",
-        "4": "passthrough",
+        "4": "passthrough", "5": "broadcast-own",
     }
     lines = [line.strip() for line in text.splitlines()]
     assert "(0): [shared] Linear(in_features=4, out_features=4, bias=True)" in lines
@@ -421,7 +433,8 @@ def test_repr_names_the_path_of_every_converted_module() -> None:
     assert f"(0-2): 3 x [registered] Linear(in_features=4, out_features=4, bias=True, batch={B})" in lines
     assert "(3): ReLU()" in lines and "(4): ReLU()" in lines and "(module): Sequential(" in lines
     assert "(3): [generic-whole] FuncBatched_OwnOnly(" in lines
-    for tag in ("[shared] ", "[generic-own] ", "[generic-whole] ", "[registered] "):
+    assert any(line.startswith("(5): [broadcast-own] ") for line in lines), lines
+    for tag in ("[shared] ", "[generic-own] ", "[generic-whole] ", "[registered] ", "[broadcast-own] "):
         text = text.replace(tag, "")
     assert text == nn.Module.__repr__(batched)  # torch's text, tags aside
     assert list(batched.state_dict()) == [f"module.{key}" for key in model.state_dict()]
