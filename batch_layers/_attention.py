@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from . import functional
 from ._base import AbstractBatchModule, current_forward, stack_copies
+from ._linear import LinearWeights
 
 __all__ = ["MultiheadAttention"]
 
@@ -30,23 +31,6 @@ __all__ = ["MultiheadAttention"]
 def _skip_fused_transformer_path(module: nn.Module, args: tuple) -> None:
     """A no-op forward pre-hook: its presence makes torch's Transformer layers skip their fused kernels."""
     return None
-
-
-class _Projection(nn.Module):
-    """``(B, out, in)`` weight and ``(B, out)`` bias of a projection whose owner draws its initial values."""
-
-    def __init__(self, batch: int, out_features: int, in_features: int, bias: bool, factory_kwargs: dict) -> None:
-        super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty(batch, out_features, in_features, **factory_kwargs))
-        if bias:
-            self.bias = nn.Parameter(torch.empty(batch, out_features, **factory_kwargs))
-        else:
-            self.register_parameter("bias", None)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 class MultiheadAttention(AbstractBatchModule):
@@ -141,7 +125,7 @@ class MultiheadAttention(AbstractBatchModule):
             self.in_proj_bias = nn.Parameter(torch.empty(batch, 3 * embed_dim, **factory_kwargs))
         else:
             self.register_parameter("in_proj_bias", None)
-        self.out_proj = _Projection(batch, embed_dim, embed_dim, bias, factory_kwargs)
+        self.out_proj = LinearWeights(batch, embed_dim, embed_dim, bias, factory_kwargs)
         if add_bias_kv:
             self.bias_k = nn.Parameter(torch.empty(batch, 1, 1, embed_dim, **factory_kwargs))
             self.bias_v = nn.Parameter(torch.empty(batch, 1, 1, embed_dim, **factory_kwargs))

@@ -12,7 +12,7 @@ from . import functional
 from ._base import UNBATCHED, AbstractBatchModule, copy_into_every_model
 from ._checks import check_input_dtype, check_input_size
 
-__all__ = ["Linear"]
+__all__ = ["Linear", "LinearWeights"]
 
 
 def _check_linear_input(layer: Linear, x: Tensor, weight: Tensor) -> None:
@@ -117,3 +117,22 @@ class Linear(AbstractBatchModule):
 
     def extra_repr(self) -> str:
         return f"{nn.Linear.extra_repr(self)}, batch={self.batch}"
+
+
+class LinearWeights(nn.Module):
+    """The ``(B, out, in)`` weight and ``(B, out)`` bias of B linear maps, under a child's name, for a layer
+    whose plain counterpart holds them in a child (attention's ``out_proj``, a loss's ``linear``) and that
+    draws their initial values itself."""
+
+    def __init__(self, batch: int, out_features: int, in_features: int, bias: bool, factory_kwargs: dict) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(batch, out_features, in_features, **factory_kwargs))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(batch, out_features, **factory_kwargs))
+        else:
+            self.register_parameter("bias", None)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -24,25 +24,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._base import AbstractBatchModule, stack_copies
+from ._linear import LinearWeights
 
 __all__ = ["LinearCrossEntropyLoss"]
-
-
-class _LinearWeights(nn.Module):
-    """The ``(B, out, in)`` weight and ``(B, out)`` bias under the plain module's ``linear`` name."""
-
-    def __init__(self, batch: int, in_features: int, out_features: int, bias: bool, factory_kwargs: dict) -> None:
-        super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty(batch, out_features, in_features, **factory_kwargs))
-        if bias:
-            self.bias = nn.Parameter(torch.empty(batch, out_features, **factory_kwargs))
-        else:
-            self.register_parameter("bias", None)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 class LinearCrossEntropyLoss(AbstractBatchModule):
@@ -110,7 +94,7 @@ class LinearCrossEntropyLoss(AbstractBatchModule):
         self.options = options
         factory_kwargs = {"device": device, "dtype": dtype}
         outputs = math.prod(out_features, start=num_classes)
-        self.linear = _LinearWeights(batch, in_features, outputs, bias, factory_kwargs)
+        self.linear = LinearWeights(batch, outputs, in_features, bias, factory_kwargs)
         self.register_buffer("weight", None if weight is None else stack_copies(weight, batch))
         self.reset_parameters()
 
