@@ -34,9 +34,9 @@ class LinearCrossEntropyLoss(AbstractBatchModule):
     own linear weight, cross entropy against its own targets, reduced per model.
 
     Args:
-        in_features, num_classes, out_features, bias, reduction, weight, ignore_index, label_smoothing,
-        options: as for :class:`torch.nn.LinearCrossEntropyLoss`; ``weight`` (the class weights, ``(C,)``)
-            starts the same in every model and is kept per model.
+        in_features, num_classes, out_features, bias, reduction, weight, ignore_index, label_smoothing, options:
+            as for :class:`torch.nn.LinearCrossEntropyLoss`; ``weight`` (the class weights, ``(C,)``) starts
+            the same in every model and is kept per model.
         batch: number of models B.
 
     Shape:
