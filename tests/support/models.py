@@ -101,3 +101,19 @@ class WithCustom(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(F.gelu(self.film(self.fc(x))))
+
+
+class LayerScaleBlock(nn.Module):
+    """ConvNeXt's pattern and more: a residual block with a reshaped layer scale, a bias add and an in-place
+    scale through a local name, its own parameters used only element-wise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.gamma = nn.Parameter(torch.rand(4) + 0.5)
+        self.shift = nn.Parameter(torch.randn(4, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x).mul(self.gamma.reshape(1, -1, 1, 1)) + self.shift
+        gamma = self.gamma.view(1, -1, 1, 1)
+        return y.mul_(gamma).relu() + x

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch._dynamo.testing
 import torch.nn.functional as F
+from support.compiled import DYNAMO_WARNINGS, fresh_dynamo  # noqa: F401 (a fixture)
 from support.models import MLP, BatchNormCNN, LeNet
 from support.resnet import ResNet18
 from support.transformer import TransformerLM
@@ -23,14 +24,11 @@ import torchmb
 from torchmb import BatchModule
 
 B, N = 2, 3
-# torch warns about its own code here: dynamo instantiates the custom autograd Functions it traces and reads
-# .grad of the non-leaf tensors it resumes with, Inductor's start-up uses torch.jit.script_method, and on a
-# GPU Inductor advises TF32 (which the conftest keeps off, for comparisons at fp32 tolerances)
+# on a GPU Inductor advises TF32 (which the conftest keeps off, for comparisons at fp32 tolerances)
 pytestmark = [
     pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores for float32 matrix multiplication:UserWarning"),
-    pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning"),
-    pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+    *DYNAMO_WARNINGS,
+    pytest.mark.usefixtures("fresh_dynamo"),
 ]
 
 FULLGRAPH_CASES = {
@@ -39,13 +37,6 @@ FULLGRAPH_CASES = {
     "resnet": (lambda: ResNet18(width=2), lambda: torch.randn(B, N, 3, 8, 8)),
     "transformer": (lambda: TransformerLM(num_layers=1), lambda: torch.randint(0, 23, (B, N, 5))),
 }
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def _output_and_grads(module: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:

@@ -13,38 +13,15 @@ import copy
 import pytest
 import torch
 import torch._dynamo.testing
+from support.compiled import DYNAMO_WARNINGS, fresh_dynamo  # noqa: F401 (a fixture)
+from support.models import LayerScaleBlock
 from support.zoo import TIMM_MODELS, TORCHVISION_MODELS, ZooModel, float64, without_randomness
 from torch import Tensor, nn
 
 from torchmb import BatchModule
 
 B, N = 2, 2
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning"),
-    pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
-]
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-class _LayerScaleBlock(nn.Module):
-    """A residual block with a layer scale and a bias of its own, used element-wise (out of place and in place)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(4, 4, 3, padding=1)
-        self.gamma = nn.Parameter(torch.rand(4) + 0.5)
-        self.shift = nn.Parameter(torch.randn(4, 1, 1))
-
-    def forward(self, x: Tensor) -> Tensor:
-        y = self.conv(x).mul(self.gamma.reshape(1, -1, 1, 1)) + self.shift
-        return y.mul_(self.gamma.view(1, -1, 1, 1)).relu() + x
+pytestmark = [*DYNAMO_WARNINGS, pytest.mark.usefixtures("fresh_dynamo")]
 
 
 def _zoo(name: str) -> ZooModel:
@@ -92,8 +69,8 @@ def _trains_like_eager_and_plain(make, x: Tensor, atol: float = 1e-8, rtol: floa
 def test_a_layer_scale_block_compiles_in_one_graph_and_trains_like_plain_models() -> None:
     torch.manual_seed(0)
     x = torch.randn(B, N, 4, 5, 5, dtype=torch.float64)
-    _trains_like_eager_and_plain(lambda: _LayerScaleBlock().double(), x)
-    explained = torch._dynamo.explain(BatchModule(_LayerScaleBlock(), B))(x.float())
+    _trains_like_eager_and_plain(lambda: LayerScaleBlock().double(), x)
+    explained = torch._dynamo.explain(BatchModule(LayerScaleBlock(), B))(x.float())
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch._dynamo.testing
 import torch.nn.functional as F
+from support.compiled import DYNAMO_WARNINGS, fresh_dynamo  # noqa: F401 (a fixture)
 from support.models import MLP
 
 import torchmb
@@ -41,21 +42,7 @@ CASES = {
                 dict(lr=[0.1, 0.0, 0.2], lr_decay=[0.0, 0.1, 0.01], initial_accumulator_value=[0.0, 0.1, 1.0]),
                 dict(maximize=True)),
 }
-# torch warns about its own code here: dynamo instantiates the custom autograd Functions it traces and reads
-# .grad of the non-leaf tensors it resumes with after a graph break, and Inductor's start-up uses
-# torch.jit.script_method
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning"),
-    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
-]
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = [*DYNAMO_WARNINGS, pytest.mark.usefixtures("fresh_dynamo")]
 
 
 def make_params(seed: int = 0) -> list[torch.Tensor]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.models import LayerScaleBlock
 from support.torchvision_ops import import_torchvision
 from torch import Tensor, nn
 
@@ -13,21 +14,6 @@ from torchmb import BatchModule
 from torchmb.testing import assert_equivalent
 
 B, N = 3, 2
-
-
-class _LayerScaleBlock(nn.Module):
-    """ConvNeXt's pattern and more: a reshaped layer scale, a bias add, an in-place scale through a local name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(4, 4, 3, padding=1)
-        self.gamma = nn.Parameter(torch.rand(4) + 0.5)
-        self.shift = nn.Parameter(torch.randn(4, 1, 1))
-
-    def forward(self, x: Tensor) -> Tensor:
-        y = self.conv(x).mul(self.gamma.reshape(1, -1, 1, 1)) + self.shift
-        gamma = self.gamma.view(1, -1, 1, 1)
-        return y.mul_(gamma).relu() + x
 
 
 class _Affine(nn.Module):
@@ -88,14 +74,14 @@ def _matches_plain_models(make, x: Tensor, **kwargs) -> None:
 @pytest.mark.parametrize("order", ["models", "samples"])
 def test_a_layer_scale_block_is_broadcast_per_model_like_plain_models(order: str) -> None:
     torch.manual_seed(0)
-    batched = BatchModule.from_factory(_LayerScaleBlock, B, seed=0, merged_order=order)
+    batched = BatchModule.from_factory(LayerScaleBlock, B, seed=0, merged_order=order)
     assert _paths(batched)[""] == "broadcast-own" and batched.generic_modules == []
     x = torch.randn(B, N, 4, 5, 5)
     out = batched(x)
     out.square().sum().backward()
     for i in range(B):
         torch.manual_seed(i)
-        plain = _LayerScaleBlock()
+        plain = LayerScaleBlock()
         want = plain(x[i])
         want.square().sum().backward()
         torch.testing.assert_close(out[i], want, atol=1e-5, rtol=1e-5)
@@ -156,7 +142,7 @@ class _ReadsChildScale(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.block = _LayerScaleBlock()
+        self.block = LayerScaleBlock()
 
     def forward(self, x: Tensor) -> Tensor:
         return self.block(x) / self.block.gamma.norm()
