@@ -20,7 +20,7 @@ import functools
 import torch
 from torch import Tensor
 
-from ._kernel_table import TRITON_GROUPED
+from ._kernel_table import TRITON_GROUPED, ConvCall
 
 __all__ = ["grouped_conv2d", "input_grad", "runs_on_triton"]
 
@@ -77,7 +77,7 @@ def _kernel():
 def runs_on_triton(x: Tensor, weight: Tensor, groups: int, transposed: bool) -> bool:
     """Whether a grouped convolution of this shape runs on the Triton kernel (the kernel table's
     :data:`~batch_layers._kernel_table.TRITON_GROUPED` says when, and why)."""
-    return TRITON_GROUPED.applies(x.is_cuda, x.dim(), x.dtype, x.shape[1], weight.shape, groups, transposed, (), ())
+    return TRITON_GROUPED.applies(ConvCall.of(x, weight, groups, transposed))
 
 
 def _output_size(x: Tensor, weight: Tensor, stride, padding, dilation) -> tuple[int, int]:

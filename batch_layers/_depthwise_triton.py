@@ -14,7 +14,7 @@ import functools
 import torch
 from torch import Tensor
 
-from ._kernel_table import TRITON_DEPTHWISE_GRAD
+from ._kernel_table import TRITON_DEPTHWISE_GRAD, ConvCall
 
 __all__ = ["depthwise_weight_grad", "runs_depthwise_grad"]
 
@@ -63,7 +63,7 @@ def _kernel():
 def runs_depthwise_grad(x: Tensor, weight: Tensor, groups: int) -> bool:
     """Whether the weight gradient of this grouped convolution runs on the kernel (the kernel table's
     :data:`~batch_layers._kernel_table.TRITON_DEPTHWISE_GRAD` says when, and why)."""
-    return TRITON_DEPTHWISE_GRAD.applies(x.is_cuda, x.dim(), x.dtype, x.shape[1], weight.shape, groups, False, (), ())
+    return TRITON_DEPTHWISE_GRAD.applies(ConvCall.of(x, weight, groups))
 
 
 @torch.library.custom_op("torchmb::depthwise_weight_grad", mutates_args=())

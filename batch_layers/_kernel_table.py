@@ -45,8 +45,9 @@ def _prod(sizes: Sequence[int]) -> int:
 class ConvCall:
     """What the choice depends on, as plain values (so a shape can be asked about without tensors): the
     grouped convolution's input (``cuda``, ``dims``, ``dtype``, its ``channels``), its stacked weight's ``weight_shape``
-    (``(B*O, C/g, *k)``; ``(B*C, O/g, *k)`` transposed), ``groups`` (``B * g``), ``transposed``, and for
-    the gradients ``stride`` and ``dilation``."""
+    (``(B*O, C/g, *k)``; ``(B*C, O/g, *k)`` transposed), ``groups`` (``B * g``), ``transposed``, ``stride`` and
+    ``dilation``, and the input's spatial ``size`` and ``padding`` (empty where the caller does not know them:
+    only the candidates that read them need them)."""
 
     cuda: bool
     dims: int
@@ -57,63 +58,61 @@ class ConvCall:
     transposed: bool = False
     stride: tuple[int, ...] = (1, 1)
     dilation: tuple[int, ...] = (1, 1)
+    size: tuple[int, ...] = ()
+    padding: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, x: torch.Tensor, weight: torch.Tensor, groups: int, transposed: bool = False,
-           stride: Sequence[int] = (1, 1), dilation: Sequence[int] = (1, 1)) -> ConvCall:
+           stride: Sequence[int] = (1, 1), dilation: Sequence[int] = (1, 1), padding: Sequence[int] = ()) -> ConvCall:
+        """The call of a grouped convolution of ``x`` (its channels all groups') with the stacked ``weight``."""
         return cls(x.is_cuda, x.dim(), x.dtype, x.shape[1], tuple(weight.shape), groups, transposed, tuple(stride),
-                   tuple(dilation))
+                   tuple(dilation), tuple(x.shape[2:]), tuple(padding))
 
 
-Check = Callable[[dict, bool, int, torch.dtype, int, Sequence[int], int, bool, Sequence[int], Sequence[int]], bool]
+Check = Callable[[dict, ConvCall], bool]
 
 
 @dataclass
 class Candidate:
     """One implementation of an op: ``name``, the ``conditions`` under which it runs (a description, formatted
-    with ``limits``, and a check of ``(limits, cuda, dims, dtype, channels, weight_shape, groups, transposed,
-    stride, dilation)``), its thresholds (``limits``, read at every check: tests and benchmarks may change them) and
-    the measurement that set them (``measured``)."""
+    with ``limits``, and a check of ``(limits, call)``), its thresholds (``limits``, read at every check: tests
+    and benchmarks may change them) and the measurement that set them (``measured``)."""
 
     name: str
     conditions: tuple[tuple[str, Check], ...] = ()
     limits: dict[str, int] | None = None
     measured: str = ""
 
-    def applies(self, cuda: bool, dims: int, dtype: torch.dtype, channels: int, weight_shape: Sequence[int],
-                groups: int, transposed: bool, stride: Sequence[int], dilation: Sequence[int]) -> bool:
+    def applies(self, call: ConvCall) -> bool:
+        """Whether every condition holds for ``call``."""
         # (a loop of plain calls: it runs inside traced forwards)
         for _, check in self.conditions:
-            if not check(self.limits, cuda, dims, dtype, channels, weight_shape, groups, transposed, stride,
-                         dilation):
+            if not check(self.limits, call):
                 return False
         return True
 
     def unmet(self, call: ConvCall) -> list[str]:
         """The descriptions of the conditions ``call`` does not meet (none: this candidate runs it)."""
-        args = (call.cuda, call.dims, call.dtype, call.channels, call.weight_shape, call.groups, call.transposed,
-                call.stride, call.dilation)
-        return [text.format(**(self.limits or {})) for text, check in self.conditions
-                if not check(self.limits, *args)]
+        return [text.format(**(self.limits or {})) for text, check in self.conditions if not check(self.limits, call)]
 
 
-_CUDA = ("a CUDA tensor", lambda lim, cuda, dims, dtype, c, w, g, t, s, d: cuda)
-_TWO_D = ("a 2-D convolution", lambda lim, cuda, dims, dtype, c, w, g, t, s, d: dims == 4)
-_NOT_TRANSPOSED = ("not transposed", lambda lim, cuda, dims, dtype, c, w, g, t, s, d: not t)
-_FLOAT = ("float32, float16 or bfloat16", lambda lim, cuda, dims, dtype, c, w, g, t, s, d: dtype in _FLOATS)
+_CUDA = ("a CUDA tensor", lambda lim, c: c.cuda)
+_TWO_D = ("a 2-D convolution", lambda lim, c: c.dims == 4)
+_NOT_TRANSPOSED = ("not transposed", lambda lim, c: not c.transposed)
+_FLOAT = ("float32, float16 or bfloat16", lambda lim, c: c.dtype in _FLOATS)
 _TRITON = ("Triton installed and the 'triton' switch on (TORCHMB_TRITON)",
-           lambda lim, cuda, dims, dtype, c, w, g, t, s, d: TRITON_INSTALLED and _TRITON_SWITCH.get())
+           lambda lim, c: TRITON_INSTALLED and _TRITON_SWITCH.get())
 
 _GROUPED_LIMITS = {"min_groups": 128, "max_out_per_group": 32, "max_patch": 512}
 _GROUPED = (
     _CUDA, _TWO_D, _NOT_TRANSPOSED, _FLOAT,
-    ("at least {min_groups} groups", lambda lim, cuda, dims, dtype, c, w, g, t, s, d: g >= lim["min_groups"]),
+    ("at least {min_groups} groups", lambda lim, c: c.groups >= lim["min_groups"]),
     ("at most {max_out_per_group} output channels per group",
-     lambda lim, cuda, dims, dtype, c, w, g, t, s, d: w[0] // g <= lim["max_out_per_group"]),
+     lambda lim, c: c.weight_shape[0] // c.groups <= lim["max_out_per_group"]),
     ("not pure depthwise (one input and one output channel per group: ATen's depthwise kernels keep up)",
-     lambda lim, cuda, dims, dtype, c, w, g, t, s, d: max(w[1], w[0] // g) >= 2),
+     lambda lim, c: max(c.weight_shape[1], c.weight_shape[0] // c.groups) >= 2),
     ("at most {max_patch} patch elements per group (input channels x kernel height x width)",
-     lambda lim, cuda, dims, dtype, c, w, g, t, s, d: _prod(w[1:]) <= lim["max_patch"]),
+     lambda lim, c: _prod(c.weight_shape[1:]) <= lim["max_patch"]),
     _TRITON,
 )
 _GROUPED_MEASURED = (
@@ -121,24 +120,63 @@ _GROUPED_MEASURED = (
     "backward (tests/benchmarks/bench_conv_forms.py), the compiled LeNet step 1.46x faster; at B=64 the "
     "convolution ties and the compiled step ran 0.94x as fast as with cuDNN; at B=16 cuDNN is twice as fast"
 )
+def read_window(size: int, out: int, kernel: int, stride: int, pad: int, dilation: int) -> tuple[int, int]:
+    """Along one spatial dim of a convolution: the input rows ``[first, stop)`` that some output row reads."""
+    return max(0, -pad), min(size, (out - 1) * stride - pad + (kernel - 1) * dilation + 1)
+
+
+def _pixel_pairs(c: ConvCall) -> int:
+    """Input pixels read times output pixels: the size of one channel pair's block of the matrix product."""
+    pairs = 1
+    for size, k, step, pad, dil in zip(c.size, c.weight_shape[2:], c.stride, c.padding, c.dilation):
+        out = (size + 2 * pad - dil * (k - 1) - 1) // step + 1
+        first, stop = read_window(size, out, k, step, pad, dil)
+        pairs *= max(stop - first, 0) * out
+    return pairs
+
+
+MATMUL = Candidate(
+    "matmul",
+    (_CUDA, _TWO_D, _NOT_TRANSPOSED, _FLOAT,
+     ("the image's size and padding known", lambda lim, c: len(c.size) == len(c.padding) == 2),
+     ("at least {min_channels} input and output channels per group",
+      lambda lim, c: min(c.weight_shape[1], c.weight_shape[0] // c.groups) >= lim["min_channels"]),
+     ("at most {max_pairs} pixel pairs (input pixels read x output pixels: 1x1 and 2x2 images)",
+      lambda lim, c: _pixel_pairs(c) <= lim["max_pairs"])),
+    {"min_channels": 16, "max_pairs": 16},
+    "to be measured")
+"""A convolution of a few pixels as one batched matrix product (``_conv_matmul.py``), forward and both
+gradients (autograd's), so it heads all three ops."""
+
+_MERGED_LIMITS = {"min_channels": 16}
+TRITON_MERGED = Candidate(
+    "triton-merged",
+    (_CUDA, _TWO_D, _NOT_TRANSPOSED, _FLOAT,
+     ("at least {min_channels} input and output channels per group (tensor-core tiles)",
+      lambda lim, c: min(c.weight_shape[1], c.weight_shape[0] // c.groups) >= lim["min_channels"]),
+     _TRITON),
+    _MERGED_LIMITS,
+    "to be measured")
+"""The implicit-GEMM kernels on the merged layout (``_conv_merged.py``): forward and both gradients
+together, so the same candidate heads all three ops."""
 _ATEN = Candidate("aten", measured="cuDNN or ATen's kernels (torch.convolution and its backward)")
 
 TRITON_GROUPED = Candidate("triton-grouped", _GROUPED, _GROUPED_LIMITS, _GROUPED_MEASURED)
 TRITON_GROUPED_INPUT_GRAD = Candidate(
     "triton-grouped",
-    (("stride 1", lambda lim, cuda, dims, dtype, c, w, g, t, s, d: set(s) == {1}),
-     ("dilation 1", lambda lim, cuda, dims, dtype, c, w, g, t, s, d: set(d) == {1}), *_GROUPED),
+    (("stride 1", lambda lim, c: set(c.stride) == {1}),
+     ("dilation 1", lambda lim, c: set(c.dilation) == {1}), *_GROUPED),
     _GROUPED_LIMITS, _GROUPED_MEASURED + "; the input gradient is the same kernel on the flipped filters")
 TRITON_DEPTHWISE_GRAD = Candidate(
     "triton-depthwise",
     (_CUDA, _TWO_D, _NOT_TRANSPOSED,
-     ("one input channel per group", lambda lim, cuda, dims, dtype, c, w, g, t, s, d: w[1] == 1),
+     ("one input channel per group", lambda lim, c: c.weight_shape[1] == 1),
      ("as many groups as input channels: a depthwise convolution",
-      lambda lim, cuda, dims, dtype, c, w, g, t, s, d: g == c),
-     ("at least {min_channels} output channels", lambda lim, cuda, dims, dtype, c, w, g, t, s, d:
-      w[0] >= lim["min_channels"]),
-     ("at most {max_taps} filter taps (7x7 and smaller)", lambda lim, cuda, dims, dtype, c, w, g, t, s, d:
-      _prod(w[2:]) <= lim["max_taps"]),
+      lambda lim, c: c.groups == c.channels),
+     ("at least {min_channels} output channels", lambda lim, c:
+      c.weight_shape[0] >= lim["min_channels"]),
+     ("at most {max_taps} filter taps (7x7 and smaller)", lambda lim, c:
+      _prod(c.weight_shape[2:]) <= lim["max_taps"]),
      _FLOAT, _TRITON),
     {"min_channels": 128, "max_taps": 64},
     "H100: a ConvNeXt 7x7 depthwise layer at B=64 2.7 against 3.8 ms forward and backward (ATen reads the "
@@ -147,7 +185,8 @@ TRITON_DEPTHWISE_GRAD = Candidate(
 CHANNELS_LAST = Candidate(
     "channels-last",
     (("at least {min_in_per_group} input channels per group",
-      lambda lim, cuda, dims, dtype, c, w, g, t, s, d: (w[0] // g if t else w[1]) >= lim["min_in_per_group"]),),
+      lambda lim, c: (c.weight_shape[0] // c.groups if c.transposed else c.weight_shape[1])
+      >= lim["min_in_per_group"]),),
     {"min_in_per_group": 64},
     "H100: below it cuDNN runs grouped NHWC convolutions slice by slice (a copy kernel per group, forward and "
     "backward) and depthwise ones in its NHWC engine instead of ATen's depthwise kernels: 1.3-2x slower than "
@@ -156,9 +195,9 @@ CHANNELS_LAST = Candidate(
 CONTIGUOUS = Candidate("contiguous", measured="the grouped layout in memory order (NCHW)")
 
 OPS: dict[str, tuple[Candidate, ...]] = {
-    "forward": (TRITON_GROUPED, _ATEN),
-    "input grad": (TRITON_GROUPED_INPUT_GRAD, _ATEN),
-    "weight grad": (TRITON_DEPTHWISE_GRAD, _ATEN),
+    "forward": (MATMUL, TRITON_MERGED, TRITON_GROUPED, _ATEN),
+    "input grad": (MATMUL, TRITON_MERGED, TRITON_GROUPED_INPUT_GRAD, _ATEN),
+    "weight grad": (MATMUL, TRITON_MERGED, TRITON_DEPTHWISE_GRAD, _ATEN),
     "layout of a channels-last input": (CHANNELS_LAST, CONTIGUOUS),
 }
 """op -> its candidates in order of preference (the last always applies)."""
@@ -166,9 +205,7 @@ OPS: dict[str, tuple[Candidate, ...]] = {
 
 def choose(op: str, call: ConvCall) -> Candidate:
     """The candidate that runs ``op`` for ``call``."""
-    args = (call.cuda, call.dims, call.dtype, call.channels, call.weight_shape, call.groups, call.transposed,
-            call.stride, call.dilation)
-    return next(c for c in OPS[op] if c.applies(*args))
+    return next(c for c in OPS[op] if c.applies(call))
 
 
 def explain(call: ConvCall) -> str:

@@ -1,6 +1,6 @@
 """The convolution kernel table chooses, for every shape, the kernel that the predicates it replaced chose
-(copied here from batch_layers/_conv.py, _conv_triton.py and _depthwise_triton.py as they were), and says
-why."""
+(copied here from batch_layers/_conv.py, _conv_triton.py and _depthwise_triton.py as they were) or, for many
+channels per group, the merged-layout kernels added after it, and says why."""
 
 from __future__ import annotations
 
@@ -34,6 +34,13 @@ def old_runs_depthwise_grad(c: ConvCall, triton: bool) -> bool:
             and w[2] * w[3] <= 64 and c.dtype in FLOATS and triton)
 
 
+def runs_merged(c: ConvCall, triton: bool) -> bool:
+    """The merged-layout kernels (added after the table): every op, from 16 channels per group in and out."""
+    w = c.weight_shape
+    return (c.cuda and c.dims == 4 and not c.transposed and c.dtype in FLOATS and min(w[1], w[0] // c.groups) >= 16
+            and triton)
+
+
 def old_keeps_channels_last(c: ConvCall) -> bool:
     in_per_group = c.weight_shape[0] // c.groups if c.transposed else c.weight_shape[1]
     return in_per_group >= 64
@@ -63,12 +70,15 @@ def test_the_table_chooses_what_the_old_predicates_chose(monkeypatch, triton):
                 "triton-grouped" if old_input_grad_on_triton(call, triton) else "aten",
                 "triton-depthwise" if old_runs_depthwise_grad(call, triton) else "aten",
                 "channels-last" if old_keeps_channels_last(call) else "contiguous")
+        if runs_merged(call, triton):
+            want = ("triton-merged",) * 3 + want[3:]
         assert got == want, call
         seen.add(got)
     if triton:  # the grid reaches every kernel, alone and together
-        assert {s[0] for s in seen} == {"triton-grouped", "aten"} and {s[2] for s in seen} == {"triton-depthwise",
-                                                                                              "aten"}
+        assert {s[0] for s in seen} == {"triton-merged", "triton-grouped", "aten"}
+        assert {s[2] for s in seen} == {"triton-merged", "triton-depthwise", "aten"}
         assert ("triton-grouped", "triton-grouped", "aten", "contiguous") in seen
+        assert ("triton-merged", "triton-merged", "triton-merged", "channels-last") in seen
 
 
 def test_the_triton_switch_and_the_limits_are_read_at_each_choice(monkeypatch):
