@@ -5,8 +5,9 @@ convolution takes 5-14x the time of one dense convolution over all B*n images (`
 Where the input pixels a convolution reads and its output pixels are few, the convolution is a linear map
 from each sample's ``(C, pixels read)`` values to its ``(O, OH, OW)`` values. Its matrix places every filter
 tap where its input pixel meets its output pixel (a Toeplitz matrix, zero where no tap joins them); it is
-built per call from the filters with one product against a 0/1 tap-placement matrix, and every model's
-samples are multiplied by their own matrix in one ``torch.baddbmm`` on cuBLAS's tensor-core GEMMs.
+gathered per call from the filters (one ``index_select``, whose backward adds the matrix's gradient back
+into the taps), and every model's samples are multiplied by their own matrix in one ``torch.baddbmm`` on
+cuBLAS's tensor-core GEMMs.
 
 On a 1x1 image a 3x3 convolution with padding 1 is its filters' centre taps, and on a 2x2 image every
 output pixel reads every input pixel, so the product does the convolution's work and no more. Autograd
@@ -38,14 +39,25 @@ def runs_as_matmul(x: Tensor, weight: Tensor, batch: int, groups: int, stride: S
     return MATMUL.applies(call)
 
 
-def _placement(size: int, out: int, kernel: int, stride: int, pad: int, dilation: int, device) -> tuple[Tensor, int]:
-    """Along one spatial dim: the ``(kernel, rows read, out)`` 0/1 tensor saying which tap joins each input
-    row that some output reads to each output row, and the first of those input rows."""
+def _taps(size: int, out: int, kernel: int, stride: int, pad: int, dilation: int, device) -> tuple[Tensor, int]:
+    """Along one spatial dim: the ``(rows read, out)`` index of the tap that joins each input row some output
+    reads to each output row (-1 where none does), and the first of those input rows."""
     first, stop = read_window(size, out, kernel, stride, pad, dilation)
     reach = torch.arange(first, stop, device=device)[:, None] - torch.arange(out, device=device)[None, :] * stride
     reach = reach + pad  # tap * dilation
-    taps = torch.arange(kernel, device=device)[:, None, None] * dilation
-    return reach[None] == taps, first
+    tap = torch.div(reach, dilation, rounding_mode="floor")
+    return torch.where((reach >= 0) & (reach % dilation == 0) & (tap < kernel), tap, -1), first
+
+
+def _every_pair_joined(size: int, out: int, kernel: int, stride: int, pad: int, dilation: int) -> bool:
+    """Whether a tap joins every input row some output reads to every output row (plain Python: no sync)."""
+    first, stop = read_window(size, out, kernel, stride, pad, dilation)
+    for row in range(first, stop):
+        for o in range(out):
+            reach = row - o * stride + pad
+            if reach < 0 or reach % dilation or reach // dilation >= kernel:
+                return False
+    return True
 
 
 def matmul_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Layout, stride: Sequence[int],
@@ -58,12 +70,16 @@ def matmul_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Layout
     per_group = weight.shape[0] // (batch * groups)
     out_h, out_w = ((size + 2 * p - d * (k - 1) - 1) // s + 1
                     for size, k, s, p, d in zip((height, width), (kh, kw), stride, padding, dilation))
-    rows_h, top = _placement(height, out_h, kh, stride[0], padding[0], dilation[0], x.device)
-    rows_w, left = _placement(width, out_w, kw, stride[1], padding[1], dilation[1], x.device)
-    read_h, read_w = rows_h.shape[1], rows_w.shape[1]
-    # (kh*kw, read pixels * output pixels): which tap joins each pixel read to each output pixel
-    placement = (rows_h[:, None, :, None, :, None] & rows_w[None, :, None, :, None, :]).reshape(kh * kw, -1)
-    toeplitz = weight.reshape(-1, kh * kw) @ placement.to(weight.dtype)
+    geometry_h = (height, out_h, kh, stride[0], padding[0], dilation[0])
+    geometry_w = (width, out_w, kw, stride[1], padding[1], dilation[1])
+    taps_h, top = _taps(*geometry_h, x.device)
+    taps_w, left = _taps(*geometry_w, x.device)
+    read_h, read_w = taps_h.shape[0], taps_w.shape[0]
+    # the tap joining each (row read, column read, output row, output column), gathered from every filter
+    taps = (taps_h[:, None, :, None] * kw + taps_w[None, :, None, :]).flatten()
+    toeplitz = weight.reshape(batch * groups, per_group, in_per_group, kh * kw).index_select(3, taps.clamp(min=0))
+    if not (_every_pair_joined(*geometry_h) and _every_pair_joined(*geometry_w)):
+        toeplitz = toeplitz * ((taps_h[:, None, :, None] >= 0) & (taps_w[None, :, None, :] >= 0)).flatten()
     toeplitz = toeplitz.view(batch * groups, per_group, in_per_group * read_h * read_w, out_h * out_w)
     toeplitz = toeplitz.transpose(1, 2).reshape(batch * groups, in_per_group * read_h * read_w, -1)
     crop = x[:, :, top : top + read_h, left : left + read_w]

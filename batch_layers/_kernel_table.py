@@ -148,17 +148,6 @@ MATMUL = Candidate(
 """A convolution of a few pixels as one batched matrix product (``_conv_matmul.py``), forward and both
 gradients (autograd's), so it heads all three ops."""
 
-_MERGED_LIMITS = {"min_channels": 16}
-TRITON_MERGED = Candidate(
-    "triton-merged",
-    (_CUDA, _TWO_D, _NOT_TRANSPOSED, _FLOAT,
-     ("at least {min_channels} input and output channels per group (tensor-core tiles)",
-      lambda lim, c: min(c.weight_shape[1], c.weight_shape[0] // c.groups) >= lim["min_channels"]),
-     _TRITON),
-    _MERGED_LIMITS,
-    "to be measured")
-"""The implicit-GEMM kernels on the merged layout (``_conv_merged.py``): forward and both gradients
-together, so the same candidate heads all three ops."""
 _ATEN = Candidate("aten", measured="cuDNN or ATen's kernels (torch.convolution and its backward)")
 
 TRITON_GROUPED = Candidate("triton-grouped", _GROUPED, _GROUPED_LIMITS, _GROUPED_MEASURED)
@@ -195,9 +184,9 @@ CHANNELS_LAST = Candidate(
 CONTIGUOUS = Candidate("contiguous", measured="the grouped layout in memory order (NCHW)")
 
 OPS: dict[str, tuple[Candidate, ...]] = {
-    "forward": (MATMUL, TRITON_MERGED, TRITON_GROUPED, _ATEN),
-    "input grad": (MATMUL, TRITON_MERGED, TRITON_GROUPED_INPUT_GRAD, _ATEN),
-    "weight grad": (MATMUL, TRITON_MERGED, TRITON_DEPTHWISE_GRAD, _ATEN),
+    "forward": (MATMUL, TRITON_GROUPED, _ATEN),
+    "input grad": (MATMUL, TRITON_GROUPED_INPUT_GRAD, _ATEN),
+    "weight grad": (MATMUL, TRITON_DEPTHWISE_GRAD, _ATEN),
     "layout of a channels-last input": (CHANNELS_LAST, CONTIGUOUS),
 }
 """op -> its candidates in order of preference (the last always applies)."""

@@ -20,7 +20,6 @@ from torch.nn.modules.utils import _ntuple, _reverse_repeat_tuple
 from .. import _kernel_table
 from .._base import autocast_dtype
 from .._conv_matmul import matmul_conv2d, runs_as_matmul
-from .._conv_merged import merged_conv2d, merged_conv2d_input_grad, merged_conv2d_weight_grad, runs_merged
 from .._conv_triton import grouped_conv2d, input_grad, runs_on_triton
 from .._depthwise_triton import depthwise_weight_grad, runs_depthwise_grad
 from .._kernel_table import CHANNELS_LAST, TRITON_GROUPED_INPUT_GRAD, ConvCall
@@ -115,47 +114,6 @@ class _GroupedConv(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None, None, None)
 
 
-class _MergedConv(torch.autograd.Function):
-    """The models-as-groups convolution on the kernels that read and write the merged layout
-    (``_conv_merged.py``): no layout copy in either direction, and the result is merged already.
-
-    Its backward is the kernels' where it is not itself differentiated; a double backward goes through
-    ``aten.convolution_backward`` on the grouped layout, which is differentiable.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, batch, order, stride, padding, dilation, groups):
-        dtype = autocast_dtype(x.device.type)
-        if dtype is not None:  # autocast does not reach a custom backward: cast here, once
-            x, weight = x.to(dtype), weight.to(dtype)
-            bias = None if bias is None else bias.to(dtype)
-        config = (batch, order == "samples", list(stride), list(padding), list(dilation), groups)
-        ctx.save_for_backward(x, weight)
-        ctx.config = (*config, bias is not None)
-        return merged_conv2d(x, weight, bias, *config)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        *config, has_bias = ctx.config
-        batch, samples_major, stride, padding, dilation, groups = config
-        grad = grad.to(x.dtype)
-        order = "samples" if samples_major else "models"
-        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2]]
-        if torch.is_grad_enabled():
-            grads = torch.ops.aten.convolution_backward(
-                to_grouped(grad, batch, order, False), to_grouped(x, batch, order, False), weight,
-                [weight.shape[0]] if has_bias else None, stride, padding, dilation, False, [0, 0],
-                batch * groups, mask,
-            )  # fmt: skip
-            grad_x = from_grouped(grads[0], batch, order, is_channels_last(x)) if mask[0] else None
-            return grad_x, grads[1], grads[2], None, None, None, None, None, None
-        grad_x = merged_conv2d_input_grad(grad, x, weight, *config) if mask[0] else None
-        grad_weight = merged_conv2d_weight_grad(grad, x, list(weight.shape), *config) if mask[1] else None
-        grad_bias = Layout(batch, order).split(grad).sum((1, 3, 4)).reshape(-1) if mask[2] else None
-        return grad_x, grad_weight, grad_bias, None, None, None, None, None, None
-
-
 def _kernel_grads(grad, grouped, weight, stride, padding, dilation, groups, transposed, mask) -> dict[int, Tensor]:
     """The gradients (0: input, 1: weight) the Triton kernels compute for this convolution, where they beat
     cuDNN's and ATen's; the rest come from ``aten.convolution_backward``. Only where the backward is not
@@ -189,8 +147,6 @@ def grouped_conv(
     ``weight`` is the stacked ``(B*O, C/g, *k)`` (``(B*C, O/g, *k)`` transposed) and ``groups`` counts ``B * g``."""
     if not transposed and runs_as_matmul(x, weight, batch, groups // batch, stride, padding, dilation):
         return matmul_conv2d(x, weight, bias, Layout(batch, order), stride, padding, dilation, groups // batch)
-    if not transposed and runs_merged(x, weight, batch, groups // batch):
-        return _MergedConv.apply(x, weight, bias, batch, order, stride, padding, dilation, groups // batch)
     config = (stride, padding, dilation, groups, transposed, output_padding, order)
     # a channels-last input gives a channels-last output, as a plain layer's would, whichever layout ran
     return from_grouped(_GroupedConv.apply(x, weight, bias, batch, *config), batch, order, is_channels_last(x))

@@ -1,6 +1,6 @@
 """The convolution kernel table chooses, for every shape, the kernel that the predicates it replaced chose
 (copied here from batch_layers/_conv.py, _conv_triton.py and _depthwise_triton.py as they were) or, for many
-channels per group, the merged-layout kernels added after it, and says why."""
+channels per group on images of a few pixels, the batched matrix product added after it, and says why."""
 
 from __future__ import annotations
 
@@ -34,11 +34,21 @@ def old_runs_depthwise_grad(c: ConvCall, triton: bool) -> bool:
             and w[2] * w[3] <= 64 and c.dtype in FLOATS and triton)
 
 
-def runs_merged(c: ConvCall, triton: bool) -> bool:
-    """The merged-layout kernels (added after the table): every op, from 16 channels per group in and out."""
+def runs_as_matmul(c: ConvCall) -> bool:
+    """The batched matrix product (added after the table): every op, from 16 channels per group in and out, on
+    images whose pixels read times output pixels are at most 16."""
     w = c.weight_shape
     return (c.cuda and c.dims == 4 and not c.transposed and c.dtype in FLOATS and min(w[1], w[0] // c.groups) >= 16
-            and triton)
+            and len(c.size) == 2 and _pairs(c) <= 16)
+
+
+def _pairs(c: ConvCall) -> int:
+    pairs = 1
+    for size, k, stride, pad, dilation in zip(c.size, c.weight_shape[2:], c.stride, c.padding, c.dilation):
+        out = (size + 2 * pad - dilation * (k - 1) - 1) // stride + 1
+        first, last = max(0, -pad), min(size - 1, (out - 1) * stride - pad + (k - 1) * dilation)
+        pairs *= max(last - first + 1, 0) * out
+    return pairs
 
 
 def old_keeps_channels_last(c: ConvCall) -> bool:
@@ -47,16 +57,16 @@ def old_keeps_channels_last(c: ConvCall) -> bool:
 
 
 def calls():
-    for cuda, dims, dtype, groups, out_g, in_g, k, transposed, stride, dilation in itertools.product(
+    for cuda, dims, dtype, groups, out_g, in_g, k, transposed, stride, dilation, size in itertools.product(
             (True, False), (3, 4), (torch.float32, torch.bfloat16, torch.float64), (16, 127, 128, 512),
-            (1, 2, 32, 33), (1, 2, 6, 64), (1, 3, 7, 9), (False, True), (1, 2), (1, 2)):
+            (1, 2, 32, 33), (1, 2, 6, 64), (1, 3, 7, 9), (False, True), (1, 2), (1, 2), (1, 2, 8)):
         spatial = dims - 2
         if transposed:  # (B*C, O/g, *k)
             weight = (groups * in_g, out_g, *(k,) * spatial)
         else:  # (B*O, C/g, *k)
             weight = (groups * out_g, in_g, *(k,) * spatial)
         yield ConvCall(cuda, dims, dtype, groups * in_g, weight, groups, transposed, (stride,) * spatial,
-                       (dilation,) * spatial)
+                       (dilation,) * spatial, (size,) * spatial, (k // 2,) * spatial)
 
 
 @pytest.mark.parametrize("triton", [True, False])
@@ -70,15 +80,15 @@ def test_the_table_chooses_what_the_old_predicates_chose(monkeypatch, triton):
                 "triton-grouped" if old_input_grad_on_triton(call, triton) else "aten",
                 "triton-depthwise" if old_runs_depthwise_grad(call, triton) else "aten",
                 "channels-last" if old_keeps_channels_last(call) else "contiguous")
-        if runs_merged(call, triton):
-            want = ("triton-merged",) * 3 + want[3:]
+        if runs_as_matmul(call):
+            want = ("matmul",) * 3 + want[3:]
         assert got == want, call
         seen.add(got)
     if triton:  # the grid reaches every kernel, alone and together
-        assert {s[0] for s in seen} == {"triton-merged", "triton-grouped", "aten"}
-        assert {s[2] for s in seen} == {"triton-merged", "triton-depthwise", "aten"}
+        assert {s[0] for s in seen} == {"matmul", "triton-grouped", "aten"}
+        assert {s[2] for s in seen} == {"matmul", "triton-depthwise", "aten"}
         assert ("triton-grouped", "triton-grouped", "aten", "contiguous") in seen
-        assert ("triton-merged", "triton-merged", "triton-merged", "channels-last") in seen
+        assert ("matmul", "matmul", "matmul", "channels-last") in seen
 
 
 def test_the_triton_switch_and_the_limits_are_read_at_each_choice(monkeypatch):

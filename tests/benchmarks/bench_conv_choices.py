@@ -4,11 +4,10 @@ each op alone.
 
     PYTHONPATH=. python tests/benchmarks/bench_conv_choices.py [--batches 16,64] [--samples 128]
 
-Prints milliseconds per call. ``merged`` and ``grouped`` run ``batch_layers.functional.conv2d`` samples-major
-(the order ResNets take) on the kernel table's ``matmul`` candidate (where it applies), its ``triton-merged``
-one and the grouped convolution; ``limit`` is the faster of the dense NCHW and channels-last convolutions.
-Each also alone: ``_fwd`` the forward, ``_bwd`` both gradients. The kernel table's ``MATMUL`` and
-``TRITON_MERGED`` thresholds rest on these numbers.
+Prints milliseconds per call. ``matmul`` and ``grouped`` run ``batch_layers.functional.conv2d`` samples-major
+(the order ResNets take) as the kernel table's batched matrix product (where it applies) and as the grouped
+convolution; ``limit`` is the faster of the dense NCHW and channels-last convolutions. Each also alone:
+``_fwd`` the forward, ``_bwd`` both gradients. The kernel table's ``MATMUL`` thresholds rest on these numbers.
 """
 
 from __future__ import annotations
@@ -63,27 +62,24 @@ def measure_shape(batch: int, samples: int, dtype: torch.dtype, c_in: int, c_out
 
     row = {}
     conv = lambda: conv2d(x, weight, None, stride, pad, layout=layout)  # noqa: E731
-    matmul, merged = _kernel_table.MATMUL.limits, _kernel_table.TRITON_MERGED.limits
-    before = matmul["min_channels"], merged["min_channels"]
+    limits = _kernel_table.MATMUL.limits
+    before = limits["min_channels"]
     try:
         if runs_as_matmul(x, weight.flatten(0, 1), batch, 1, (stride, stride), (pad, pad), (1, 1)):
             row["matmul"] = _timed(run(conv))
             row.update(_ops(conv, x, weight, "matmul_"))
-        matmul["min_channels"] = 10**9
-        row["merged"] = _timed(run(conv))
-        row.update(_ops(conv, x, weight, "merged_"))
-        merged["min_channels"] = 10**9
+        limits["min_channels"] = 10**9
         row["grouped"] = _timed(run(conv))
         row.update(_ops(conv, x, weight, "grouped_"))
     finally:
-        matmul["min_channels"], merged["min_channels"] = before
+        limits["min_channels"] = before
     row["limit"] = min(_timed(run(lambda: F.conv2d(dense_x, dense_w, None, stride, pad))),
                        _timed(run(lambda: F.conv2d(dense_cl, dense_w, None, stride, pad))))
     row.update(_ops(lambda: F.conv2d(dense_x, dense_w, None, stride, pad), dense_x, dense_w, "limit_"))
     print(
         f"B={batch} {str(dtype)[6:]} {c_in}->{c_out} {size}x{size} k={k} s={stride}: "
         + " ".join(f"{name}={value:.3f}" for name, value in row.items())
-        + "  " + " ".join(f"{name}/limit={row[name] / row['limit']:.2f}" for name in ("matmul", "merged", "grouped")
+        + "  " + " ".join(f"{name}/limit={row[name] / row['limit']:.2f}" for name in ("matmul", "grouped")
                           if name in row),
         flush=True,
     )
