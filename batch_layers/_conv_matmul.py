@@ -9,8 +9,10 @@ gathered per call from the filters (one ``index_select``, whose backward adds th
 into the taps), and every model's samples are multiplied by their own matrix in one ``torch.baddbmm`` on
 cuBLAS's tensor-core GEMMs.
 
-On a 1x1 image a 3x3 convolution with padding 1 is its filters' centre taps, and on a 2x2 image every
-output pixel reads every input pixel, so the product does the convolution's work and no more. Autograd
+The kernel table sends it the convolutions with one output pixel (a 3x3 convolution of a 1x1 image is its
+filters' centre taps; of a 2x2 image with stride 2, its lower right 2x2 taps): the product then does the
+convolution's work and no more. With several output pixels the gathered matrix repeats each tap once per
+output pixel, which measured slower than cuDNN's grouped convolution on 2x2 images. Autograd
 differentiates it (double backward included), autocast casts it as it casts matrix products, and fp32
 products run in TF32 where ``torch.backends.cuda.matmul.allow_tf32`` allows (cuBLAS's switch, not cuDNN's).
 The kernel table's :data:`~batch_layers._kernel_table.MATMUL` says which convolutions take it.

@@ -125,14 +125,14 @@ def read_window(size: int, out: int, kernel: int, stride: int, pad: int, dilatio
     return max(0, -pad), min(size, (out - 1) * stride - pad + (kernel - 1) * dilation + 1)
 
 
-def _pixel_pairs(c: ConvCall) -> int:
-    """Input pixels read times output pixels: the size of one channel pair's block of the matrix product."""
-    pairs = 1
+def _pixels(c: ConvCall) -> tuple[int, int]:
+    """The output pixels and the input pixels some output reads, of a convolution whose image size is known."""
+    out_pixels, read_pixels = 1, 1
     for size, k, step, pad, dil in zip(c.size, c.weight_shape[2:], c.stride, c.padding, c.dilation):
         out = (size + 2 * pad - dil * (k - 1) - 1) // step + 1
         first, stop = read_window(size, out, k, step, pad, dil)
-        pairs *= max(stop - first, 0) * out
-    return pairs
+        out_pixels, read_pixels = out_pixels * out, read_pixels * max(stop - first, 0)
+    return out_pixels, read_pixels
 
 
 MATMUL = Candidate(
@@ -141,10 +141,13 @@ MATMUL = Candidate(
      ("the image's size and padding known", lambda lim, c: len(c.size) == len(c.padding) == 2),
      ("at least {min_channels} input and output channels per group",
       lambda lim, c: min(c.weight_shape[1], c.weight_shape[0] // c.groups) >= lim["min_channels"]),
-     ("at most {max_pairs} pixel pairs (input pixels read x output pixels: 1x1 and 2x2 images)",
-      lambda lim, c: _pixel_pairs(c) <= lim["max_pairs"])),
-    {"min_channels": 16, "max_pairs": 16},
-    "to be measured")
+     ("one output pixel", lambda lim, c: _pixels(c)[0] == 1),
+     ("at most {max_read} input pixels read", lambda lim, c: _pixels(c)[1] <= lim["max_read"])),
+    {"min_channels": 16, "max_read": 9},
+    "H200, B=64, n=128, forward and backward (tests/benchmarks/bench_conv_choices.py): a 3x3 convolution of a "
+    "1x1 image 1.9 against cuDNN's grouped 5.5 ms (fp32, TF32) and 4.6 ms (bf16); 2x2 to 1x1 with stride 2 "
+    "2.5 against 4.3 ms. Where there are several output pixels the gathered matrix repeats each tap: 256 "
+    "channels on a 2x2 image took 5.7 against 3.7 ms, so those stay grouped")
 """A convolution of a few pixels as one batched matrix product (``_conv_matmul.py``), forward and both
 gradients (autograd's), so it heads all three ops."""
 

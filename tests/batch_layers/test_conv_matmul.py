@@ -82,7 +82,7 @@ def test_without_bias_and_under_bf16_autocast_as_plain_autocast() -> None:
 
 def test_the_table_takes_few_pixels_and_leaves_larger_images() -> None:
     weight = torch.empty(BATCH * 32, 32, 3, 3)
-    for (height, stride), want in {(1, 1): True, (2, 1): True, (2, 2): True, (4, 1): False, (8, 2): False}.items():
+    for (height, stride), want in {(1, 1): True, (2, 1): False, (2, 2): True, (4, 1): False, (8, 2): False}.items():
         x = torch.empty(BATCH * 2, 32, height, height)
         call = _kernel_table.ConvCall(True, 4, torch.float32, BATCH * 32, tuple(weight.shape), BATCH, False,
                                       (stride, stride), (1, 1), (height, height), (1, 1))

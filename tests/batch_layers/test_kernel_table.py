@@ -35,20 +35,18 @@ def old_runs_depthwise_grad(c: ConvCall, triton: bool) -> bool:
 
 
 def runs_as_matmul(c: ConvCall) -> bool:
-    """The batched matrix product (added after the table): every op, from 16 channels per group in and out, on
-    images whose pixels read times output pixels are at most 16."""
+    """The batched matrix product (added after the table): every op, from 16 channels per group in and out, for
+    one output pixel reading at most 9 input pixels."""
     w = c.weight_shape
-    return (c.cuda and c.dims == 4 and not c.transposed and c.dtype in FLOATS and min(w[1], w[0] // c.groups) >= 16
-            and len(c.size) == 2 and _pairs(c) <= 16)
-
-
-def _pairs(c: ConvCall) -> int:
-    pairs = 1
-    for size, k, stride, pad, dilation in zip(c.size, c.weight_shape[2:], c.stride, c.padding, c.dilation):
+    if not (c.cuda and c.dims == 4 and not c.transposed and c.dtype in FLOATS and min(w[1], w[0] // c.groups) >= 16
+            and len(c.size) == 2):
+        return False
+    out_pixels, read = 1, 1
+    for size, k, stride, pad, dilation in zip(c.size, w[2:], c.stride, c.padding, c.dilation):
         out = (size + 2 * pad - dilation * (k - 1) - 1) // stride + 1
         first, last = max(0, -pad), min(size - 1, (out - 1) * stride - pad + (k - 1) * dilation)
-        pairs *= max(last - first + 1, 0) * out
-    return pairs
+        out_pixels, read = out_pixels * out, read * max(last - first + 1, 0)
+    return out_pixels == 1 and read <= 9
 
 
 def old_keeps_channels_last(c: ConvCall) -> bool:
