@@ -21,6 +21,7 @@ The kernel table's :data:`~batch_layers._kernel_table.MATMUL` says which convolu
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -41,25 +42,44 @@ def runs_as_matmul(x: Tensor, weight: Tensor, batch: int, groups: int, stride: S
     return MATMUL.applies(call)
 
 
-def _taps(size: int, out: int, kernel: int, stride: int, pad: int, dilation: int, device) -> tuple[Tensor, int]:
-    """Along one spatial dim: the ``(rows read, out)`` index of the tap that joins each input row some output
-    reads to each output row (-1 where none does), and the first of those input rows."""
-    first, stop = read_window(size, out, kernel, stride, pad, dilation)
-    reach = torch.arange(first, stop, device=device)[:, None] - torch.arange(out, device=device)[None, :] * stride
-    reach = reach + pad  # tap * dilation
-    tap = torch.div(reach, dilation, rounding_mode="floor")
-    return torch.where((reach >= 0) & (reach % dilation == 0) & (tap < kernel), tap, -1), first
+class _DimPlan(NamedTuple):
+    """Along one spatial dim: the input rows read (``first``, ``count``), the output rows, the filter taps any
+    of them uses (``tap_first``, ``tap_count``) and, for each (output row, row read), the tap joining them
+    counted from ``tap_first`` (-1 where none does)."""
+
+    first: int
+    count: int
+    out: int
+    tap_first: int
+    tap_count: int
+    joining: tuple[tuple[int, ...], ...]
+
+    @property
+    def every_pair_joined(self) -> bool:
+        return all(tap >= 0 for row in self.joining for tap in row)
+
+    @property
+    def in_tap_order(self) -> bool:
+        """One output row, whose rows read use the taps in order, one each: the gather would be a copy."""
+        return self.out == 1 and self.joining[0] == tuple(range(self.tap_count))
 
 
-def _every_pair_joined(size: int, out: int, kernel: int, stride: int, pad: int, dilation: int) -> bool:
-    """Whether a tap joins every input row some output reads to every output row (plain Python: no sync)."""
+def _plan(size: int, out: int, kernel: int, stride: int, pad: int, dilation: int) -> _DimPlan:
+    """The :class:`_DimPlan` of one spatial dim (plain Python on a few numbers: no tensors, no sync)."""
     first, stop = read_window(size, out, kernel, stride, pad, dilation)
-    for row in range(first, stop):
-        for o in range(out):
-            reach = row - o * stride + pad
-            if reach < 0 or reach % dilation or reach // dilation >= kernel:
-                return False
-    return True
+    taps = [[(row - o * stride + pad) // dilation
+             if (row - o * stride + pad) >= 0 and (row - o * stride + pad) % dilation == 0
+             and (row - o * stride + pad) // dilation < kernel else -1
+             for row in range(first, stop)] for o in range(out)]
+    used = [tap for row in taps for tap in row if tap >= 0] or [0]
+    low = min(used)
+    joining = tuple(tuple(tap - low if tap >= 0 else -1 for tap in row) for row in taps)
+    return _DimPlan(first, stop - first, out, low, max(used) - low + 1, joining)
+
+
+def _to_device(values: Tensor, device: torch.device) -> Tensor:
+    """A small index made on the host, on ``device`` without waiting for the GPU's queue (pinned, asynchronous)."""
+    return values.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else values
 
 
 def matmul_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Layout, stride: Sequence[int],
@@ -70,28 +90,37 @@ def matmul_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Layout
     batch, (height, width), (kh, kw) = layout.batch, x.shape[2:], weight.shape[2:]
     n, in_per_group = x.shape[0] // batch, weight.shape[1]
     per_group = weight.shape[0] // (batch * groups)
+    models = batch * groups
     out_h, out_w = ((size + 2 * p - d * (k - 1) - 1) // s + 1
                     for size, k, s, p, d in zip((height, width), (kh, kw), stride, padding, dilation))
-    geometry_h = (height, out_h, kh, stride[0], padding[0], dilation[0])
-    geometry_w = (width, out_w, kw, stride[1], padding[1], dilation[1])
-    taps_h, top = _taps(*geometry_h, x.device)
-    taps_w, left = _taps(*geometry_w, x.device)
-    read_h, read_w = taps_h.shape[0], taps_w.shape[0]
-    # the tap joining each (row read, column read, output row, output column), gathered from every filter
-    taps = (taps_h[:, None, :, None] * kw + taps_w[None, :, None, :]).flatten()
-    toeplitz = weight.reshape(batch * groups, per_group, in_per_group, kh * kw).index_select(3, taps.clamp(min=0))
-    if not (_every_pair_joined(*geometry_h) and _every_pair_joined(*geometry_w)):
-        toeplitz = toeplitz * ((taps_h[:, None, :, None] >= 0) & (taps_w[None, :, None, :] >= 0)).flatten()
-    toeplitz = toeplitz.view(batch * groups, per_group, in_per_group * read_h * read_w, out_h * out_w)
-    toeplitz = toeplitz.transpose(1, 2).reshape(batch * groups, in_per_group * read_h * read_w, -1)
-    crop = x[:, :, top : top + read_h, left : left + read_w]
-    rows = layout.split(crop).unflatten(2, (groups, in_per_group)).transpose(1, 2)
-    rows = rows.reshape(batch * groups, n, in_per_group * read_h * read_w)
+    rows_plan = _plan(height, out_h, kh, stride[0], padding[0], dilation[0])
+    cols_plan = _plan(width, out_w, kw, stride[1], padding[1], dilation[1])
+    pixels_read, pixels_out = rows_plan.count * cols_plan.count, out_h * out_w
+    # only the taps some pixel uses (a 1x1 image's centre), each filter's taps outside its input channels
+    filters = weight.view(models, per_group, in_per_group, kh, kw)[
+        ..., rows_plan.tap_first : rows_plan.tap_first + rows_plan.tap_count,
+        cols_plan.tap_first : cols_plan.tap_first + cols_plan.tap_count]
+    filters = filters.permute(0, 1, 3, 4, 2).reshape(models, per_group, -1, in_per_group)
+    if not (rows_plan.in_tap_order and cols_plan.in_tap_order):
+        # the tap joining each (output row, output column, row read, column read), gathered
+        joining_h = torch.tensor(rows_plan.joining)[:, None, :, None]
+        joining_w = torch.tensor(cols_plan.joining)[None, :, None, :]
+        taps = (joining_h * cols_plan.tap_count + joining_w).clamp(min=0).flatten()
+        filters = filters.index_select(2, _to_device(taps, x.device))
+        if not (rows_plan.every_pair_joined and cols_plan.every_pair_joined):
+            joined = ((joining_h >= 0) & (joining_w >= 0)).flatten()
+            filters = filters * _to_device(joined, x.device)[:, None]
+    # rows (output channel, output pixel), columns (pixel read, input channel)
+    toeplitz = filters.reshape(models, per_group * pixels_out, pixels_read * in_per_group).transpose(1, 2)
+    crop = x[:, :, rows_plan.first : rows_plan.first + rows_plan.count,
+             cols_plan.first : cols_plan.first + cols_plan.count]
+    rows = layout.split(crop).unflatten(2, (groups, in_per_group)).permute(0, 2, 1, 4, 5, 3)
+    rows = rows.reshape(models, n, pixels_read * in_per_group)
     if bias is None:
         y = torch.bmm(rows, toeplitz)
     else:
-        start = bias.view(batch * groups, 1, per_group, 1).expand(-1, -1, -1, out_h * out_w)
-        y = torch.baddbmm(start.reshape(batch * groups, 1, -1), rows, toeplitz)
+        start = bias.view(models, 1, per_group, 1).expand(-1, -1, -1, pixels_out)
+        y = torch.baddbmm(start.reshape(models, 1, -1), rows, toeplitz)
     y = y.view(batch, groups, n, per_group, out_h, out_w).transpose(1, 2)
     y = layout.merge(y.reshape(batch, n, groups * per_group, out_h, out_w))
     return y.contiguous(memory_format=torch.channels_last) if is_channels_last(x) else y

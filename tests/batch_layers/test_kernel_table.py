@@ -35,8 +35,8 @@ def old_runs_depthwise_grad(c: ConvCall, triton: bool) -> bool:
 
 
 def runs_as_matmul(c: ConvCall) -> bool:
-    """The batched matrix product (added after the table): every op, from 16 channels per group in and out, for
-    one output pixel reading at most 9 input pixels."""
+    """The batched matrix product (added after the table): every op, from 16 channels per group in and out, where
+    output pixels times input pixels read are at most 9."""
     w = c.weight_shape
     if not (c.cuda and c.dims == 4 and not c.transposed and c.dtype in FLOATS and min(w[1], w[0] // c.groups) >= 16
             and len(c.size) == 2):
@@ -46,7 +46,7 @@ def runs_as_matmul(c: ConvCall) -> bool:
         out = (size + 2 * pad - dilation * (k - 1) - 1) // stride + 1
         first, last = max(0, -pad), min(size - 1, (out - 1) * stride - pad + (k - 1) * dilation)
         out_pixels, read = out_pixels * out, read * max(last - first + 1, 0)
-    return out_pixels == 1 and read <= 9
+    return out_pixels * read <= 9
 
 
 def old_keeps_channels_last(c: ConvCall) -> bool:

@@ -43,8 +43,8 @@ def _ops(conv, x, weight, prefix: str) -> dict[str, float]:
     }
 
 
-def measure_shape(batch: int, samples: int, dtype: torch.dtype, c_in: int, c_out: int, size: int, k: int,
-                  stride: int) -> None:
+def measure_shape(batch: int, samples: int, dtype: torch.dtype, max_pairs: int, c_in: int, c_out: int, size: int,
+                  k: int, stride: int) -> None:
     pad = k // 2
     layout = Layout(batch, "samples")
     options = {"device": "cuda", "dtype": dtype}
@@ -63,7 +63,8 @@ def measure_shape(batch: int, samples: int, dtype: torch.dtype, c_in: int, c_out
     row = {}
     conv = lambda: conv2d(x, weight, None, stride, pad, layout=layout)  # noqa: E731
     limits = _kernel_table.MATMUL.limits
-    before = limits["min_channels"]
+    before = dict(limits)
+    limits["max_pairs"] = max_pairs
     try:
         if runs_as_matmul(x, weight.flatten(0, 1), batch, 1, (stride, stride), (pad, pad), (1, 1)):
             row["matmul"] = _timed(run(conv))
@@ -72,7 +73,7 @@ def measure_shape(batch: int, samples: int, dtype: torch.dtype, c_in: int, c_out
         row["grouped"] = _timed(run(conv))
         row.update(_ops(conv, x, weight, "grouped_"))
     finally:
-        limits["min_channels"] = before
+        limits.update(before)
     row["limit"] = min(_timed(run(lambda: F.conv2d(dense_x, dense_w, None, stride, pad))),
                        _timed(run(lambda: F.conv2d(dense_cl, dense_w, None, stride, pad))))
     row.update(_ops(lambda: F.conv2d(dense_x, dense_w, None, stride, pad), dense_x, dense_w, "limit_"))
@@ -90,13 +91,15 @@ def main() -> None:
     parser.add_argument("--batches", default="16,64")
     parser.add_argument("--samples", type=int, default=128)
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--max-pairs", type=int, default=_kernel_table.MATMUL.limits["max_pairs"],
+                        help="try the matrix product up to this many pixel pairs (the table's limit by default)")
     args = parser.parse_args()
     torch.backends.cudnn.benchmark = True
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     for batch in map(int, args.batches.split(",")):
         for dtype in args.dtypes.split(","):
             for shape in SHAPES:
-                measure_shape(batch, args.samples, getattr(torch, dtype), *shape)
+                measure_shape(batch, args.samples, getattr(torch, dtype), args.max_pairs, *shape)
                 torch.cuda.empty_cache()
 
 
