@@ -153,6 +153,17 @@ MATMUL = Candidate(
 """A convolution of a few pixels as one batched matrix product (``_conv_matmul.py``), forward and both
 gradients (autograd's), so it heads all three ops."""
 
+POINTWISE = Candidate(
+    "pointwise-matmul",
+    (_CUDA, _TWO_D, _NOT_TRANSPOSED, _FLOAT,
+     ("a 1x1 kernel without padding", lambda lim, c: tuple(c.weight_shape[2:]) == (1, 1) and set(c.padding) == {0}),
+     ("at least {min_channels} input and output channels per group",
+      lambda lim, c: min(c.weight_shape[1], c.weight_shape[0] // c.groups) >= lim["min_channels"])),
+    {"min_channels": 16},
+    "to be measured")
+"""A pointwise convolution as one batched matrix product of pixels (``_conv_pointwise.py``), forward and both
+gradients (autograd's)."""
+
 _ATEN = Candidate("aten", measured="cuDNN or ATen's kernels (torch.convolution and its backward)")
 
 TRITON_GROUPED = Candidate("triton-grouped", _GROUPED, _GROUPED_LIMITS, _GROUPED_MEASURED)
@@ -189,9 +200,9 @@ CHANNELS_LAST = Candidate(
 CONTIGUOUS = Candidate("contiguous", measured="the grouped layout in memory order (NCHW)")
 
 OPS: dict[str, tuple[Candidate, ...]] = {
-    "forward": (MATMUL, TRITON_GROUPED, _ATEN),
-    "input grad": (MATMUL, TRITON_GROUPED_INPUT_GRAD, _ATEN),
-    "weight grad": (MATMUL, TRITON_DEPTHWISE_GRAD, _ATEN),
+    "forward": (MATMUL, POINTWISE, TRITON_GROUPED, _ATEN),
+    "input grad": (MATMUL, POINTWISE, TRITON_GROUPED_INPUT_GRAD, _ATEN),
+    "weight grad": (MATMUL, POINTWISE, TRITON_DEPTHWISE_GRAD, _ATEN),
     "layout of a channels-last input": (CHANNELS_LAST, CONTIGUOUS),
 }
 """op -> its candidates in order of preference (the last always applies)."""

@@ -20,6 +20,7 @@ from torch.nn.modules.utils import _ntuple, _reverse_repeat_tuple
 from .. import _kernel_table
 from .._base import autocast_dtype
 from .._conv_matmul import matmul_conv2d, runs_as_matmul
+from .._conv_pointwise import pointwise_conv2d, runs_pointwise
 from .._conv_triton import grouped_conv2d, input_grad, runs_on_triton
 from .._depthwise_triton import depthwise_weight_grad, runs_depthwise_grad
 from .._kernel_table import CHANNELS_LAST, TRITON_GROUPED_INPUT_GRAD, ConvCall
@@ -147,6 +148,8 @@ def grouped_conv(
     ``weight`` is the stacked ``(B*O, C/g, *k)`` (``(B*C, O/g, *k)`` transposed) and ``groups`` counts ``B * g``."""
     if not transposed and runs_as_matmul(x, weight, batch, groups // batch, stride, padding, dilation):
         return matmul_conv2d(x, weight, bias, Layout(batch, order), stride, padding, dilation, groups // batch)
+    if not transposed and runs_pointwise(x, weight, batch, groups // batch, stride, padding, dilation):
+        return pointwise_conv2d(x, weight, bias, Layout(batch, order), stride, groups // batch)
     config = (stride, padding, dilation, groups, transposed, output_padding, order)
     # a channels-last input gives a channels-last output, as a plain layer's would, whichever layout ran
     return from_grouped(_GroupedConv.apply(x, weight, bias, batch, *config), batch, order, is_channels_last(x))

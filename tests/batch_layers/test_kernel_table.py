@@ -49,6 +49,13 @@ def runs_as_matmul(c: ConvCall) -> bool:
     return out_pixels * read <= 9
 
 
+def runs_pointwise(c: ConvCall) -> bool:
+    """The pointwise product (added after the table): unpadded 1x1 kernels, from 16 channels per group."""
+    w = c.weight_shape
+    return (c.cuda and c.dims == 4 and not c.transposed and c.dtype in FLOATS and min(w[1], w[0] // c.groups) >= 16
+            and tuple(w[2:]) == (1, 1) and set(c.padding) == {0})
+
+
 def old_keeps_channels_last(c: ConvCall) -> bool:
     in_per_group = c.weight_shape[0] // c.groups if c.transposed else c.weight_shape[1]
     return in_per_group >= 64
@@ -80,11 +87,13 @@ def test_the_table_chooses_what_the_old_predicates_chose(monkeypatch, triton):
                 "channels-last" if old_keeps_channels_last(call) else "contiguous")
         if runs_as_matmul(call):
             want = ("matmul",) * 3 + want[3:]
+        elif runs_pointwise(call):
+            want = ("pointwise-matmul",) * 3 + want[3:]
         assert got == want, call
         seen.add(got)
     if triton:  # the grid reaches every kernel, alone and together
-        assert {s[0] for s in seen} == {"matmul", "triton-grouped", "aten"}
-        assert {s[2] for s in seen} == {"matmul", "triton-depthwise", "aten"}
+        assert {s[0] for s in seen} == {"matmul", "pointwise-matmul", "triton-grouped", "aten"}
+        assert {s[2] for s in seen} == {"matmul", "pointwise-matmul", "triton-depthwise", "aten"}
         assert ("triton-grouped", "triton-grouped", "aten", "contiguous") in seen
         assert ("matmul", "matmul", "matmul", "channels-last") in seen
 

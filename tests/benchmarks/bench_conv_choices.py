@@ -1,13 +1,14 @@
-"""ResNet-18's convolutions (CIFAR size) for B models: each of the kernel table's choices against the grouped
-convolution (cuDNN) and the limit (one model's convolution over all B*n images), forward + backward and
-each op alone.
+"""ResNet-18's, MobileNetV3's and EfficientNet-B0's convolutions (32x32 images) for B models: each of the
+kernel table's choices against the grouped convolution (cuDNN) and the limit (one model's convolution over
+all B*n images), forward + backward and each alone.
 
     PYTHONPATH=. python tests/benchmarks/bench_conv_choices.py [--batches 16,64] [--samples 128]
 
-Prints milliseconds per call. ``matmul`` and ``grouped`` run ``batch_layers.functional.conv2d`` samples-major
-(the order ResNets take) as the kernel table's batched matrix product (where it applies) and as the grouped
-convolution; ``limit`` is the faster of the dense NCHW and channels-last convolutions. Each also alone:
-``_fwd`` the forward, ``_bwd`` both gradients. The kernel table's ``MATMUL`` thresholds rest on these numbers.
+Prints milliseconds per call. Every row runs ``batch_layers.functional.conv2d`` samples-major (the order
+these models take) as the kernel table's batched matrix products (``matmul`` for few pixels, ``pointwise``
+for 1x1 kernels, where they apply) and as the grouped convolution; ``limit`` is the faster of the dense
+NCHW and channels-last convolutions. Each also alone: ``_fwd`` the forward, ``_bwd`` both gradients. The
+kernel table's ``MATMUL`` and ``POINTWISE`` thresholds rest on these numbers.
 """
 
 from __future__ import annotations
@@ -20,12 +21,16 @@ from _timing import cuda_ms
 
 from batch_layers import Layout, _kernel_table
 from batch_layers._conv_matmul import runs_as_matmul
+from batch_layers._conv_pointwise import runs_pointwise
 from batch_layers.functional import conv2d
 
 # (input channels, output channels, input height = width, kernel, stride): torchvision's ResNet-18 on 32x32
 SHAPES = [
     (64, 64, 8, 3, 1), (64, 128, 8, 3, 2), (64, 128, 8, 1, 2), (128, 128, 4, 3, 1), (128, 256, 4, 3, 2),
     (256, 256, 2, 3, 1), (256, 512, 2, 3, 2), (512, 512, 1, 3, 1), (64, 64, 32, 3, 1), (128, 128, 16, 3, 1),
+    # pointwise convolutions of MobileNetV3 and EfficientNet-B0 on 32x32 images
+    (16, 96, 16, 1, 1), (96, 24, 8, 1, 1), (40, 240, 4, 1, 1), (240, 40, 4, 1, 1), (112, 672, 2, 1, 1),
+    (320, 1280, 1, 1, 1),
 ]
 
 
@@ -62,25 +67,28 @@ def measure_shape(batch: int, samples: int, dtype: torch.dtype, max_pairs: int, 
 
     row = {}
     conv = lambda: conv2d(x, weight, None, stride, pad, layout=layout)  # noqa: E731
-    limits = _kernel_table.MATMUL.limits
-    before = dict(limits)
-    limits["max_pairs"] = max_pairs
+    candidates = {"matmul": (_kernel_table.MATMUL, runs_as_matmul),
+                  "pointwise": (_kernel_table.POINTWISE, runs_pointwise)}
+    before = {name: dict(candidate.limits) for name, (candidate, _) in candidates.items()}
+    _kernel_table.MATMUL.limits["max_pairs"] = max_pairs
     try:
-        if runs_as_matmul(x, weight.flatten(0, 1), batch, 1, (stride, stride), (pad, pad), (1, 1)):
-            row["matmul"] = _timed(run(conv))
-            row.update(_ops(conv, x, weight, "matmul_"))
-        limits["min_channels"] = 10**9
+        for name, (candidate, runs) in candidates.items():
+            if runs(x, weight.flatten(0, 1), batch, 1, (stride, stride), (pad, pad), (1, 1)):
+                row[name] = _timed(run(conv))
+                row.update(_ops(conv, x, weight, name + "_"))
+            candidate.limits["min_channels"] = 10**9  # the next ones, and the grouped convolution, without it
         row["grouped"] = _timed(run(conv))
         row.update(_ops(conv, x, weight, "grouped_"))
     finally:
-        limits.update(before)
+        for name, (candidate, _) in candidates.items():
+            candidate.limits.update(before[name])
     row["limit"] = min(_timed(run(lambda: F.conv2d(dense_x, dense_w, None, stride, pad))),
                        _timed(run(lambda: F.conv2d(dense_cl, dense_w, None, stride, pad))))
     row.update(_ops(lambda: F.conv2d(dense_x, dense_w, None, stride, pad), dense_x, dense_w, "limit_"))
     print(
         f"B={batch} {str(dtype)[6:]} {c_in}->{c_out} {size}x{size} k={k} s={stride}: "
         + " ".join(f"{name}={value:.3f}" for name, value in row.items())
-        + "  " + " ".join(f"{name}/limit={row[name] / row['limit']:.2f}" for name in ("matmul", "grouped")
+        + "  " + " ".join(f"{name}/limit={row[name] / row['limit']:.2f}" for name in ("matmul", "pointwise", "grouped")
                           if name in row),
         flush=True,
     )

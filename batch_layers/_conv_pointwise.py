@@ -1,0 +1,58 @@
+"""Pointwise (1x1) convolutions of B models as one batched matrix product.
+
+A 1x1 convolution multiplies every pixel's channels by one ``(O, C)`` matrix. cuDNN's grouped convolution,
+with B models as groups, converts every group's slice between NCHW and NHWC and back (``docs/performance.md``);
+here each model's pixels become the rows of one matrix (a strided view, or one copy where the merged layout
+does not allow it) multiplied by its filters in one ``torch.baddbmm``, and the result is laid out merged
+again in one copy. A stride subsamples the pixels first (a view). Autograd differentiates it (double backward
+included), autocast casts it as it casts matrix products, and fp32 products run in TF32 where
+``torch.backends.cuda.matmul.allow_tf32`` allows. The kernel table's
+:data:`~batch_layers._kernel_table.POINTWISE` says which convolutions take it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ._kernel_table import POINTWISE, ConvCall
+from ._layout import Layout, is_channels_last
+
+__all__ = ["pointwise_conv2d", "runs_pointwise"]
+
+
+def runs_pointwise(x: Tensor, weight: Tensor, batch: int, groups: int, stride: Sequence[int],
+                   padding: Sequence[int], dilation: Sequence[int]) -> bool:
+    """Whether B models' convolution of the merged ``x`` with the stacked ``weight`` (``groups`` per model)
+    runs as a batched matrix product of pixels (the kernel table's :data:`~batch_layers._kernel_table.POINTWISE`
+    says when, and why)."""
+    call = ConvCall(x.is_cuda, x.dim(), x.dtype, batch * x.shape[1], tuple(weight.shape), batch * groups, False,
+                    tuple(stride), tuple(dilation), tuple(x.shape[2:]), tuple(padding))
+    return POINTWISE.applies(call)
+
+
+def pointwise_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Layout, stride: Sequence[int],
+                     groups: int) -> Tensor:
+    """B models' unpadded 1x1 ``F.conv2d`` of the merged ``x`` (``(B*n, C, H, W)`` in ``layout``) with the stacked
+    ``(B*O, C/groups, 1, 1)`` ``weight`` and ``(B*O,)`` ``bias`` (``groups`` per model); the merged result keeps
+    ``x``'s order and storage (channels-last or contiguous)."""
+    batch, n = layout.batch, x.shape[0] // layout.batch
+    in_per_group, per_group = weight.shape[1], weight.shape[0] // (batch * groups)
+    models = batch * groups
+    pixels = x[:, :, :: stride[0], :: stride[1]]
+    height, width = pixels.shape[2:]
+    # (B*g, n*h*w, C/g): each model's (and group's) pixels as rows
+    rows = layout.split(pixels).unflatten(2, (groups, in_per_group)).permute(0, 2, 1, 4, 5, 3)
+    rows = rows.reshape(models, n * height * width, in_per_group)
+    filters = weight.view(models, per_group, in_per_group).transpose(1, 2)
+    if bias is None:
+        y = torch.bmm(rows, filters)
+    else:
+        y = torch.baddbmm(bias.view(models, 1, per_group), rows, filters)
+    # (B, n, h, w, O): each model's pixels with all its groups' channels
+    y = y.view(batch, groups, n, height, width, per_group).permute(0, 2, 3, 4, 1, 5).flatten(4)
+    if is_channels_last(x):
+        return layout.merge(y).permute(0, 3, 1, 2)
+    return layout.merge(y.permute(0, 1, 4, 2, 3)).contiguous()
