@@ -73,6 +73,9 @@ def test_the_table_takes_unpadded_1x1_kernels_only() -> None:
     assert _kernel_table.POINTWISE.applies(call(1, 0))
     assert not _kernel_table.POINTWISE.applies(call(1, 1)), "padded"
     assert not _kernel_table.POINTWISE.applies(call(3, 1))
+    large = _kernel_table.ConvCall(True, 4, torch.float32, BATCH * 32, (BATCH * 32, 32, 1, 1), BATCH, size=(16, 16),
+                                   padding=(0, 0))
+    assert "at most 64 pixels per image" in _kernel_table.POINTWISE.unmet(large)[0]
     few = _kernel_table.POINTWISE.limits["min_channels"] - 1
     assert "input and output channels per group" in _kernel_table.POINTWISE.unmet(call(1, 0, few))[0]
     x = torch.empty(BATCH * 2, 32, 8, 8)

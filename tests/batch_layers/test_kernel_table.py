@@ -53,7 +53,7 @@ def runs_pointwise(c: ConvCall) -> bool:
     """The pointwise product (added after the table): unpadded 1x1 kernels, from 16 channels per group."""
     w = c.weight_shape
     return (c.cuda and c.dims == 4 and not c.transposed and c.dtype in FLOATS and min(w[1], w[0] // c.groups) >= 16
-            and tuple(w[2:]) == (1, 1) and set(c.padding) == {0})
+            and tuple(w[2:]) == (1, 1) and set(c.padding) == {0} and len(c.size) == 2 and math.prod(c.size) <= 64)
 
 
 def old_keeps_channels_last(c: ConvCall) -> bool:
