@@ -1,0 +1,42 @@
+"""Inductor's numbers for convolutional BatchModules, each case checked against B plain models in a process of
+its own.
+
+A samples-major LeNet compiled with Inductor once trained on zero convolution gradients: a torch bug (Inductor's
+CPU backend ran a fused kernel that read ``max_pool2d``'s gradient buffer before the scatter into it) that
+torchmb routes around in ``torchmb._inductor_fixes``. It showed only where Inductor fused that way (one CPU
+thread) and hid behind whatever a test session had compiled before, so each case runs in a fresh process with a
+fresh Inductor cache on one CPU thread (``support/inductor_check.py``). Compiling takes most of a minute on a
+CPU: one case runs by default, the others are slow.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    ("model", "order"),
+    [
+        pytest.param("lenet", "auto", id="lenet-samples-major"),
+        pytest.param("lenet", "models", id="lenet-models-major", marks=pytest.mark.slow),
+        pytest.param("batchnorm_cnn", "auto", id="batchnorm-cnn-samples-major", marks=pytest.mark.slow),
+    ],
+)
+def test_inductor_trains_a_fresh_conv_model_like_plain_models(model: str, order: str, tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",  # where Inductor's CPU fusion lost the scatter's order
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+    }
+    run = subprocess.run([sys.executable, "-m", "support.inductor_check", model, order], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-6000:]
+    assert run.stdout.strip().endswith("same as plain models"), run.stdout
