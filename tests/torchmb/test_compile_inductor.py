@@ -3,10 +3,11 @@ its own.
 
 A samples-major LeNet compiled with Inductor once trained on zero convolution gradients: a torch bug (Inductor's
 CPU backend ran a fused kernel that read ``max_pool2d``'s gradient buffer before the scatter into it) that
-torchmb routes around in ``torchmb._inductor_fixes``. It showed only where Inductor fused that way (one CPU
-thread) and hid behind whatever a test session had compiled before, so each case runs in a fresh process with a
-fresh Inductor cache on one CPU thread (``support/inductor_check.py``). Compiling takes most of a minute on a
-CPU: one case runs by default, the others are slow.
+torchmb routes around in ``torchmb._inductor_fixes``. It showed only where Inductor fused that way (on one CPU
+thread), so each case runs on one thread in a fresh process with a fresh Inductor cache, where no earlier compile,
+cache or thread setting of the session decides how Inductor fuses (``support/inductor_check.py``). The
+plain-torch net that shows the bug without torchmb's layers checks the fix itself. Compiling takes most of a
+minute on a CPU: one case runs by default, the others are slow.
 """
 
 from __future__ import annotations
@@ -40,3 +41,18 @@ def test_inductor_trains_a_fresh_conv_model_like_plain_models(model: str, order:
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-6000:]
     assert run.stdout.strip().endswith("same as plain models"), run.stdout
+
+
+@pytest.mark.slow
+def test_the_fix_gives_plain_torch_the_eager_gradients(tmp_path: Path) -> None:
+    """The torch bug on plain torch (``support/inductor_scatter_net.py``, pytorch/pytorch#185509): with
+    ``torchmb._inductor_fixes`` applied, Inductor's gradients are eager's, whatever torchmb's layers compile to."""
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+    }
+    run = subprocess.run([sys.executable, "-m", "support.inductor_scatter_net"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-6000:]
+    assert run.stdout.strip().endswith("same as eager"), run.stdout
