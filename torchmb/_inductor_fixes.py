@@ -30,15 +30,21 @@ def keep_scatter_order_in_inductor() -> None:
         return
     from torch._inductor.scheduler import SchedulerNode
 
-    SchedulerNode.recompute_size_and_body = _renames_reapplied(SchedulerNode.recompute_size_and_body)
+    recompute = getattr(SchedulerNode, "recompute_size_and_body", None)
+    if recompute is not None:  # a torch (>= 2.5) whose scheduler has no such method has nothing to fix there
+        SchedulerNode.recompute_size_and_body = renames_reapplied(recompute)
     _APPLIED = True
 
 
-def _renames_reapplied(recompute: Callable[..., None]) -> Callable[..., None]:
+def renames_reapplied(recompute: Callable[..., None]) -> Callable[..., None]:
+    """``SchedulerNode.recompute_size_and_body`` that applies the node's mutation renames to the reads it
+    re-extracts, as torch's own ``refresh_dependencies`` does."""
+
     @functools.wraps(recompute)
     def recompute_size_and_body(node: Any, *args: Any, **kwargs: Any) -> None:
         recompute(node, *args, **kwargs)
-        if node.mutation_renames:
-            node.set_read_writes(node.read_writes.rename(node.mutation_renames))
+        renames = getattr(node, "mutation_renames", None)  # the node's own renames, where torch keeps them
+        if renames:
+            node.set_read_writes(node.read_writes.rename(renames))
 
     return recompute_size_and_body

@@ -22,6 +22,38 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def test_a_recompute_keeps_the_read_of_a_scattered_buffer_on_the_scatter() -> None:
+    """What the fix does to one scheduler node, without compiling: after torch re-extracts the node's reads from
+    its loop body (which names the scattered buffer by its real name, ``buf12``), the read is the scatter's
+    (``buf13``) again, and applying the renames twice changes nothing."""
+    from torch._inductor.dependencies import ReadWrites, StarDep
+    from torch.utils._ordered_set import OrderedSet
+
+    from torchmb._inductor_fixes import renames_reapplied
+
+    def reads(*names: str) -> ReadWrites:
+        return ReadWrites(OrderedSet(StarDep(name) for name in names), OrderedSet(), OrderedSet())
+
+    class Node:  # what the fix uses of a SchedulerNode
+        def __init__(self) -> None:
+            self.mutation_renames = {"buf12": "buf13"}
+            self.read_writes = reads("buf13", "le")
+
+        def set_read_writes(self, read_writes: ReadWrites) -> None:
+            self.read_writes = read_writes
+
+    def recompute(node: Node) -> None:  # torch 2.13's recompute of a node without fake dependencies
+        node.set_read_writes(reads("buf12", "le"))
+
+    node = Node()
+    recompute(node)
+    assert [dep.name for dep in node.read_writes.reads] == ["buf12", "le"]  # the bug: the scatter's read lost
+    renames_reapplied(recompute)(node)
+    assert [dep.name for dep in node.read_writes.reads] == ["buf13", "le"]
+    renames_reapplied(renames_reapplied(lambda node: None))(node)
+    assert [dep.name for dep in node.read_writes.reads] == ["buf13", "le"]
+
+
 @pytest.mark.parametrize(
     ("model", "order"),
     [
