@@ -11,6 +11,7 @@ kernel then reads the buffer before the scatter has written it. A samples-major 
 on one CPU thread trained on zero convolution gradients that way: ``threshold_backward`` read
 ``max_pool2d``'s gradient buffer while it still held zeros. The fix is upstream's: apply the node's mutation
 renames after every recompute. Renaming is idempotent, so on a torch that has the fix it changes nothing.
+Compile cache keys carry :data:`CACHE_KEY_TAG` from then on, so that no kernel compiled without the fix is reused.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
+CACHE_KEY_TAG = "torchmb-inductor-scatter-order"
 _APPLIED = False
 
 
@@ -33,7 +37,17 @@ def keep_scatter_order_in_inductor() -> None:
     recompute = getattr(SchedulerNode, "recompute_size_and_body", None)
     if recompute is not None:  # a torch (>= 2.5) whose scheduler has no such method has nothing to fix there
         SchedulerNode.recompute_size_and_body = renames_reapplied(recompute)
+        _tag_compile_caches()
     _APPLIED = True
+
+
+def _tag_compile_caches() -> None:
+    """Inductor's on-disk caches outlive a process and their keys hash torch's source, not this patch: a kernel
+    compiled without the fix (an earlier torchmb, the same torch) would be reused. The fix goes into every
+    compile cache key through torch's tag for that, after whatever tag the user set."""
+    config = getattr(torch.compiler, "config", None)  # torch >= 2.6
+    if config is not None and CACHE_KEY_TAG not in config.cache_key_tag.split("|"):
+        config.cache_key_tag = "|".join(filter(None, [config.cache_key_tag, CACHE_KEY_TAG]))
 
 
 def renames_reapplied(recompute: Callable[..., None]) -> Callable[..., None]:

@@ -75,16 +75,38 @@ def test_inductor_trains_a_fresh_conv_model_like_plain_models(model: str, order:
     assert run.stdout.strip().endswith("same as plain models"), run.stdout
 
 
-@pytest.mark.slow
-def test_the_fix_gives_plain_torch_the_eager_gradients(tmp_path: Path) -> None:
-    """The torch bug on plain torch (``support/inductor_scatter_net.py``, pytorch/pytorch#185509): with
-    ``torchmb._inductor_fixes`` applied, Inductor's gradients are eager's, whatever torchmb's layers compile to."""
+def test_compile_caches_are_keyed_by_the_fix_after_the_users_tag() -> None:
+    """A kernel compiled without the fix is not reused (the slow test below compiles one): every compile cache
+    key carries the fix's tag, once, after whatever tag the user set."""
+    import torch
+
+    from torchmb import _inductor_fixes
+
+    with torch.compiler.config.patch(cache_key_tag="my-job"):
+        _inductor_fixes._tag_compile_caches()
+        _inductor_fixes._tag_compile_caches()
+        assert torch.compiler.config.cache_key_tag == f"my-job|{_inductor_fixes.CACHE_KEY_TAG}"
+    with torch.compiler.config.patch(cache_key_tag=""):
+        _inductor_fixes._tag_compile_caches()
+        assert torch.compiler.config.cache_key_tag == _inductor_fixes.CACHE_KEY_TAG
+
+
+def _scatter_net(cache: Path, *flags: str) -> subprocess.CompletedProcess:
     env = {
         **os.environ,
-        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+        "TORCHINDUCTOR_CACHE_DIR": str(cache),
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
     }
-    run = subprocess.run([sys.executable, "-m", "support.inductor_scatter_net"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "support.inductor_scatter_net", *flags], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_the_fix_gives_plain_torch_the_eager_gradients_despite_a_cache_compiled_without_it(tmp_path: Path) -> None:
+    """The torch bug on plain torch (``support/inductor_scatter_net.py``, pytorch/pytorch#185509): with
+    ``torchmb._inductor_fixes`` applied, Inductor's gradients are eager's, whatever torchmb's layers compile to,
+    and the kernels an earlier process compiled without the fix into the same Inductor cache are not reused."""
+    _scatter_net(tmp_path, "--unfixed")  # wrong on a torch with the bug; it fills the cache either way
+    run = _scatter_net(tmp_path)
     assert run.returncode == 0, run.stderr[-6000:]
     assert run.stdout.strip().endswith("same as eager"), run.stdout
