@@ -24,6 +24,7 @@ from batch_layers import (
 
 from ._convert import ConversionEntry, convert, run_per_model, stacked_state, warn_if_mostly_generic
 from ._generic import is_generic
+from ._inductor_fixes import keep_scatter_order_in_inductor
 from ._init import build_with_seed, random_state_kept, reset_uncovered, reset_with_seed
 from ._late_parameters import watch_late_parameters
 from ._order import set_order, start_order
@@ -244,6 +245,7 @@ class BatchModule(SharedMarksKept, nn.Module):
         """The merged order, settled by the first forward's checks first. Dynamo calls this while tracing,
         with the module and the real inputs (a method, and the tensors as arguments of their own: what every
         torch >= 2.5 accepts there), and traces its result as a constant."""
+        keep_scatter_order_in_inductor()  # before Inductor compiles what dynamo traces (torchmb._inductor_fixes)
         return self._dry_first_forward(args, shared_input, kwargs)
 
     def _dry_first_forward(self, args: tuple, shared_input: bool, kwargs: dict) -> str:
