@@ -232,8 +232,10 @@ def explain(call: ConvCall) -> str:
 
 def explain_kernels(*, cuda: bool, dims: int, dtype: torch.dtype, channels: int, weight_shape: Sequence[int],
                     groups: int, transposed: bool = False, stride: Sequence[int] = (1, 1),
-                    dilation: Sequence[int] = (1, 1)) -> str:
-    """:func:`explain` for a grouped convolution described by its values (see :class:`ConvCall`): for every
-    op, which kernel runs and why not those preferred before it."""
+                    dilation: Sequence[int] = (1, 1), size: Sequence[int] = (),
+                    padding: Sequence[int] = ()) -> str:
+    """:func:`explain` for a grouped convolution described by its values (see :class:`ConvCall`; without the
+    image ``size`` and ``padding``, the candidates that need them do not apply): for every op, which kernel
+    runs and why not those preferred before it."""
     return explain(ConvCall(cuda, dims, dtype, channels, tuple(weight_shape), groups, transposed, tuple(stride),
-                            tuple(dilation)))
+                            tuple(dilation), tuple(size), tuple(padding)))

@@ -82,6 +82,15 @@ def test_kernels_command_says_which_kernel_a_shape_takes_and_why(capsys: pytest.
     main(["kernels", "--batch", "4", "--in-channels", "64", "--out-channels", "64", "--device", "cpu"])
     out = capsys.readouterr().out
     assert "layout of a channels-last input: channels-last" in out and "needs a CUDA tensor" in out
+    main(["kernels", "--batch", "64", "--in-channels", "512", "--out-channels", "512", "--size", "1", "1",
+          "--padding", "1"])
+    out = capsys.readouterr().out
+    assert "1x1 images, padding 1" in out and "forward: matmul (H200" in out
+    main(["kernels", "--batch", "64", "--in-channels", "64", "--out-channels", "64", "--size", "8", "8",
+          "--padding", "1"])
+    assert "not matmul: needs at most 9 pixel pairs" in capsys.readouterr().out
+    main(["kernels", "--batch", "64", "--in-channels", "512", "--out-channels", "512"])
+    assert "not matmul: needs the image's size and padding known" in capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"must be divisible by --groups \(4\)"):
         main(["kernels", "--batch", "2", "--in-channels", "6", "--out-channels", "8", "--groups", "4"])
 

@@ -21,6 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--groups", type=int, default=1, help="groups of one model's layer (default 1)")
     parser.add_argument("--stride", type=int, default=1, help="stride (default 1)")
     parser.add_argument("--dilation", type=int, default=1, help="dilation (default 1)")
+    parser.add_argument("--size", type=int, nargs=2, metavar=("H", "W"),
+                        help="the input image's height and width (the matrix products need it)")
+    parser.add_argument("--padding", type=int, default=0, help="zero padding on each side (default 0)")
     parser.add_argument("--transposed", action="store_true", help="a transposed convolution (ConvTranspose2d)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="input dtype (default float32)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
@@ -38,9 +41,11 @@ def main(args: argparse.Namespace) -> str:
     weight = (b * c, o // g, kh, kw) if args.transposed else (b * o, c // g, kh, kw)
     text = explain_kernels(cuda=args.device == "cuda", dims=4, dtype=_DTYPES[args.dtype], channels=b * c,
                            weight_shape=weight, groups=b * g, transposed=args.transposed,
-                           stride=(args.stride,) * 2, dilation=(args.dilation,) * 2)
+                           stride=(args.stride,) * 2, dilation=(args.dilation,) * 2, size=tuple(args.size or ()),
+                           padding=(args.padding,) * 2 if args.size else ())
+    image = f", {args.size[0]}x{args.size[1]} images, padding {args.padding}" if args.size else ""
     print(f"B={b} models of a {'transposed ' if args.transposed else ''}{c} -> {o} channel {kh}x{kw} convolution "
-          f"(groups={g}, stride {args.stride}, dilation {args.dilation}, {args.dtype} on {args.device}): one "
+          f"(groups={g}, stride {args.stride}, dilation {args.dilation}{image}, {args.dtype} on {args.device}): one "
           f"grouped convolution with weight {weight} and {b * g} groups")
     print(text)
     return text
