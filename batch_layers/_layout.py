@@ -89,9 +89,19 @@ def shared_to_grouped(x: Tensor, batch: int) -> Tensor:
     return x.unsqueeze(1).expand(x.shape[0], batch, *x.shape[1:]).reshape(x.shape[0], batch * x.shape[1], *x.shape[2:])
 
 
-def from_grouped(y: Tensor, batch: int, order: MergedOrder = "models", channels_last: bool = False) -> Tensor:
+def from_grouped(
+    y: Tensor, batch: int, order: MergedOrder = "models", channels_last: bool = False, unread: bool = False
+) -> Tensor:
     """``(n, B*C, *S)`` back to the merged ``(B*n, C, *S)`` in ``order``, keeping a channels-last layout
-    (and giving a 4-D result one where ``channels_last`` asks for it, in the same single copy)."""
+    (and giving a 4-D result one where ``channels_last`` asks for it, in the same single copy).
+
+    ``unread`` says that no backward reads ``y`` (batch norm's output: its backward reads the input and the
+    statistics): the samples-major result of a contiguous ``y`` is then a tensor of its own on ``y``'s
+    memory (``aten::_unsafe_view``, as ``matmul`` returns its reshaped product) rather than a view, so that an
+    in-place op on it (``ReLU(inplace=True)``, a residual ``+=``) costs backward no copies of the gradient
+    (``CopySlices``, ``AsStridedBackward0``), as on the plain model's output. A view would share ``y``'s
+    version counter; nothing needs it where nothing reads ``y``.
+    """
     n = y.shape[0]
     if is_channels_last(y) or (channels_last and y.dim() == 4):
         height, width = y.shape[2:]
@@ -103,7 +113,8 @@ def from_grouped(y: Tensor, batch: int, order: MergedOrder = "models", channels_
             merged = rows.permute(0, 3, 1, 2, 4).contiguous()
         return merged.view(batch * n, height, width, channels).permute(0, 3, 1, 2)
     if order == "samples":
-        return y.reshape(n * batch, y.shape[1] // batch, *y.shape[2:])
+        shape = (n * batch, y.shape[1] // batch, *y.shape[2:])
+        return torch.ops.aten._unsafe_view(y, shape) if unread and y.is_contiguous() else y.reshape(shape)
     y = y.view(n, batch, y.shape[1] // batch, *y.shape[2:]).transpose(0, 1)
     return y.reshape(batch * n, *y.shape[2:])
 

@@ -58,7 +58,7 @@ def batch_norm(
         flat_var = None if running_var is None else running_var.view(-1)
         momentum = 0.0 if momentum is None else momentum
         y = F.batch_norm(channels, flat_mean, flat_var, flat_weight, flat_bias, training, momentum, eps)
-    return from_grouped(y, batch, layout.order)
+    return from_grouped(y, batch, layout.order, unread=True)
 
 
 def _cumulative_average(channels, running_mean, running_var, weight, bias, eps, num_batches_tracked) -> Tensor:
