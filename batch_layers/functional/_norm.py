@@ -120,7 +120,8 @@ def _affine(y: Tensor, weight: Tensor | None, bias: Tensor | None, layout: Layou
         out = models * _per_model(weight, dims, trailing) + _per_model(bias, dims, trailing)
     # torch's norms return the dtype of their normalised result (float32 under autocast for the ones on
     # its float32 list, the input's dtype otherwise), never one promoted by the float32 weights.
-    return layout.merge(out).to(y.dtype)
+    out = layout.merge(out)
+    return out if out.dtype == y.dtype else out.to(y.dtype)  # no aten::to dispatched for nothing
 
 
 def layer_norm(
@@ -207,7 +208,8 @@ def instance_norm(
     models = _split(input, layout, shared)
     dims = models.dim()
     out = models * _per_model(scale, dims, trailing) + _per_model(shift, dims, trailing)
-    return layout.merge(out).to(input.dtype)
+    out = layout.merge(out)
+    return out if out.dtype == input.dtype else out.to(input.dtype)
 
 
 @torch.no_grad()
