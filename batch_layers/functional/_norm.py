@@ -91,7 +91,7 @@ def frozen_batch_norm(
     scale = weight * (running_var + eps).rsqrt()
     shift = bias - running_mean * scale
     models = _split(input, layout, shared)  # (B, n, C, H, W)
-    return layout.merge(models * scale[:, None, :, None, None] + shift[:, None, :, None, None])
+    return layout.merge(models * scale[:, None, :, None, None] + shift[:, None, :, None, None], unread=True)
 
 
 def _split(x: Tensor, layout: Layout, shared: bool) -> Tensor:
@@ -120,7 +120,7 @@ def _affine(y: Tensor, weight: Tensor | None, bias: Tensor | None, layout: Layou
         out = models * _per_model(weight, dims, trailing) + _per_model(bias, dims, trailing)
     # torch's norms return the dtype of their normalised result (float32 under autocast for the ones on
     # its float32 list, the input's dtype otherwise), never one promoted by the float32 weights.
-    out = layout.merge(out)
+    out = layout.merge(out, unread=True)  # a product's or sum's result: their backward reads only their inputs
     return out if out.dtype == y.dtype else out.to(y.dtype)  # no aten::to dispatched for nothing
 
 
@@ -208,7 +208,7 @@ def instance_norm(
     models = _split(input, layout, shared)
     dims = models.dim()
     out = models * _per_model(scale, dims, trailing) + _per_model(shift, dims, trailing)
-    out = layout.merge(out)
+    out = layout.merge(out, unread=True)
     return out if out.dtype == input.dtype else out.to(input.dtype)
 
 

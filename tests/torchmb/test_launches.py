@@ -60,20 +60,33 @@ def _in_place_resnet() -> nn.Module:
     return nn.Sequential(_InPlaceBlock(4), _InPlaceBlock(4), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
 
 
-def _pre_norm_mlp() -> nn.Module:
-    return nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 6), nn.GELU(), nn.LayerNorm(6), nn.Linear(6, 3))
+def _in_place_mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(6, 8), nn.LayerNorm(8), nn.ReLU(inplace=True), nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 3)
+    )
 
 
-# The operators autograd adds where a step's tensors are laid out or combined differently from the plain
-# model's: copies of a gradient (an in-place op on a view: CopySlices, AsStridedBackward0) and a product by
-# addcmul's ``value`` of 1 (its backward).
+def _group_norm_cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(), nn.Linear(4, 3),
+    )
+
+
+# The operators autograd adds where a layer's output is a view or its affine an addcmul, unlike the plain
+# layer's: copies of the gradient where an in-place op (a ReLU(inplace=True), a residual +=) writes into a
+# view (CopySlices, AsStridedBackward0), and addcmul's backward product by its ``value`` of 1.
 LAYOUT_OPERATORS = ("aten::copy_", "aten::new_empty_strided", "aten::new_zeros", "aten::mul.Scalar")
 
 
 @pytest.mark.parametrize(
     ("make", "shape", "classes", "order"),
-    [(_in_place_resnet, (4, 6, 6), 3, "samples"), (_pre_norm_mlp, (6,), 3, "models")],
-    ids=["in-place-resnet-samples-major", "pre-norm-mlp-models-major"],
+    [
+        (_in_place_resnet, (4, 6, 6), 3, "samples"),
+        (_in_place_mlp, (6,), 3, "models"),
+        (_group_norm_cnn, (3, 6, 6), 3, "models"),
+    ],
+    ids=["resnet-samples-major", "mlp-models-major", "group-norm-cnn-models-major"],
 )
 def test_a_step_dispatches_no_more_copies_than_the_plain_model(make, shape, classes, order) -> None:
     torch.manual_seed(0)
