@@ -10,6 +10,7 @@ read it from nowhere else.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -22,6 +23,7 @@ __all__ = [
     "expand_shared",
     "from_grouped",
     "is_channels_last",
+    "reshape_unread",
     "shared_to_grouped",
     "to_grouped",
 ]
@@ -47,11 +49,23 @@ class Layout:
             return x.view(self.batch, -1, *x.shape[1:])
         return x.view(-1, self.batch, *x.shape[1:]).transpose(0, 1)
 
-    def merge(self, y: Tensor) -> Tensor:
-        """Inverse of :meth:`split`: ``(B, m, ...)`` to the merged ``(B*m, ...)`` (samples-major: a copy)."""
-        if self.order == "models":
-            return y.reshape(-1, *y.shape[2:])
-        return y.transpose(0, 1).reshape(-1, *y.shape[2:])
+    def merge(self, y: Tensor, unread: bool = False) -> Tensor:
+        """Inverse of :meth:`split`: ``(B, m, ...)`` to the merged ``(B*m, ...)`` (samples-major: a copy, unless
+        ``y`` is laid out samples-major already). ``unread``: no backward reads ``y`` (see
+        :func:`reshape_unread`)."""
+        rows = y if self.order == "models" else y.transpose(0, 1)
+        shape = (-1, *y.shape[2:])
+        return reshape_unread(rows, shape) if unread else rows.reshape(shape)
+
+
+def reshape_unread(y: Tensor, shape: Sequence[int]) -> Tensor:
+    """``y.reshape(shape)`` for a ``y`` that no backward reads (a layer's fresh result: a batch norm's, a
+    product's or sum's, a batched Linear's): where that would be a view, a tensor of its own on ``y``'s
+    memory instead (``aten::_unsafe_view``, as ``matmul`` returns its reshaped product). An in-place op on a
+    layer's output (``ReLU(inplace=True)``, a residual ``+=``) then costs backward no copies of the gradient
+    (``CopySlices``, ``AsStridedBackward0``), as on the plain layer's output. A view would share ``y``'s
+    version counter, which nothing needs where nothing reads ``y``."""
+    return torch.ops.aten._unsafe_view(y, shape) if y.is_contiguous() else y.reshape(shape)
 
 
 def is_channels_last(x: Tensor) -> bool:
@@ -89,9 +103,16 @@ def shared_to_grouped(x: Tensor, batch: int) -> Tensor:
     return x.unsqueeze(1).expand(x.shape[0], batch, *x.shape[1:]).reshape(x.shape[0], batch * x.shape[1], *x.shape[2:])
 
 
-def from_grouped(y: Tensor, batch: int, order: MergedOrder = "models", channels_last: bool = False) -> Tensor:
+def from_grouped(
+    y: Tensor, batch: int, order: MergedOrder = "models", channels_last: bool = False, unread: bool = False
+) -> Tensor:
     """``(n, B*C, *S)`` back to the merged ``(B*n, C, *S)`` in ``order``, keeping a channels-last layout
-    (and giving a 4-D result one where ``channels_last`` asks for it, in the same single copy)."""
+    (and giving a 4-D result one where ``channels_last`` asks for it, in the same single copy).
+
+    ``unread`` says that no backward reads ``y`` (batch norm's output: its backward reads the input and the
+    statistics): the samples-major result of a contiguous ``y`` is then a tensor of its own
+    (:func:`reshape_unread`), not a view.
+    """
     n = y.shape[0]
     if is_channels_last(y) or (channels_last and y.dim() == 4):
         height, width = y.shape[2:]
@@ -103,7 +124,8 @@ def from_grouped(y: Tensor, batch: int, order: MergedOrder = "models", channels_
             merged = rows.permute(0, 3, 1, 2, 4).contiguous()
         return merged.view(batch * n, height, width, channels).permute(0, 3, 1, 2)
     if order == "samples":
-        return y.reshape(n * batch, y.shape[1] // batch, *y.shape[2:])
+        shape = (n * batch, y.shape[1] // batch, *y.shape[2:])
+        return reshape_unread(y, shape) if unread else y.reshape(shape)
     y = y.view(n, batch, y.shape[1] // batch, *y.shape[2:]).transpose(0, 1)
     return y.reshape(batch * n, *y.shape[2:])
 

@@ -2,7 +2,7 @@
 
 Their statistics are taken within one sample, so the normalisation itself runs unchanged on the merged
 ``(B*n, ...)`` tensor (torch's fused kernels, no copies); only the elementwise affine differs per model,
-and it is applied as one broadcast ``addcmul`` against the ``(B, ...)`` weights on the ``(B, n, ...)``
+and it is applied as one broadcast product and sum with the ``(B, ...)`` weights on the ``(B, n, ...)``
 view. A shared ``(n, ...)`` input is normalised once; the per-model affine broadcasts it to ``(B, n, ...)``
 (without an affine the output stays shared).
 
@@ -311,7 +311,7 @@ class _InstanceNorm(_NormBase, _AffineNorm):
     training with ``track_running_stats``, model ``b``'s ``running_mean`` / ``running_var`` (``(B, C)``)
     move towards the mean over *its own* samples of the per-instance mean / unbiased variance, exactly as
     torch's instance norm updates a single model's. Evaluation with running statistics applies each model's
-    statistics and affine as one fused scale-and-shift. ``momentum=None`` means ``0`` (no update), as in
+    statistics and affine as one scale-and-shift. ``momentum=None`` means ``0`` (no update), as in
     torch; ``num_batches_tracked`` (``(B,)``) is kept for state-dict compatibility and, as in torch, never
     incremented.
     """

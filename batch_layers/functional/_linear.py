@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._base import autocast_dtype
-from .._layout import Layout
+from .._layout import Layout, reshape_unread
 
 __all__ = ["bilinear", "linear", "transposed_linear"]
 
@@ -98,7 +98,7 @@ def linear(
     _check_rows("linear", input, batch)
     if layout.order == "models":
         y = BatchedLinear.apply(input.reshape(batch, -1, in_features), weight, bias)
-        return y.view(*input.shape[:-1], out_features)
+        return reshape_unread(y, (*input.shape[:-1], out_features))  # its backward reads the input and weight
     # Samples-major: a (n*B, in) input is a strided (B, n, in) view, which the batched product reads as it
     # is; the output is laid back samples-major (a copy).
     samples = input.shape[0] // batch

@@ -4,7 +4,7 @@ A batch norm's statistics mix samples, so model ``b``'s channels become channels
 batch norm over the grouped ``(n, B*C, ...)`` layout (a free view samples-major; a channels-last input stays
 channels-last, cuDNN's NHWC batch norm). The per-sample norms (layer, RMS, group, instance) take their
 statistics within one sample, so the normalisation runs unchanged on the merged tensor; only the elementwise
-affine differs per model, one broadcast ``addcmul`` against the ``(B, ...)`` weights on the ``(B, n, ...)``
+affine differs per model, one broadcast product and sum with the ``(B, ...)`` weights on the ``(B, n, ...)``
 view. A shared ``(n, ...)`` input is normalised once; the per-model affine broadcasts it to B models.
 """
 
@@ -58,7 +58,7 @@ def batch_norm(
         flat_var = None if running_var is None else running_var.view(-1)
         momentum = 0.0 if momentum is None else momentum
         y = F.batch_norm(channels, flat_mean, flat_var, flat_weight, flat_bias, training, momentum, eps)
-    return from_grouped(y, batch, layout.order)
+    return from_grouped(y, batch, layout.order, unread=True)
 
 
 def _cumulative_average(channels, running_mean, running_var, weight, bias, eps, num_batches_tracked) -> Tensor:
@@ -86,12 +86,12 @@ def frozen_batch_norm(
     shared: bool = False,
 ) -> Tensor:
     """torchvision's ``FrozenBatchNorm2d`` for B models: ``(x - running_mean) / sqrt(running_var + eps) *
-    weight + bias`` with each model's ``(B, C)`` buffers, as one fused scale-and-shift of the merged
+    weight + bias`` with each model's ``(B, C)`` buffers, as one scale-and-shift of the merged
     ``(B*n, C, H, W)`` input (with ``shared``, one ``(n, C, H, W)``)."""
     scale = weight * (running_var + eps).rsqrt()
     shift = bias - running_mean * scale
     models = _split(input, layout, shared)  # (B, n, C, H, W)
-    return layout.merge(torch.addcmul(shift[:, None, :, None, None], models, scale[:, None, :, None, None]))
+    return layout.merge(models * scale[:, None, :, None, None] + shift[:, None, :, None, None], unread=True)
 
 
 def _split(x: Tensor, layout: Layout, shared: bool) -> Tensor:
@@ -115,10 +115,13 @@ def _affine(y: Tensor, weight: Tensor | None, bias: Tensor | None, layout: Layou
     elif bias is None:
         out = models * _per_model(weight, dims, trailing)
     else:
-        out = torch.addcmul(_per_model(bias, dims, trailing), models, _per_model(weight, dims, trailing))
+        # a product and a sum rather than one addcmul: addcmul's backward multiplies the activation by its
+        # ``value`` (1) once more, one more full-size kernel per norm
+        out = models * _per_model(weight, dims, trailing) + _per_model(bias, dims, trailing)
     # torch's norms return the dtype of their normalised result (float32 under autocast for the ones on
     # its float32 list, the input's dtype otherwise), never one promoted by the float32 weights.
-    return layout.merge(out).to(y.dtype)
+    out = layout.merge(out, unread=True)  # a product's or sum's result: their backward reads only their inputs
+    return out if out.dtype == y.dtype else out.to(y.dtype)  # no aten::to dispatched for nothing
 
 
 def layer_norm(
@@ -186,7 +189,7 @@ def instance_norm(
     With ``use_input_stats`` each instance is normalised by its own statistics and, where running statistics
     are given, model ``b``'s move towards the mean over *its own* samples of the per-instance mean and
     unbiased variance (by ``momentum``), as torch's instance norm moves a single model's. Otherwise each
-    model's running statistics and affine apply as one fused scale-and-shift.
+    model's running statistics and affine apply as one scale-and-shift.
     """
     trailing = input.dim() - 2
     if use_input_stats:
@@ -204,8 +207,9 @@ def instance_norm(
         shift = shift + bias
     models = _split(input, layout, shared)
     dims = models.dim()
-    out = torch.addcmul(_per_model(shift, dims, trailing), models, _per_model(scale, dims, trailing))
-    return layout.merge(out).to(input.dtype)
+    out = models * _per_model(scale, dims, trailing) + _per_model(shift, dims, trailing)
+    out = layout.merge(out, unread=True)
+    return out if out.dtype == input.dtype else out.to(input.dtype)
 
 
 @torch.no_grad()

@@ -164,6 +164,7 @@ def test_launches_kernels_and_outermost_aten_operators_are_counted_from_profiler
     ]
     assert bench_measure.count_events(events) == {"aten_ops": 2, "launches": 4, "kernels": 2}
     assert bench_measure.count_events(events[:2]) == {"aten_ops": 1}
+    assert bench_measure.aten_op_names(events) == {"aten::linear": 1, "aten::mm": 1}
 
 
 def test_the_limit_rows_launch_count_is_the_plain_models_step_profiled_alone() -> None:

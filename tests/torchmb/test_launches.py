@@ -7,48 +7,17 @@ backward, ``torch.optim.SGD``) of B=64 models against one plain model on the sam
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Callable
 
 import pytest
 import torch
-import torch.nn.functional as F
+from support.launches import count_launches, sgd_step
 from support.models import MLP, LeNet
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchmb import BatchModule
 
 B, N = 64, 2
-NOT_LAUNCHES = {"aten::_unsafe_view", "profiler::_record_function_enter_new", "profiler::_record_function_exit"}
-
-
-class _CountLaunches(TorchDispatchMode):
-    """Counts the operators that compute: views and the profiler's markers launch nothing."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.launches: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view and func.name() not in NOT_LAUNCHES:
-            self.launches[func.name()] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _launches_per_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, classes: int) -> collections.Counter:
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        out = model(x)
-        F.cross_entropy(out.reshape(-1, classes), y.reshape(-1), reduction="sum").backward()
-        optimizer.step()
-
-    step()  # the first step creates state (and settles the merged order): not a steady step
-    with _CountLaunches() as counter:
-        step()
-    return counter.launches
 
 
 CASES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], int]] = {
@@ -62,7 +31,68 @@ def test_a_batched_step_launches_at_most_one_and_a_half_times_the_plain_model(na
     make, shape, classes = CASES[name]
     torch.manual_seed(0)
     x, y = torch.randn(B, N, *shape), torch.randint(0, classes, (B, N))
-    batched = _launches_per_step(BatchModule(make(), B), x, y, classes)
-    plain = _launches_per_step(make(), x.reshape(B * N, *shape), y.reshape(-1), classes)
+    batched = count_launches(sgd_step(BatchModule(make(), B), x, y, classes))
+    plain = count_launches(sgd_step(make(), x.reshape(B * N, *shape), y.reshape(-1), classes))
     ratio = sum(batched.values()) / sum(plain.values())
     assert ratio <= 1.5, (ratio, batched - plain)
+
+
+class _InPlaceBlock(nn.Module):
+    """torchvision's BasicBlock habits: a ReLU(inplace=True) on each batch norm's output and a residual
+    ``+=`` into the second's."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += x
+        return self.relu(out)
+
+
+def _in_place_resnet() -> nn.Module:
+    return nn.Sequential(_InPlaceBlock(4), _InPlaceBlock(4), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
+
+
+def _in_place_mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(6, 8), nn.LayerNorm(8), nn.ReLU(inplace=True), nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 3)
+    )
+
+
+def _group_norm_cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(), nn.Linear(4, 3),
+    )
+
+
+# The operators autograd adds where a layer's output is a view or its affine an addcmul, unlike the plain
+# layer's: copies of the gradient where an in-place op (a ReLU(inplace=True), a residual +=) writes into a
+# view (CopySlices, AsStridedBackward0), and addcmul's backward product by its ``value`` of 1.
+LAYOUT_OPERATORS = ("aten::copy_", "aten::new_empty_strided", "aten::new_zeros", "aten::mul.Scalar")
+
+
+@pytest.mark.parametrize(
+    ("make", "shape", "classes", "order"),
+    [
+        (_in_place_resnet, (4, 6, 6), 3, "samples"),
+        (_in_place_mlp, (6,), 3, "models"),
+        (_group_norm_cnn, (3, 6, 6), 3, "models"),
+    ],
+    ids=["resnet-samples-major", "mlp-models-major", "group-norm-cnn-models-major"],
+)
+def test_a_step_dispatches_no_more_copies_than_the_plain_model(make, shape, classes, order) -> None:
+    torch.manual_seed(0)
+    batch, samples = 4, 2
+    x, y = torch.randn(batch, samples, *shape), torch.randint(0, classes, (batch, samples))
+    batched = count_launches(sgd_step(BatchModule(make(), batch, merged_order=order), x, y, classes))
+    plain = count_launches(sgd_step(make(), x.reshape(batch * samples, *shape), y.reshape(-1), classes))
+    extra = {op: batched[op] - plain[op] for op in LAYOUT_OPERATORS if batched[op] > plain[op]}
+    assert not extra, (extra, batched - plain)

@@ -11,6 +11,7 @@ outermost ones: ``aten::linear`` counts, not the ``aten::addmm`` inside it).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import signal
@@ -23,7 +24,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile
 
-__all__ = ["RowTimeout", "count_events", "first_line", "is_out_of_memory", "measure", "time_limit"]
+__all__ = ["RowTimeout", "aten_op_names", "count_events", "first_line", "is_out_of_memory", "measure", "time_limit"]
 
 REPEAT_SECONDS = 0.1  # each timing lasts about this long (at least 2 steps, at most --iters)
 _LAUNCHES = ("LaunchKernel", "LaunchCooperativeKernel", "cudaGraphLaunch")  # runtime and driver API names
@@ -110,7 +111,8 @@ def count_events(events: Iterable) -> dict[str, int]:
     launch calls of the CUDA runtime and driver APIs, a graph replay once) and ``kernels`` (kernels run on
     the device, copies and fills left out). ``events`` are ``torch.profiler`` events (``name``,
     ``device_type``, ``cpu_parent``)."""
-    aten_ops = launches = kernels = 0
+    events = list(events)
+    launches = kernels = 0
     has_device = False
     for event in events:
         if event.device_type == torch.autograd.DeviceType.CUDA:
@@ -118,12 +120,22 @@ def count_events(events: Iterable) -> dict[str, int]:
             kernels += not event.name.startswith(("Memcpy", "Memset"))
         elif any(name in event.name for name in _LAUNCHES):
             launches += 1
-        elif event.name.startswith("aten::") and not _inside_aten(event):
-            aten_ops += 1
-    counts = {"aten_ops": aten_ops}
+    counts = {"aten_ops": sum(aten_op_names(events).values())}
     if has_device or launches:
         counts.update(launches=launches, kernels=kernels)
     return counts
+
+
+def aten_op_names(events: Iterable) -> collections.Counter[str]:
+    """The outermost ATen operators among ``events`` (``torch.profiler`` events), by name: what
+    :func:`count_events` counts as ``aten_ops``, to tell which operators one step has more of than another."""
+    return collections.Counter(
+        event.name
+        for event in events
+        if event.device_type != torch.autograd.DeviceType.CUDA
+        and event.name.startswith("aten::")
+        and not _inside_aten(event)
+    )
 
 
 def _inside_aten(event: object) -> bool:
