@@ -122,5 +122,5 @@ def matmul_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Layout
         start = bias.view(models, 1, per_group, 1).expand(-1, -1, -1, pixels_out)
         y = torch.baddbmm(start.reshape(models, 1, -1), rows, toeplitz)
     y = y.view(batch, groups, n, per_group, out_h, out_w).transpose(1, 2)
-    y = layout.merge(y.reshape(batch, n, groups * per_group, out_h, out_w))
+    y = layout.merge(y.reshape(batch, n, groups * per_group, out_h, out_w), unread=True)  # bmm reads no output
     return y.contiguous(memory_format=torch.channels_last) if is_channels_last(x) else y

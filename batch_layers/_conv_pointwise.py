@@ -54,5 +54,5 @@ def pointwise_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Lay
     # (B, n, h, w, O): each model's pixels with all its groups' channels
     y = y.view(batch, groups, n, height, width, per_group).permute(0, 2, 3, 4, 1, 5).flatten(4)
     if is_channels_last(x):
-        return layout.merge(y).permute(0, 3, 1, 2)
+        return layout.merge(y, unread=True).permute(0, 3, 1, 2)  # bmm reads no output
     return layout.merge(y.permute(0, 1, 4, 2, 3)).contiguous()

@@ -61,9 +61,10 @@ class _GroupedConv(torch.autograd.Function):
     backward. The backward is ``aten.convolution_backward``, itself differentiable. In the samples-major
     order (``order="samples"``) every layout change of a contiguous tensor here is a view.
 
-    It returns the grouped ``(n, B*C, *S)`` result; :func:`grouped_conv` takes the merged view of it
-    outside, so that autograd knows that view and in-place ops on a layer's output (``ReLU(inplace=True)``)
-    stay legal: a custom Function may not return a view of a tensor it created.
+    It returns the grouped ``(n, B*C, *S)`` result; :func:`grouped_conv` lays it out merged outside (a
+    custom Function may not return a view of a tensor it created), as a tensor of its own where that is a
+    reshape (``from_grouped(..., unread=True)``: the backward reads the input and the weight, never the
+    output), so an in-place op on the layer's output (``ReLU(inplace=True)``) costs backward no copies.
     """
 
     @staticmethod
@@ -152,7 +153,8 @@ def grouped_conv(
         return pointwise_conv2d(x, weight, bias, Layout(batch, order), stride, groups // batch)
     config = (stride, padding, dilation, groups, transposed, output_padding, order)
     # a channels-last input gives a channels-last output, as a plain layer's would, whichever layout ran
-    return from_grouped(_GroupedConv.apply(x, weight, bias, batch, *config), batch, order, is_channels_last(x))
+    y = _GroupedConv.apply(x, weight, bias, batch, *config)
+    return from_grouped(y, batch, order, is_channels_last(x), unread=True)
 
 
 def _grouped(grouped, weight, bias, stride, padding, dilation, groups, transposed, output_padding) -> Tensor:
@@ -222,7 +224,8 @@ def _conv_nd(dims, x, weight, bias, stride, padding, dilation, groups, layout, s
     if shared and groups == 1:  # every model reads the same input: one dense conv against all filters
         if padding_mode != "zeros":
             x, padding = F.pad(x, _mode_padding(padding, dilation, kernel_size), mode=padding_mode), 0
-        return from_grouped(_CONV[dims](x, weight, bias, stride, padding, dilation, 1), batch, layout.order)
+        y = _CONV[dims](x, weight, bias, stride, padding, dilation, 1)
+        return from_grouped(y, batch, layout.order, unread=True)
     if shared:
         x = expand_shared(x, layout)
     elif x.shape[0] % batch:
@@ -258,7 +261,7 @@ def _grouped_forward(x, weight, bias, batch, order, stride, padding, numeric, di
     if numeric is None:  # uneven 'same' padding: torch's own conv pads it
         grouped = to_grouped(x, batch, order, keeps_channels_last(weight, batch * groups, False))
         y = _CONV[dims](grouped, weight, bias, stride, padding, dilation, batch * groups)
-        return from_grouped(y, batch, order, is_channels_last(x))
+        return from_grouped(y, batch, order, is_channels_last(x), unread=True)
     return grouped_conv(x, weight, bias, batch, stride, numeric, dilation, batch * groups, False, (0,) * dims, order)
 
 
@@ -339,7 +342,7 @@ def _conv_transpose_nd(dims, x, weight, bias, stride, padding, output_padding, g
             side_by_side = weight.transpose(0, 1).reshape(in_channels, -1, *weight.shape[3:])
             conv = _CONV_TRANSPOSE[dims]
             y = conv(x, side_by_side, flat_bias, stride, padding, output_padding, 1, dilation)
-            return from_grouped(y, batch, layout.order)
+            return from_grouped(y, batch, layout.order, unread=True)
         x = expand_shared(x, layout)
     elif x.shape[0] % batch:
         raise ValueError(f"expected a merged input of B = {batch} models' samples in dim 0, got {tuple(x.shape)}")
