@@ -4,16 +4,15 @@ and through ``batch_layers.Conv2d`` on a GPU, where the kernel table chooses it.
 
 from __future__ import annotations
 
-import copy
 import itertools
 
 import pytest
 import torch
 import torch.nn.functional as F
+from support.conv_checks import check_against_plain_conv2d, check_conv_on_gpu
 from torch import nn
 
-import batch_layers
-from batch_layers import ForwardContext, Layout, _kernel_table, forward_context
+from batch_layers import Layout, _kernel_table
 from batch_layers._conv_matmul import matmul_conv2d, runs_as_matmul
 
 BATCH, SAMPLES = 3, 2
@@ -40,32 +39,11 @@ def test_the_product_is_b_plain_convolutions(geometry, order: str, channels_last
     x = torch.randn(BATCH, SAMPLES, cin, height, width, dtype=torch.float64)
     weight = torch.randn(BATCH, cout, cin // groups, *k, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(BATCH, cout, dtype=torch.float64, requires_grad=True)
-    merged = layout.merge(x)
-    if channels_last:
-        merged = merged.contiguous(memory_format=torch.channels_last)
-    merged.requires_grad_()
-    y = matmul_conv2d(merged, weight.flatten(0, 1), bias.flatten(), layout, stride, padding, dilation, groups)
-    per_model = layout.split(y)
-    ramp = torch.linspace(-1, 1, per_model[0].numel(), dtype=torch.float64).view_as(per_model[0])
-    # a second-order loss: the gradient of the first enters it
-    (grad_x,) = torch.autograd.grad((per_model * ramp).sum(), merged, create_graph=True)
-    (per_model.square().sum() + grad_x.square().sum()).backward()
-    grad_x = layout.split(grad_x)
-    for b in range(BATCH):
-        own_x = x[b].clone().requires_grad_()
-        own_w = weight[b].detach().clone().requires_grad_()
-        own_b = bias[b].detach().clone().requires_grad_()
-        expected = F.conv2d(own_x, own_w, own_b, stride, padding, dilation, groups)
-        (own_grad_x,) = torch.autograd.grad((expected * ramp).sum(), own_x, create_graph=True)
-        (expected.square().sum() + own_grad_x.square().sum()).backward()
-        torch.testing.assert_close(per_model[b], expected)
-        torch.testing.assert_close(grad_x[b], own_grad_x)
-        torch.testing.assert_close(weight.grad[b], own_w.grad)
-        torch.testing.assert_close(bias.grad[b], own_b.grad)
-    if channels_last and y.shape[2] * y.shape[3] > 1:
-        assert y.is_contiguous(memory_format=torch.channels_last), "a channels-last input keeps its storage"
-    else:
-        assert y.is_contiguous()
+
+    def run(merged, stacked_weight, stacked_bias):
+        return matmul_conv2d(merged, stacked_weight, stacked_bias, layout, stride, padding, dilation, groups)
+
+    check_against_plain_conv2d(run, x, weight, bias, layout, channels_last, stride, padding, dilation, groups)
 
 
 def test_without_bias_and_under_bf16_autocast_as_plain_autocast() -> None:
@@ -98,45 +76,11 @@ def test_the_table_takes_few_pixels_and_leaves_larger_images() -> None:
 @pytest.mark.cuda
 @pytest.mark.parametrize(("order", "amp"), list(itertools.product(["models", "samples"], [False, True])))
 def test_the_layer_takes_the_product_on_a_gpu_and_matches_plain(order: str, amp: bool) -> None:
-    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        _check_layer_on_gpu(order, amp)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+    def takes_kernel(conv: nn.Conv2d):
+        return lambda x, weight: runs_as_matmul(x, weight, BATCH, 1, conv.stride, conv.padding, conv.dilation)
 
-
-def _check_layer_on_gpu(order: str, amp: bool) -> None:
-    _check_conv_on_gpu(nn.Conv2d(32, 48, 3, 2, 1), 2, order, amp)
+    strided = nn.Conv2d(32, 48, 3, 2, 1)
+    check_conv_on_gpu(strided, BATCH, SAMPLES, 2, order, amp, takes_kernel(strided))
     # a dilated filter on a 3x3 image: its one output pixel skips the middle row and column (gathered, masked)
-    _check_conv_on_gpu(nn.Conv2d(16, 24, 2, dilation=2), 3, order, amp)
-
-
-def _check_conv_on_gpu(conv: nn.Conv2d, size: int, order: str, amp: bool) -> None:
-    torch.manual_seed(0)
-    plain = [copy.deepcopy(conv).cuda() for _ in range(BATCH)]
-    for model in plain:
-        model.reset_parameters()
-    batched = batch_layers.Conv2d.from_module(plain[0], BATCH).cuda()
-    with torch.no_grad():
-        for i, model in enumerate(plain):
-            batched.weight[i].copy_(model.weight)
-            batched.bias[i].copy_(model.bias)
-    batched.merged_order = order
-    layout = Layout(BATCH, order)
-    x = torch.randn(BATCH, SAMPLES, conv.in_channels, size, size, device="cuda")
-    merged = layout.merge(x).requires_grad_()
-    assert runs_as_matmul(merged, batched.weight.flatten(0, 1), BATCH, 1, conv.stride, conv.padding, conv.dilation)
-    with forward_context(ForwardContext(BATCH, SAMPLES, order=order)), torch.autocast("cuda", enabled=amp):
-        y = batched(merged)
-    layout.split(y).float().square().sum().backward()
-    tolerance = {"atol": 5e-2, "rtol": 5e-2} if amp else {"atol": 1e-4, "rtol": 1e-4}
-    for b, model in enumerate(plain):
-        own = x[b].clone().requires_grad_()
-        with torch.autocast("cuda", enabled=amp):
-            expected = model(own)
-        expected.float().square().sum().backward()
-        torch.testing.assert_close(layout.split(y)[b], expected, **tolerance)
-        torch.testing.assert_close(layout.split(merged.grad)[b], own.grad, **tolerance)
-        torch.testing.assert_close(batched.weight.grad[b], model.weight.grad, **tolerance)
-        torch.testing.assert_close(batched.bias.grad[b], model.bias.grad, **tolerance)
+    dilated = nn.Conv2d(16, 24, 2, dilation=2)
+    check_conv_on_gpu(dilated, BATCH, SAMPLES, 3, order, amp, takes_kernel(dilated))
