@@ -72,13 +72,7 @@ class Linear(AbstractBatchModule):
     ) -> None:
         super().__init__(batch)
         factory_kwargs = {"device": device, "dtype": dtype}
-        self.in_features = in_features
-        self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty(batch, out_features, in_features, **factory_kwargs))
-        if bias:
-            self.bias = nn.Parameter(torch.empty(batch, out_features, **factory_kwargs))
-        else:
-            self.register_parameter("bias", None)
+        _add_linear_parameters(self, batch, out_features, in_features, bias, factory_kwargs)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -119,6 +113,19 @@ class Linear(AbstractBatchModule):
         return f"{nn.Linear.extra_repr(self)}, batch={self.batch}"
 
 
+def _add_linear_parameters(module: nn.Module, batch: int, out_features: int, in_features: int, bias: bool,
+                           factory_kwargs: dict) -> None:
+    """Give ``module`` B linear maps' uninitialised ``(B, out, in)`` weight and ``(B, out)`` bias (or a ``None``
+    bias) and their sizes, as ``nn.Linear`` names them."""
+    module.in_features = in_features
+    module.out_features = out_features
+    module.weight = nn.Parameter(torch.empty(batch, out_features, in_features, **factory_kwargs))
+    if bias:
+        module.bias = nn.Parameter(torch.empty(batch, out_features, **factory_kwargs))
+    else:
+        module.register_parameter("bias", None)
+
+
 class LinearWeights(nn.Module):
     """The ``(B, out, in)`` weight and ``(B, out)`` bias of B linear maps, under a child's name, for a layer
     whose plain counterpart holds them in a child (attention's ``out_proj``, a loss's ``linear``) and that
@@ -126,13 +133,7 @@ class LinearWeights(nn.Module):
 
     def __init__(self, batch: int, out_features: int, in_features: int, bias: bool, factory_kwargs: dict) -> None:
         super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty(batch, out_features, in_features, **factory_kwargs))
-        if bias:
-            self.bias = nn.Parameter(torch.empty(batch, out_features, **factory_kwargs))
-        else:
-            self.register_parameter("bias", None)
+        _add_linear_parameters(self, batch, out_features, in_features, bias, factory_kwargs)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
