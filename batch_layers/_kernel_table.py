@@ -142,7 +142,7 @@ MATMUL = Candidate(
      ("at least {min_channels} input and output channels per group",
       lambda lim, c: min(c.weight_shape[1], c.weight_shape[0] // c.groups) >= lim["min_channels"]),
      ("at most {max_pairs} pixel pairs (output pixels x input pixels read)",
-      lambda lim, c: _pixels(c)[0] * _pixels(c)[1] <= lim["max_pairs"])),
+      lambda lim, c: _prod(_pixels(c)) <= lim["max_pairs"])),
     {"min_channels": 16, "max_pairs": 9},
     "H200, B=64, n=128, forward and backward (tests/benchmarks/bench_conv_choices.py --max-pairs 1100): a 3x3 "
     "convolution of a 1x1 image (1 pair) 2.1 against cuDNN's grouped 5.7 ms in fp32 (TF32) and 2.0 against 5.8 in "
