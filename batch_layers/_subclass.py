@@ -14,7 +14,7 @@ What the ``forward`` may do with a per-model tensor, and what the batched class 
 
 - pass it to a functional of ``functional_forms``, with the input first and only per-model tensors (or
   ``None``) after it: the batched form runs;
-- read its metadata (``shape``, ``size()``, ``dim()``, ``dtype``, ``device``, ...): one model's is returned,
+- read its metadata (``shape``, ``size()``, ``dim()``, ``nbytes``, ``dtype``, ``device``, ...): one model's is returned,
   so ``self.weight.shape[-2:]`` (timm's ``Conv2dSame``) reads the kernel size as in the plain layer;
 - cast it (``.float()``, ``.to(dtype)``, ``.detach()``): the result is per-model too;
 - update it in place by a number (``num_batches_tracked.add_(1)``): every model's copy is updated;
@@ -39,6 +39,7 @@ _METADATA = (
     Tensor.size,
     Tensor.dim,
     Tensor.numel,
+    Tensor.nbytes.__get__,  # also read by torch.compile's guards on the layer's parameters
 )
 _PROPERTIES = (
     Tensor.dtype.__get__,
@@ -48,6 +49,7 @@ _PROPERTIES = (
     Tensor.layout.__get__,
     Tensor.is_floating_point,
     Tensor.element_size,
+    Tensor.itemsize.__get__,
 )
 _CASTS = (Tensor.float, Tensor.double, Tensor.half, Tensor.bfloat16, Tensor.to, Tensor.type, Tensor.detach)
 _SCALAR_UPDATES = (Tensor.add_, Tensor.sub_, Tensor.mul_, Tensor.div_, Tensor.fill_, Tensor.zero_)

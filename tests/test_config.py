@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.compiled import fresh_dynamo  # noqa: F401 (a fixture)
 
 import batch_layers
 import offload
@@ -56,6 +57,49 @@ def test_bad_values_are_refused_naming_the_choices(monkeypatch):
     monkeypatch.setenv("TORCHMB_OFFLOAD_ENGINE", "nope")
     with pytest.raises(ValueError, match="TORCHMB_OFFLOAD_ENGINE='nope'"):
         torchmb_config.SWITCHES["offload_engine"].from_env()
+
+
+def test_a_bad_environment_variable_is_refused_at_the_first_use_and_a_set_value_replaces_it(monkeypatch):
+    monkeypatch.setenv("TORCHMB_TEST_FLAG", "yes")
+    switch = torchmb_config.Switch("test_flag", "TORCHMB_TEST_FLAG", True, "a test's", torchmb_config._flag, bool)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="TORCHMB_TEST_FLAG='yes' is not valid for the 'test_flag' switch"):
+            switch.get()
+    with switch.use(False):
+        assert switch.get() is False
+    with pytest.raises(ValueError, match="TORCHMB_TEST_FLAG='yes'"):  # use() restores the state it found
+        switch.get()
+    switch.set(False)
+    assert switch.get() is False
+
+
+def test_the_environment_is_read_when_the_switch_is_made_not_at_its_first_use(monkeypatch):
+    monkeypatch.setenv("TORCHMB_TEST_FLAG", "0")
+    switch = torchmb_config.Switch("test_flag", "TORCHMB_TEST_FLAG", True, "a test's", torchmb_config._flag, bool)
+    monkeypatch.setenv("TORCHMB_TEST_FLAG", "1")
+    assert switch.get() is False
+
+
+@pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")  # dynamo's own
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_switch_read_inside_an_autograd_function_compiles_without_a_graph_break(monkeypatch):
+    """Reading a switch changes nothing, so torch.compile traces it inside an autograd function's backward
+    (the kernel table reads the 'triton' switch there; a first read that cached the value broke the graph)."""
+    monkeypatch.setenv("TORCHMB_TEST_FLAG", "1")
+    switch = torchmb_config.Switch("test_flag", "TORCHMB_TEST_FLAG", False, "a test's", torchmb_config._flag, bool)
+
+    class Doubled(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2 if switch.get() else grad
+
+    x = torch.ones(3, requires_grad=True)
+    torch.compile(lambda t: Doubled.apply(t).sum(), backend="aot_eager", fullgraph=True)(x).backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
 
 
 def test_launcher_environment(monkeypatch):

@@ -3,7 +3,9 @@
 The three packages import one way (``torchmb -> batch_layers -> offload``); this small package sits below
 all of them (it imports none), so each reads its switches here. A switch has a getter, a setter that
 returns the old value, and a context manager that restores it (:func:`get`, :func:`set`, :func:`use`); its
-starting value comes from its environment variable, read once, at the switch's first use. The packages'
+starting value comes from its environment variable, read once, when the switch is created (at import), so
+that reading a switch never changes it (``torch.compile`` cannot trace a change inside an autograd function);
+a variable with a bad value raises its ``ValueError`` at the switch's first use. The packages'
 own switch functions (``batch_layers.set_backend``, ``offload.set_engine``, ...) are thin over these.
 
 - ``backend`` (``TORCHMB_BACKEND``, default ``auto``): the kernels of batched layers and fused optimizers:
@@ -52,7 +54,13 @@ class Switch:
     parse: Callable[[str], Any]
     check: Callable[[Any], Any]
     _value: Any = field(default=None, repr=False)
-    _read: bool = field(default=False, repr=False)
+    _bad_environment: ValueError | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        try:
+            self._value = self.from_env()
+        except ValueError as err:  # raised where the switch is used, not where torchmb is imported
+            self._bad_environment = err
 
     def from_env(self) -> Any:
         """The value the environment asks for (the default when the variable is unset or empty)."""
@@ -66,22 +74,24 @@ class Switch:
                              f"switch: {err}") from err
 
     def get(self) -> Any:
-        if not self._read:
-            self._value, self._read = self.from_env(), True
+        if self._bad_environment is not None:
+            raise self._bad_environment
         return self._value
 
     def set(self, value: Any) -> Any:
-        old = self.get()
-        self._value = self.check(value)
+        """Set the value (a bad environment variable's error is then forgotten); returns the old one."""
+        old = self._value
+        self._value, self._bad_environment = self.check(value), None
         return old
 
     @contextlib.contextmanager
     def use(self, value: Any) -> Iterator[Any]:
-        old = self.set(value)
+        saved = self._value, self._bad_environment
+        self.set(value)
         try:
             yield self._value
         finally:
-            self._value = old
+            self._value, self._bad_environment = saved
 
 
 def _choice(name: str, choices: tuple[str, ...]) -> Callable[[Any], str]:

@@ -52,6 +52,13 @@ class PaddedConv(nn.Conv2d):
         return F.conv2d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
 
 
+class ByteScaledLinear(nn.Linear):
+    """Reads its weight's size in bytes (as torch.compile's guards do): one model's, so the scale is 1."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias) * (self.weight.nbytes / (self.weight.numel() * self.weight.itemsize))
+
+
 class SummedWeightLinear(nn.Linear):
     """Uses its weight outside any functional: a sum that would run across all models' weights."""
 
@@ -71,6 +78,7 @@ CASES = {
     "layernorm-permuted": (lambda: randomized(ChannelsLastNorm(4)), (4, 3, 5), batch_layers.LayerNorm),
     "batchnorm-act": (lambda: randomized(NormThenAct(4)), (4, 3, 3), batch_layers.BatchNorm2d),
     "conv-padded": (lambda: randomized(PaddedConv(3, 4, 3)), (3, 5, 5), batch_layers.Conv2d),
+    "linear-reads-nbytes": (lambda: randomized(ByteScaledLinear(4, 3)), (4,), batch_layers.Linear),
 }
 
 
