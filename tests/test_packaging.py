@@ -81,9 +81,11 @@ def installed(dist: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     env = tmp_path_factory.mktemp("env")
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True, timeout=60)
     python = env / "bin" / "python"
+    # --no-compile: pip would byte-compile every installed file (a third of the CPU time of these tests); the
+    # checks compile only what they import
     install = subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", *local_package_indexes(),
-         f"torch=={importlib.metadata.version('torch')}", f"{wheel}[{','.join(EXTRAS)}]"],
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-compile",
+         *local_package_indexes(), f"torch=={importlib.metadata.version('torch')}", f"{wheel}[{','.join(EXTRAS)}]"],
         capture_output=True, text=True, timeout=600,
     )
     assert install.returncode == 0, install.stderr
