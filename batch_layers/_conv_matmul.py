@@ -32,13 +32,10 @@ from ._layout import Layout, is_channels_last
 __all__ = ["matmul_conv2d", "runs_as_matmul"]
 
 
-def runs_as_matmul(x: Tensor, weight: Tensor, batch: int, groups: int, stride: Sequence[int],
-                   padding: Sequence[int], dilation: Sequence[int]) -> bool:
-    """Whether B models' convolution of the merged ``x`` with the stacked ``weight`` (``groups`` per model)
+def runs_as_matmul(call: ConvCall) -> bool:
+    """Whether B models' convolution ``call`` (:meth:`~batch_layers._kernel_table.ConvCall.of_merged`)
     runs as a batched matrix product (the kernel table's :data:`~batch_layers._kernel_table.MATMUL` says when,
     and why)."""
-    call = ConvCall(x.is_cuda, x.dim(), x.dtype, batch * x.shape[1], tuple(weight.shape), batch * groups, False,
-                    tuple(stride), tuple(dilation), tuple(x.shape[2:]), tuple(padding))
     return MATMUL.applies(call)
 
 

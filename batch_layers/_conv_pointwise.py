@@ -23,13 +23,10 @@ from ._layout import Layout, is_channels_last
 __all__ = ["pointwise_conv2d", "runs_pointwise"]
 
 
-def runs_pointwise(x: Tensor, weight: Tensor, batch: int, groups: int, stride: Sequence[int],
-                   padding: Sequence[int], dilation: Sequence[int]) -> bool:
-    """Whether B models' convolution of the merged ``x`` with the stacked ``weight`` (``groups`` per model)
+def runs_pointwise(call: ConvCall) -> bool:
+    """Whether B models' convolution ``call`` (:meth:`~batch_layers._kernel_table.ConvCall.of_merged`)
     runs as a batched matrix product of pixels (the kernel table's :data:`~batch_layers._kernel_table.POINTWISE`
     says when, and why)."""
-    call = ConvCall(x.is_cuda, x.dim(), x.dtype, batch * x.shape[1], tuple(weight.shape), batch * groups, False,
-                    tuple(stride), tuple(dilation), tuple(x.shape[2:]), tuple(padding))
     return POINTWISE.applies(call)
 
 

@@ -68,6 +68,14 @@ class ConvCall:
         return cls(x.is_cuda, x.dim(), x.dtype, x.shape[1], tuple(weight.shape), groups, transposed, tuple(stride),
                    tuple(dilation), tuple(x.shape[2:]), tuple(padding))
 
+    @classmethod
+    def of_merged(cls, x: torch.Tensor, weight: torch.Tensor, batch: int, groups: int, stride: Sequence[int],
+                  padding: Sequence[int], dilation: Sequence[int]) -> ConvCall:
+        """The call of B models' convolution of the merged ``(B*n, C, *S)`` ``x`` (one model's channels) with the
+        stacked ``weight``, ``groups`` counting ``B * g``; not transposed."""
+        return cls(x.is_cuda, x.dim(), x.dtype, batch * x.shape[1], tuple(weight.shape), groups, False, tuple(stride),
+                   tuple(dilation), tuple(x.shape[2:]), tuple(padding))
+
 
 Check = Callable[[dict, ConvCall], bool]
 

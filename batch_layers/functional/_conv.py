@@ -147,10 +147,12 @@ def grouped_conv(
 ) -> Tensor:
     """The models-as-groups (transposed) convolution of a merged ``(B*n, C, *S)`` input in the merged ``order``:
     ``weight`` is the stacked ``(B*O, C/g, *k)`` (``(B*C, O/g, *k)`` transposed) and ``groups`` counts ``B * g``."""
-    if not transposed and runs_as_matmul(x, weight, batch, groups // batch, stride, padding, dilation):
-        return matmul_conv2d(x, weight, bias, Layout(batch, order), stride, padding, dilation, groups // batch)
-    if not transposed and runs_pointwise(x, weight, batch, groups // batch, stride, padding, dilation):
-        return pointwise_conv2d(x, weight, bias, Layout(batch, order), stride, groups // batch)
+    if not transposed:
+        call = ConvCall.of_merged(x, weight, batch, groups, stride, padding, dilation)
+        if runs_as_matmul(call):
+            return matmul_conv2d(x, weight, bias, Layout(batch, order), stride, padding, dilation, groups // batch)
+        if runs_pointwise(call):
+            return pointwise_conv2d(x, weight, bias, Layout(batch, order), stride, groups // batch)
     config = (stride, padding, dilation, groups, transposed, output_padding, order)
     # a channels-last input gives a channels-last output, as a plain layer's would, whichever layout ran
     y = _GroupedConv.apply(x, weight, bias, batch, *config)

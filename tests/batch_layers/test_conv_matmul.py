@@ -66,7 +66,8 @@ def test_the_table_takes_few_pixels_and_leaves_larger_images() -> None:
         call = _kernel_table.ConvCall(True, 4, torch.float32, BATCH * 32, tuple(weight.shape), BATCH, False,
                                       (stride, stride), (1, 1), (height, height), (1, 1))
         assert _kernel_table.MATMUL.applies(call) is want, (height, stride)
-        assert not runs_as_matmul(x, weight, BATCH, 1, (stride, stride), (1, 1), (1, 1)), "only on a GPU"
+        merged = _kernel_table.ConvCall.of_merged(x, weight, BATCH, BATCH, (stride, stride), (1, 1), (1, 1))
+        assert not runs_as_matmul(merged), "only on a GPU"
     few = _kernel_table.MATMUL.limits["min_channels"] - 1
     call = _kernel_table.ConvCall(True, 4, torch.float32, BATCH * few, (BATCH * 32, few, 3, 3), BATCH, False,
                                   (1, 1), (1, 1), (1, 1), (1, 1))
@@ -77,7 +78,8 @@ def test_the_table_takes_few_pixels_and_leaves_larger_images() -> None:
 @pytest.mark.parametrize(("order", "amp"), list(itertools.product(["models", "samples"], [False, True])))
 def test_the_layer_takes_the_product_on_a_gpu_and_matches_plain(order: str, amp: bool) -> None:
     def takes_kernel(conv: nn.Conv2d):
-        return lambda x, weight: runs_as_matmul(x, weight, BATCH, 1, conv.stride, conv.padding, conv.dilation)
+        return lambda x, weight: runs_as_matmul(
+            _kernel_table.ConvCall.of_merged(x, weight, BATCH, BATCH, conv.stride, conv.padding, conv.dilation))
 
     strided = nn.Conv2d(32, 48, 3, 2, 1)
     check_conv_on_gpu(strided, BATCH, SAMPLES, 2, order, amp, takes_kernel(strided))

@@ -53,8 +53,9 @@ def test_the_table_takes_unpadded_1x1_kernels_only() -> None:
     assert "at most 64 pixels per image" in _kernel_table.POINTWISE.unmet(large)[0]
     few = _kernel_table.POINTWISE.limits["min_channels"] - 1
     assert "input and output channels per group" in _kernel_table.POINTWISE.unmet(call(1, 0, few))[0]
-    x = torch.empty(BATCH * 2, 32, 8, 8)
-    assert not runs_pointwise(x, torch.empty(BATCH * 32, 32, 1, 1), BATCH, 1, (1, 1), (0, 0), (1, 1)), "GPU only"
+    x, weight = torch.empty(BATCH * 2, 32, 8, 8), torch.empty(BATCH * 32, 32, 1, 1)
+    merged = _kernel_table.ConvCall.of_merged(x, weight, BATCH, BATCH, (1, 1), (0, 0), (1, 1))
+    assert not runs_pointwise(merged), "GPU only"
 
 
 @pytest.mark.cuda
@@ -62,6 +63,6 @@ def test_the_table_takes_unpadded_1x1_kernels_only() -> None:
 @pytest.mark.parametrize("amp", [False, True])
 def test_the_layer_takes_the_product_on_a_gpu_and_matches_plain(order: str, amp: bool) -> None:
     def takes_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
-        return runs_pointwise(x, weight, BATCH, 1, (2, 2), (0, 0), (1, 1))
+        return runs_pointwise(_kernel_table.ConvCall.of_merged(x, weight, BATCH, BATCH, (2, 2), (0, 0), (1, 1)))
 
     check_conv_on_gpu(nn.Conv2d(32, 48, 1, stride=2), BATCH, SAMPLES, 7, order, amp, takes_kernel)
