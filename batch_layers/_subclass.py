@@ -76,6 +76,10 @@ class _SwapFunctionals(TorchFunctionMode):
             return func(args[0][0], *args[1:], **kwargs)
         if func in _PROPERTIES:
             return func(*args, **kwargs)
+        if getattr(func, "__name__", None) == "__get__":  # another attribute: a flag such as is_nested
+            value = func(*args, **kwargs)  # (torch.compile reads several)
+            if not isinstance(value, Tensor):
+                return value  # the same for one model's tensor as for the stacked one
         if func in _CASTS and not others:
             result = func(*args, **kwargs)
             self.per_model[id(result)] = result

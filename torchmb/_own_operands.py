@@ -44,7 +44,7 @@ class NotElementwise(RuntimeError):
 
 
 _METADATA = (Tensor.shape.__get__, Tensor.size, Tensor.dim, Tensor.ndim.__get__, Tensor.ndimension, Tensor.numel,
-             Tensor.nelement, Tensor.__len__)  # fmt: skip
+             Tensor.nelement, Tensor.__len__, Tensor.nbytes.__get__)  # fmt: skip
 _PROPERTIES = (
     Tensor.dtype.__get__, Tensor.device.__get__, Tensor.requires_grad.__get__, Tensor.is_cuda.__get__,
     Tensor.layout.__get__, Tensor.grad_fn.__get__, Tensor.is_leaf.__get__, Tensor.is_floating_point,
@@ -83,6 +83,10 @@ def _per_model_op(func: Callable, args: tuple, kwargs: dict) -> Any:
         return _metadata(func, first, args[1:], kwargs)
     if func in _PROPERTIES:
         return func(*args, **kwargs)
+    if _name(func) == "__get__":  # another attribute: a flag such as is_nested (torch.compile reads several)
+        value = func(*args, **kwargs)
+        if not isinstance(value, Tensor):
+            return value  # the same for one model's parameter as for the stacked one
     if func in (Tensor.type_as, Tensor.to) and not isinstance(first, PerModelOperand):
         return func(*args, **kwargs)  # x.type_as(self.gamma): only the parameter's dtype and device are read
     if isinstance(first, PerModelOperand):
@@ -120,6 +124,8 @@ def _metadata(func: Callable, tensor: Tensor, rest: tuple, kwargs: dict) -> Any:
         return len(shape)
     if func is Tensor.__len__:
         return shape[0]
+    if func == Tensor.nbytes.__get__:
+        return math.prod(shape) * tensor.element_size()
     return math.prod(shape)  # numel, nelement
 
 

@@ -53,9 +53,10 @@ class PaddedConv(nn.Conv2d):
 
 
 class ByteScaledLinear(nn.Linear):
-    """Reads its weight's size in bytes (as torch.compile's guards do): one model's, so the scale is 1."""
+    """Reads its weight's attributes as torch.compile's guards do: one model's size in bytes, so the scale is 1."""
 
     def forward(self, x: Tensor) -> Tensor:
+        assert not (self.weight.is_nested or self.weight.is_sparse)
         return F.linear(x, self.weight, self.bias) * (self.weight.nbytes / (self.weight.numel() * self.weight.itemsize))
 
 

@@ -153,3 +153,16 @@ def test_a_parent_reading_a_broadcast_parameter_runs_per_model() -> None:
     batched(torch.randn(B, N, 4, 5, 5))
     assert batched.generic_modules == ["_ReadsChildScale"]
     _matches_plain_models(_ReadsChildScale, torch.randn(B, N, 4, 5, 5))
+
+
+def test_a_per_model_operand_answers_attribute_reads_as_one_models_parameter() -> None:
+    """torch.compile's guards read attributes of the parameters (``is_nested``, ``nbytes``, ...) while the
+    module's code runs: one model's answer, never a per-model computation (a ConvNeXt failed to compile)."""
+    from torchmb._own_operands import PerModelOperand
+
+    stacked = torch.randn(3, 4, 5).as_subclass(PerModelOperand)
+    one = torch.randn(4, 5)
+    assert stacked.nbytes == one.nbytes
+    assert stacked.itemsize == one.itemsize
+    assert (stacked.is_nested, stacked.is_sparse, stacked.is_quantized, stacked.is_meta) == (False,) * 4
+    assert stacked.shape == one.shape
