@@ -282,7 +282,7 @@ def _weight_grad(grad: Tensor, x: Tensor, weight: Tensor, with_bias: bool, batch
         return weight.new_zeros(weight.shape), grad_b.to(weight.dtype)
     block_c = min(32, _channel_block(channels))
     block_t = triton.next_power_of_2(taps)
-    block_p = max(1, min(4096 // (block_t * block_c), triton.next_power_of_2(positions)))
+    block_p = max(1, min(2048 // (block_t * block_c), triton.next_power_of_2(positions)))
     c_blocks = triton.cdiv(channels, block_c)
     # a share of each model's positions per program, enough programs to fill the GPU (4 per multiprocessor)
     programs = 4 * torch.cuda.get_device_properties(grad.device).multi_processor_count if grad.is_cuda else positions

@@ -16,6 +16,7 @@ import os
 import pytest
 import torch
 from support.conv_checks import check_against_plain_conv2d
+from support.torchvision_ops import import_torchvision
 from torch import nn
 
 import batch_layers
@@ -274,6 +275,7 @@ def test_timm_convnext_blocks_take_the_kernels_and_train_as_plain_models(monkeyp
     """timm's block permutes to channels-last around its norm and MLP: the second block's depthwise convolution
     reads that layout where it lies."""
     pytest.importorskip("triton")
+    import_torchvision()  # timm imports it (see tests/support/torchvision_ops.py)
     from timm.models.convnext import ConvNeXtBlock
 
     from torchmb.testing import assert_equivalent
