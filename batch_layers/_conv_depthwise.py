@@ -18,8 +18,9 @@ centre tap). Every kernel reads its tensors through their strides, so any layout
 sends it channels-last ones (:data:`~batch_layers._kernel_table.DEPTHWISE_MERGED`), whose channel tiles are
 contiguous. Products accumulate in fp32 (fp64 for fp64 tensors); results are in the input's dtype.
 
-The three are ``torch.library`` custom operators (``torchmb::depthwise_conv2d`` differentiable by its
-registered backward), so ``torch.compile`` traces them as they are. A backward that is itself differentiated
+Eager code launches them from an autograd Function; under ``torch.compile`` they are ``torch.library`` custom
+operators (``torchmb::depthwise_conv2d`` differentiable by its registered backward), which dynamo traces as
+opaque nodes. A backward that is itself differentiated
 (``create_graph=True``: a gradient penalty) computes its gradients with ATen's differentiable
 ``convolution_backward`` on the grouped layout instead, so second derivatives stay exact.
 """
@@ -232,9 +233,8 @@ def _empty_like_input(x_shape: Sequence[int], channels_last: bool, like: Tensor)
     return torch.empty(x_shape, dtype=like.dtype, device=like.device, memory_format=memory_format)
 
 
-@torch.library.custom_op("torchmb::depthwise_conv2d", mutates_args=())
-def _forward(x: Tensor, weight: Tensor, bias: Tensor | None, batch: int, order: str, stride: list[int],
-             padding: list[int], dilation: list[int]) -> Tensor:
+def _conv(x: Tensor, weight: Tensor, bias: Tensor | None, batch: int, order: str, stride: list[int],
+          padding: list[int], dilation: list[int]) -> Tensor:
     """B models' depthwise ``F.conv2d`` of the merged ``x`` in ``order`` with the stacked ``(B*C, 1, kh, kw)``
     ``weight`` and ``(B*C,)`` ``bias``; the merged output keeps ``x``'s layout (channels-last or contiguous)."""
     out = _output_size(x.shape[2:], weight.shape[2:], stride, padding, dilation)
@@ -244,31 +244,18 @@ def _forward(x: Tensor, weight: Tensor, bias: Tensor | None, batch: int, order: 
     return y
 
 
-@_forward.register_fake
-def _(x, weight, bias, batch, order, stride, padding, dilation):
-    out = _output_size(x.shape[2:], weight.shape[2:], stride, padding, dilation)
-    return _empty_like_input((x.shape[0], x.shape[1], *out), is_channels_last(x), x)
-
-
-@torch.library.custom_op("torchmb::depthwise_conv2d_input_grad", mutates_args=())
 def _input_grad(grad: Tensor, weight: Tensor, input_shape: list[int], channels_last: bool, batch: int, order: str,
                 stride: list[int], padding: list[int], dilation: list[int]) -> Tensor:
-    """The gradient of :func:`_forward`'s input from its output's ``grad``, laid out as the input was."""
+    """The gradient of :func:`_conv`'s input from its output's ``grad``, laid out as the input was."""
     grad_x = _empty_like_input(input_shape, channels_last, grad)
     if grad_x.numel():
         _taps(grad, weight, None, grad_x, batch, order, stride, padding, dilation, input_grad=True)
     return grad_x
 
 
-@_input_grad.register_fake
-def _(grad, weight, input_shape, channels_last, batch, order, stride, padding, dilation):
-    return _empty_like_input(input_shape, channels_last, grad)
-
-
-@torch.library.custom_op("torchmb::depthwise_conv2d_weight_grad", mutates_args=())
 def _weight_grad(grad: Tensor, x: Tensor, weight: Tensor, with_bias: bool, batch: int, order: str,
                  stride: list[int], padding: list[int], dilation: list[int]) -> tuple[Tensor, Tensor]:
-    """The gradients of :func:`_forward`'s weight and (``with_bias``; else an empty tensor) bias, in their dtype."""
+    """The gradients of :func:`_conv`'s weight and (``with_bias``; else an empty tensor) bias, in their dtype."""
     import triton
 
     rows, channels, out_h, out_w = grad.shape
@@ -307,7 +294,42 @@ def _weight_grad(grad: Tensor, x: Tensor, weight: Tensor, with_bias: bool, batch
     return grad_w.to(weight.dtype), grad_b.to(weight.dtype)
 
 
-@_weight_grad.register_fake
+# The operators, for code that torch.compile traces (an opaque node each: dynamo cannot trace the launches'
+# host-side choices). Eager code calls the launches directly through _DepthwiseConv: an operator's dispatch
+# costs several times an autograd Function's host time.
+@torch.library.custom_op("torchmb::depthwise_conv2d", mutates_args=())
+def _conv_op(x: Tensor, weight: Tensor, bias: Tensor | None, batch: int, order: str, stride: list[int],
+             padding: list[int], dilation: list[int]) -> Tensor:
+    """:func:`_conv`, differentiable (its registered backward)."""
+    return _conv(x, weight, bias, batch, order, stride, padding, dilation)
+
+
+@_conv_op.register_fake
+def _(x, weight, bias, batch, order, stride, padding, dilation):
+    out = _output_size(x.shape[2:], weight.shape[2:], stride, padding, dilation)
+    return _empty_like_input((x.shape[0], x.shape[1], *out), is_channels_last(x), x)
+
+
+@torch.library.custom_op("torchmb::depthwise_conv2d_input_grad", mutates_args=())
+def _input_grad_op(grad: Tensor, weight: Tensor, input_shape: list[int], channels_last: bool, batch: int, order: str,
+                   stride: list[int], padding: list[int], dilation: list[int]) -> Tensor:
+    """:func:`_input_grad`."""
+    return _input_grad(grad, weight, input_shape, channels_last, batch, order, stride, padding, dilation)
+
+
+@_input_grad_op.register_fake
+def _(grad, weight, input_shape, channels_last, batch, order, stride, padding, dilation):
+    return _empty_like_input(input_shape, channels_last, grad)
+
+
+@torch.library.custom_op("torchmb::depthwise_conv2d_weight_grad", mutates_args=())
+def _weight_grad_op(grad: Tensor, x: Tensor, weight: Tensor, with_bias: bool, batch: int, order: str,
+                    stride: list[int], padding: list[int], dilation: list[int]) -> tuple[Tensor, Tensor]:
+    """:func:`_weight_grad`."""
+    return _weight_grad(grad, x, weight, with_bias, batch, order, stride, padding, dilation)
+
+
+@_weight_grad_op.register_fake
 def _(grad, x, weight, with_bias, batch, order, stride, padding, dilation):
     return weight.new_empty(weight.shape), weight.new_empty(weight.shape[0] if with_bias else 0)
 
@@ -318,7 +340,8 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.config = (bias is not None, *config)
 
 
-def _backward(ctx, grad: Tensor):
+def _backward(ctx, grad: Tensor, input_grad=_input_grad_op, weight_grad=_weight_grad_op):
+    """The gradients of x, weight and bias (None where not needed) and of the five settings (None)."""
     x, weight = ctx.saved_tensors
     has_bias, batch, order, stride, padding, dilation = ctx.config
     needs_x, needs_w, needs_b = ctx.needs_input_grad[:3]
@@ -326,10 +349,10 @@ def _backward(ctx, grad: Tensor):
     if torch.is_grad_enabled():  # the backward is differentiated itself: ATen's differentiable formulas
         grad_x, grad_w, grad_b = _differentiable_grads(grad, x, weight, has_bias, (needs_x, needs_w, needs_b), *config)
     else:
-        grad_x = _input_grad(grad, weight, list(x.shape), is_channels_last(x), *config) if needs_x else None
+        grad_x = input_grad(grad, weight, list(x.shape), is_channels_last(x), *config) if needs_x else None
         grad_w = grad_b = None
         if needs_w or (has_bias and needs_b):
-            grad_w, grad_b = _weight_grad(grad, x, weight, has_bias and needs_b, *config)
+            grad_w, grad_b = weight_grad(grad, x, weight, has_bias and needs_b, *config)
     return (grad_x, grad_w if needs_w else None, grad_b if has_bias and needs_b else None,
             None, None, None, None, None)
 
@@ -346,7 +369,23 @@ def _differentiable_grads(grad, x, weight, has_bias, mask, batch, order, stride,
     return grad_x, grad_w, grad_b
 
 
-_forward.register_autograd(_backward, setup_context=_setup_context)
+_conv_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _DepthwiseConv(torch.autograd.Function):
+    """:func:`_conv` with its backward, launching the kernels directly (eager code)."""
+
+    @staticmethod
+    def forward(x, weight, bias, batch, order, stride, padding, dilation):
+        return _conv(x, weight, bias, batch, order, stride, padding, dilation)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup_context(ctx, inputs, output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _backward(ctx, grad, _input_grad, _weight_grad)
 
 
 def depthwise_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Layout, stride: Sequence[int],
@@ -363,4 +402,7 @@ def depthwise_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Lay
         if tensor is not None and (tensor.dtype != x.dtype or tensor.device != x.device):
             raise RuntimeError(f"expected the {name} on the input's device and dtype ({x.device}, {x.dtype}), got "
                                f"{tensor.device}, {tensor.dtype}")
-    return _forward(x, weight, bias, layout.batch, layout.order, list(stride), list(padding), list(dilation))
+    args = (x, weight, bias, layout.batch, layout.order, list(stride), list(padding), list(dilation))
+    if torch.compiler.is_compiling():  # dynamo traces the operators, not the launches
+        return _conv_op(*args)
+    return _DepthwiseConv.apply(*args)

@@ -79,15 +79,32 @@ CASES += [(GEOMETRIES[3], order, False, torch.float16) for order in ("models", "
                               for g, o, b, d in CASES])
 def test_the_kernels_are_b_plain_depthwise_convolutions(device: str, geometry, order: str, bias: bool,
                                                        dtype: torch.dtype) -> None:
+    _check_against_plain_models(depthwise_conv2d, "_DepthwiseConvBackward", device, geometry, order, bias, dtype)
+
+
+@pytest.mark.parametrize("order", ["models", "samples"])
+@pytest.mark.parametrize("geometry", [GEOMETRIES[1], GEOMETRIES[4]], ids=lambda g: "x".join(map(str, g)))
+def test_the_operators_compile_traces_are_b_plain_depthwise_convolutions(device: str, geometry, order: str) -> None:
+    def operator(x, weight, bias, layout, stride, padding, dilation):
+        return _conv_depthwise._conv_op(x, weight, bias, layout.batch, layout.order, list(stride), list(padding),
+                                        list(dilation))
+
+    _check_against_plain_models(operator, "torchmb_depthwise_conv2d", device, geometry, order, True, torch.float32)
+
+
+def _check_against_plain_models(run, backward_name: str, device: str, geometry, order: str, bias: bool,
+                                dtype: torch.dtype) -> None:
+    """``run(merged input, stacked weight, stacked bias, layout, stride, padding, dilation)`` against B plain
+    models: outputs, input, weight and bias gradients and their layouts; ``backward_name`` says what ran."""
     channels, height, width, kernel, stride, padding, dilation = geometry
     torch.manual_seed(0)
     plain, weight, biases = _plain_models(channels, kernel, stride, padding, dilation, bias, device, dtype)
     layout = Layout(BATCH, order)
     x = torch.randn(BATCH, SAMPLES, channels, height, width, device=device).to(dtype)
     merged = layout.merge(x).contiguous(memory_format=torch.channels_last).requires_grad_()
-    y = depthwise_conv2d(merged, weight.flatten(0, 1), None if biases is None else biases.flatten(), layout,
-                         (stride, stride), (padding, padding), (dilation, dilation))
-    assert "torchmb_depthwise_conv2d" in type(y.grad_fn).__name__, "the kernels ran"
+    y = run(merged, weight.flatten(0, 1), None if biases is None else biases.flatten(), layout, (stride, stride),
+            (padding, padding), (dilation, dilation))
+    assert backward_name in type(y.grad_fn).__name__, "the kernels ran"
     grad = torch.randn(y.shape, device=device).to(dtype).contiguous(memory_format=torch.channels_last)
     y.backward(grad)
     assert y.dtype == dtype and merged.grad.dtype == dtype and weight.grad.dtype == dtype
@@ -153,10 +170,10 @@ def test_the_operators_are_registered_for_autograd_and_tracing(device: str) -> N
     weight = torch.randn(BATCH * 4, 1, 3, 3, device=device)
     bias = torch.randn(BATCH * 4, device=device)
     config = (BATCH, "samples", [2, 2], [1, 1], [1, 1])
-    torch.library.opcheck(_conv_depthwise._forward, (x.requires_grad_(), weight.requires_grad_(), bias, *config))
+    torch.library.opcheck(_conv_depthwise._conv_op, (x.requires_grad_(), weight.requires_grad_(), bias, *config))
     grad = torch.randn(BATCH * SAMPLES, 4, 3, 3, device=device).contiguous(memory_format=torch.channels_last)
-    torch.library.opcheck(_conv_depthwise._input_grad, (grad, weight.detach(), list(x.shape), True, *config))
-    torch.library.opcheck(_conv_depthwise._weight_grad, (grad, x.detach(), weight.detach(), True, *config))
+    torch.library.opcheck(_conv_depthwise._input_grad_op, (grad, weight.detach(), list(x.shape), True, *config))
+    torch.library.opcheck(_conv_depthwise._weight_grad_op, (grad, x.detach(), weight.detach(), True, *config))
 
 
 def test_mismatched_weights_are_refused(device: str) -> None:
