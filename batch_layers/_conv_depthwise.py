@@ -228,9 +228,10 @@ def _taps(src: Tensor, weight: Tensor, bias: Tensor | None, dst: Tensor, batch: 
         )  # fmt: skip
 
 
-def _empty_like_input(x_shape: Sequence[int], channels_last: bool, like: Tensor) -> Tensor:
+def _new_merged(shape: Sequence[int], channels_last: bool, like: Tensor) -> Tensor:
+    """An empty merged tensor on ``like``'s device and dtype, channels-last or contiguous."""
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
-    return torch.empty(x_shape, dtype=like.dtype, device=like.device, memory_format=memory_format)
+    return torch.empty(shape, dtype=like.dtype, device=like.device, memory_format=memory_format)
 
 
 def _conv(x: Tensor, weight: Tensor, bias: Tensor | None, batch: int, order: str, stride: list[int],
@@ -238,7 +239,7 @@ def _conv(x: Tensor, weight: Tensor, bias: Tensor | None, batch: int, order: str
     """B models' depthwise ``F.conv2d`` of the merged ``x`` in ``order`` with the stacked ``(B*C, 1, kh, kw)``
     ``weight`` and ``(B*C,)`` ``bias``; the merged output keeps ``x``'s layout (channels-last or contiguous)."""
     out = _output_size(x.shape[2:], weight.shape[2:], stride, padding, dilation)
-    y = _empty_like_input((x.shape[0], x.shape[1], *out), is_channels_last(x), x)
+    y = _new_merged((x.shape[0], x.shape[1], *out), is_channels_last(x), x)
     if y.numel():
         _taps(x, weight, bias, y, batch, order, stride, padding, dilation, input_grad=False)
     return y
@@ -247,7 +248,7 @@ def _conv(x: Tensor, weight: Tensor, bias: Tensor | None, batch: int, order: str
 def _input_grad(grad: Tensor, weight: Tensor, input_shape: list[int], channels_last: bool, batch: int, order: str,
                 stride: list[int], padding: list[int], dilation: list[int]) -> Tensor:
     """The gradient of :func:`_conv`'s input from its output's ``grad``, laid out as the input was."""
-    grad_x = _empty_like_input(input_shape, channels_last, grad)
+    grad_x = _new_merged(input_shape, channels_last, grad)
     if grad_x.numel():
         _taps(grad, weight, None, grad_x, batch, order, stride, padding, dilation, input_grad=True)
     return grad_x
@@ -307,7 +308,7 @@ def _conv_op(x: Tensor, weight: Tensor, bias: Tensor | None, batch: int, order: 
 @_conv_op.register_fake
 def _(x, weight, bias, batch, order, stride, padding, dilation):
     out = _output_size(x.shape[2:], weight.shape[2:], stride, padding, dilation)
-    return _empty_like_input((x.shape[0], x.shape[1], *out), is_channels_last(x), x)
+    return _new_merged((x.shape[0], x.shape[1], *out), is_channels_last(x), x)
 
 
 @torch.library.custom_op("torchmb::depthwise_conv2d_input_grad", mutates_args=())
@@ -319,7 +320,7 @@ def _input_grad_op(grad: Tensor, weight: Tensor, input_shape: list[int], channel
 
 @_input_grad_op.register_fake
 def _(grad, weight, input_shape, channels_last, batch, order, stride, padding, dilation):
-    return _empty_like_input(input_shape, channels_last, grad)
+    return _new_merged(input_shape, channels_last, grad)
 
 
 @torch.library.custom_op("torchmb::depthwise_conv2d_weight_grad", mutates_args=())
