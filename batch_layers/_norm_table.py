@@ -40,8 +40,9 @@ class NormCall:
     @classmethod
     def of(cls, x: torch.Tensor, features: int) -> NormCall:
         """The call of a norm of ``x``'s rows of ``features``, now."""
-        return cls(x.is_cuda, x.dtype, features, torch.compiler.is_compiling(),
-                   torch._C._are_functorch_transforms_active())
+        compiling = torch.compiler.is_compiling()  # (then the transforms are not asked: dynamo cannot trace it)
+        return cls(x.is_cuda, x.dtype, features, compiling,
+                   not compiling and torch._C._are_functorch_transforms_active())
 
 
 TRITON_NORM = Candidate(
