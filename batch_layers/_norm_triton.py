@@ -166,9 +166,10 @@ def norm_affine_forward(
     and each row's mean (empty for an RMS norm) and inverse standard deviation (``(rows,)``, float32)."""
     rows = x.numel() // features
     batch, samples_major = layout.batch, layout.order == "samples"
-    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    mean = torch.empty(0 if rms else rows, device=x.device, dtype=torch.float32)
-    rstd = torch.empty(rows, device=x.device, dtype=torch.float32)
+    # (new_empty: a forward that tracks which tensors hold the models' data sees the results come from x)
+    y = x.new_empty(x.shape, dtype=out_dtype)
+    mean = x.new_empty(0 if rms else rows, dtype=torch.float32)
+    rstd = x.new_empty(rows, dtype=torch.float32)
     if rows == 0:
         return y, mean, rstd
     import triton

@@ -20,6 +20,7 @@ from batch_layers import Layout, _kernel_table, _norm_table, _norm_triton
 from batch_layers._kernel_table import choose
 from batch_layers._norm_table import NORM_OPS, NormCall, explain_norm_kernels
 from batch_layers.functional import _norm as functional_norm
+from torchmb import BatchModule
 
 B, N, TOKENS = 3, 4, 5
 OP = next(iter(NORM_OPS))
@@ -114,6 +115,45 @@ def test_bfloat16_input_with_float32_weights_keeps_the_input_dtype(device: str, 
     plain = _plain(kind, (24,), device, torch.float32)
     x = torch.randn(B, N, TOKENS, 24, device=device).bfloat16()
     _run_and_compare(plain, _batched(plain, "samples"), x, "samples")
+
+
+def test_a_batch_module_trains_like_b_plain_models(device: str) -> None:
+    """A small pre-norm block in a BatchModule (its first forward tracked, then untracked): one SGD step's
+    outputs, losses and weights as B plain models give them."""
+    def make() -> nn.Module:
+        return nn.Sequential(nn.LayerNorm(12), nn.Linear(12, 16), nn.GELU(), nn.RMSNorm(16), nn.Linear(16, 2))
+
+    torch.manual_seed(0)
+    plain = [make().to(device) for _ in range(B)]
+    for model in plain:  # weights and biases other than ones and zeros
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+    batched = BatchModule(make(), B).to(device)
+    batched.load_state_dicts([m.state_dict() for m in plain])
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in plain]
+    batched_optimizer = torch.optim.SGD(batched.parameters(), lr=0.1)
+    ran = []
+    for layer in batched.modules():
+        if isinstance(layer, batch_layers.LayerNorm):  # RMSNorm's too
+            layer.register_forward_hook(lambda _, args, out: ran.append(type(out.grad_fn).__name__))
+    x = torch.randn(B, N, TOKENS, 12, device=device)
+    for _ in range(2):
+        y = batched(x)
+        assert y.shape == (B, N, TOKENS, 2)
+        batched_optimizer.zero_grad()
+        y.square().sum().backward()
+        batched_optimizer.step()
+        for i, (model, optimizer) in enumerate(zip(plain, optimizers)):
+            own = model(x[i])
+            torch.testing.assert_close(y[i], own, atol=1e-5, rtol=1e-5)
+            optimizer.zero_grad()
+            own.square().sum().backward()
+            optimizer.step()
+    assert ran == [FUSED] * 4
+    for i, model in enumerate(plain):
+        for name, p in batched.unbatch(i).named_parameters():
+            torch.testing.assert_close(p, dict(model.named_parameters())[name], atol=1e-5, rtol=1e-5)
 
 
 def test_only_the_weights_need_gradients(device: str) -> None:
