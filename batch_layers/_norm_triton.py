@@ -28,6 +28,12 @@ __all__ = ["MAX_FEATURES", "norm_affine_backward", "norm_affine_forward"]
 
 MAX_FEATURES = 8192
 """The most features one program normalises (a row is held in registers)."""
+FORWARD_TILE, BACKWARD_TILE = 4096, 2048
+"""Elements one program holds per step where rows are short (the backward keeps two float32 accumulator
+tiles besides its operands, so it takes fewer rows at a time)."""
+PROGRAMS_PER_SM = 8
+"""Backward programs per multiprocessor: each streams its model's rows in order and keeps its partial sums of
+the weight and bias gradients, so more programs mean more partial sums but more loads in flight."""
 
 
 @functools.cache
@@ -148,13 +154,14 @@ def _on_device(x: Tensor):
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
-def _blocks(features: int) -> tuple[int, int, int]:
-    """Features and rows per program, and warps, for rows of ``features``."""
+def _blocks(features: int, tile: int) -> tuple[int, int, int]:
+    """Features and rows per program (a ``tile`` of elements where rows are short), and warps (16 elements
+    per thread of a tile), for rows of ``features``."""
     import triton
 
     block_d = triton.next_power_of_2(features)
-    block_r = max(1, min(32, 4096 // block_d))
-    return block_r, block_d, 4 if block_d <= 2048 else 8
+    block_r = max(1, min(32, tile // block_d))
+    return block_r, block_d, max(4, min(16, block_r * block_d // 512))
 
 
 def norm_affine_forward(
@@ -174,7 +181,7 @@ def norm_affine_forward(
         return y, mean, rstd
     import triton
 
-    block_r, block_d, warps = _blocks(features)
+    block_r, block_d, warps = _blocks(features, FORWARD_TILE)
     with _on_device(x):
         _kernels()[0][(triton.cdiv(rows, block_r),)](
             x, x if weight is None else weight, x if bias is None else bias, y, mean if not rms else rstd, rstd,
@@ -186,11 +193,12 @@ def norm_affine_forward(
 
 
 def _splits(device: torch.device, batch: int, model_rows: int, block_r: int) -> int:
-    """How many programs share one model's rows in the backward: about four per multiprocessor over all
-    models, each with at least a few blocks of rows (fewer partial sums to add up)."""
+    """How many programs share one model's rows in the backward: :data:`PROGRAMS_PER_SM` per multiprocessor
+    over all models, each with at least a few blocks of rows (fewer partial sums to add up)."""
     import triton
 
-    programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    multiprocessors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    programs = PROGRAMS_PER_SM * multiprocessors
     return max(1, min(triton.cdiv(programs, batch), triton.cdiv(model_rows, 4 * block_r)))
 
 
@@ -210,7 +218,7 @@ def norm_affine_backward(
 
     inner = rows // x.shape[0]
     per_model = x.shape[0] // batch
-    block_r, block_d, warps = _blocks(features)
+    block_r, block_d, warps = _blocks(features, BACKWARD_TILE)
     splits = _splits(x.device, batch, per_model * inner, block_r)
     chunk = triton.cdiv(triton.cdiv(per_model * inner, splits), block_r) * block_r
     splits = triton.cdiv(per_model * inner, chunk)

@@ -109,6 +109,19 @@ def test_fused_norm_matches_b_plain_norms(device: str, kind: str, order: str, sh
     _run_and_compare(plain, _batched(plain, order), x, order)
 
 
+@pytest.mark.parametrize("order", ["models", "samples"])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_a_models_rows_split_over_several_programs(device: str, order: str, kind: str) -> None:
+    """Enough rows per model that several backward programs share each model's (their partial weight and bias
+    sums added up per model)."""
+    samples, tokens, features = 8, 40, 37
+    block_r = _norm_triton._blocks(features, _norm_triton.BACKWARD_TILE)[0]
+    assert _norm_triton._splits(torch.device(device), B, samples * tokens, block_r) > 1
+    plain = _plain(kind, (features,), device, torch.float32)
+    x = torch.randn(B, samples, tokens, features, device=device)
+    _run_and_compare(plain, _batched(plain, order), x, order)
+
+
 @pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight:UserWarning")  # plain RMSNorm's
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 def test_bfloat16_input_with_float32_weights_keeps_the_input_dtype(device: str, kind: str) -> None:
