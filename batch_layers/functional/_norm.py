@@ -5,7 +5,9 @@ batch norm over the grouped ``(n, B*C, ...)`` layout (a free view samples-major;
 channels-last, cuDNN's NHWC batch norm). The per-sample norms (layer, RMS, group, instance) take their
 statistics within one sample, so the normalisation runs unchanged on the merged tensor; only the elementwise
 affine differs per model, one broadcast product and sum with the ``(B, ...)`` weights on the ``(B, n, ...)``
-view. A shared ``(n, ...)`` input is normalised once; the per-model affine broadcasts it to B models.
+view. A shared ``(n, ...)`` input is normalised once; the per-model affine broadcasts it to B models. Layer
+and RMS norms of a merged input may instead run fused Triton kernels that apply each row's model's affine
+themselves (the kernel table of norms, :mod:`batch_layers._norm_table`, chooses).
 """
 
 from __future__ import annotations
