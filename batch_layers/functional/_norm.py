@@ -195,7 +195,9 @@ class _FusedNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, normalized_shape, eps, layout, rms):
         features, batch = math.prod(normalized_shape), layout.batch
-        out_dtype = x.dtype if autocast_dtype(x.device.type) is None else torch.float32
+        # CUDA's autocast runs torch's norms in float32 (the kernels run on CUDA tensors only; on CPU, Triton's
+        # interpreter in the tests)
+        out_dtype = torch.float32 if x.is_cuda and autocast_dtype("cuda") is not None else x.dtype
         w = None if weight is None else weight.reshape(batch, features).contiguous()
         b = None if bias is None else bias.reshape(batch, features).contiguous()
         y, mean, rstd = norm_affine_forward(x.contiguous(), w, b, features, eps, layout, rms, out_dtype)
