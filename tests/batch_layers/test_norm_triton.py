@@ -115,7 +115,7 @@ def test_a_models_rows_split_over_several_programs(device: str, order: str, kind
     """Enough rows per model that several backward programs share each model's (their partial weight and bias
     sums added up per model)."""
     samples, tokens, features = 8, 40, 37
-    block_r = _norm_triton._blocks(features, _norm_triton.BACKWARD_TILE)[0]
+    block_r = _norm_triton._blocks(features, _norm_triton.BACKWARD_TILE, _norm_triton.BACKWARD_PER_THREAD)[0]
     assert _norm_triton._splits(torch.device(device), B, samples * tokens, block_r) > 1
     plain = _plain(kind, (features,), device, torch.float32)
     x = torch.randn(B, samples, tokens, features, device=device)
