@@ -34,7 +34,8 @@ tiles besides its operands, so it takes fewer rows at a time)."""
 FORWARD_PER_THREAD, BACKWARD_PER_THREAD = 8, 4
 """Elements of a tile per thread: for 192 features (tiles of 16 and 8 rows of 256), ptxas gives the forward 64
 and the backward 59 registers on sm_90, where 16 elements per thread took 115 and 154 (fewer programs
-resident to keep loads in flight). Not yet timed against other choices on a GPU."""
+resident to keep loads in flight): chosen by register counts; ``tests/benchmarks/bench_norm_affine.py --tune``
+times the others."""
 PROGRAMS_PER_SM = 8
 """Backward programs per multiprocessor: each streams its model's rows in order and keeps its partial sums of
 the weight and bias gradients, so more programs mean more partial sums but more loads in flight."""

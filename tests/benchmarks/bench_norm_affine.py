@@ -6,6 +6,9 @@ its affine on all B*n rows, one weight set).
 
     PYTHONPATH=. python tests/benchmarks/bench_norm_affine.py [--batches 16,64] [--samples 128] [--device cuda]
 
+``--tune`` instead times the fused kernels alone for each setting of their tile constants
+(``batch_layers/_norm_triton.py``: elements per thread, backward programs per multiprocessor).
+
 Prints milliseconds per forward + backward (``torch.utils.benchmark``'s median) and the ratios; a ``-`` where
 the fused kernels do not apply (no CUDA, no Triton: ``--device cpu`` times the composite and the limit only).
 The kernel table of norms (``batch_layers/_norm_table.py``) rests on these numbers.
@@ -20,7 +23,7 @@ import torch.nn.functional as F
 from torch.utils import benchmark
 
 import torchmb_config
-from batch_layers import Layout
+from batch_layers import Layout, _norm_triton
 from batch_layers.functional import layer_norm, rms_norm
 
 FEATURES, TOKENS = 192, 65
@@ -65,13 +68,34 @@ def _rows(kind: str, dtype: torch.dtype, batch: int, samples: int, device: torch
                f"{composite:.3f} | {limit:.3f} | {cells[1]} | {cells[2]} |")
 
 
+def _tune(batch: int, samples: int, device: torch.device) -> None:
+    """The fused layer norm's milliseconds for each setting of the kernels' tile constants, fp32 and bf16."""
+    print("| dtype | B | forward per thread | backward per thread | programs per SM | fused ms |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    layout = Layout(batch, "models")
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(batch * samples, TOKENS, FEATURES, device=device, dtype=dtype, requires_grad=True)
+        weight = torch.randn(batch, FEATURES, device=device, dtype=dtype, requires_grad=True)
+        bias = torch.randn(batch, FEATURES, device=device, dtype=dtype, requires_grad=True)
+        for forward, backward, programs in ((f, b, p) for f in (4, 8, 16) for b in (2, 4, 8) for p in (4, 8, 16)):
+            _norm_triton.FORWARD_PER_THREAD, _norm_triton.BACKWARD_PER_THREAD = forward, backward
+            _norm_triton.PROGRAMS_PER_SM = programs
+            print(f"| {str(dtype).removeprefix('torch.')} | {batch} | {forward} | {backward} | {programs} | "
+                  f"{_ms('layer', x, weight, bias, layout):.3f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="16,64", help="comma-separated numbers of models B")
     parser.add_argument("--samples", type=int, default=128, help="samples per model n")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--orders", default="models,samples", help="comma-separated merged orders to time")
+    parser.add_argument("--tune", action="store_true", help="time the fused kernels' tile constants instead "
+                        "(the first of --batches)")
     args = parser.parse_args()
+    if args.tune:
+        _tune(int(args.batches.split(",")[0]), args.samples, torch.device(args.device))
+        return
     print("| norm | dtype | B | order | fused ms | composite ms | limit ms | composite / fused | limit / fused |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for kind in ("layer", "rms"):
