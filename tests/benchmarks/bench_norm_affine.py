@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch.utils import benchmark
 
 import torchmb_config
-from batch_layers import Layout, _norm_triton
+from batch_layers import Layout, _norm_triton, explain_norm_kernels
+from batch_layers._norm_table import runs_fused_norm
 from batch_layers.functional import layer_norm, rms_norm
 
 FEATURES, TOKENS = 192, 65
@@ -70,6 +71,10 @@ def _rows(kind: str, dtype: torch.dtype, batch: int, samples: int, device: torch
 
 def _tune(batch: int, samples: int, device: torch.device) -> None:
     """The fused layer norm's milliseconds for each setting of the kernels' tile constants, fp32 and bf16."""
+    probe = torch.randn(batch, FEATURES, device=device)
+    if not runs_fused_norm(probe, FEATURES):
+        print(explain_norm_kernels(cuda=probe.is_cuda, dtype=probe.dtype, features=FEATURES))
+        return
     print("| dtype | B | forward per thread | backward per thread | programs per SM | fused ms |")
     print("| --- | --- | --- | --- | --- | --- |")
     layout = Layout(batch, "models")
