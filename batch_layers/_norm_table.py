@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.autograd import forward_ad
 
 import torchmb_config
 
@@ -29,7 +30,7 @@ class NormCall:
     """What the choice depends on, as plain values: whether the input is a CUDA tensor (``cuda``), its
     ``dtype`` (the one the norm computes in: float32 under autocast), the number of normalised ``features``
     (the product of the normalised shape), and whether ``torch.compile`` is tracing it (``compiling``) or a
-    ``torch.func`` transform is active (``transformed``)."""
+    ``torch.func`` transform or forward-mode AD (``torch.autograd.forward_ad``) is active (``transformed``)."""
 
     cuda: bool
     dtype: torch.dtype
@@ -41,8 +42,9 @@ class NormCall:
     def of(cls, x: torch.Tensor, features: int) -> NormCall:
         """The call of a norm of ``x``'s rows of ``features``, now."""
         compiling = torch.compiler.is_compiling()  # (then the transforms are not asked: dynamo cannot trace it)
-        return cls(x.is_cuda, x.dtype, features, compiling,
-                   not compiling and torch._C._are_functorch_transforms_active())
+        transformed = not compiling and (torch._C._are_functorch_transforms_active()
+                                         or forward_ad._current_level >= 0)
+        return cls(x.is_cuda, x.dtype, features, compiling, transformed)
 
 
 TRITON_NORM = Candidate(
@@ -51,7 +53,8 @@ TRITON_NORM = Candidate(
      ("float32, float16 or bfloat16", lambda lim, c: c.dtype in _FLOATS),
      ("at most {max_features} normalised features", lambda lim, c: 0 < c.features <= lim["max_features"]),
      ("not traced by torch.compile (Inductor fuses the composite itself)", lambda lim, c: not c.compiling),
-     ("no torch.func transform active (the kernels have no batching rule)", lambda lim, c: not c.transformed),
+     ("no torch.func transform or forward-mode AD active (the kernels have no batching rule and no jvp)",
+      lambda lim, c: not c.transformed),
      ("Triton installed and the 'triton' switch on (TORCHMB_TRITON)",
       lambda lim, c: _kernel_table.TRITON_INSTALLED and _TRITON_SWITCH.get())),
     {"max_features": MAX_FEATURES},

@@ -281,3 +281,17 @@ def test_a_cpu_norm_and_a_compiled_one_keep_the_composite() -> None:
 
     traced(torch.randn(2, 16))
     assert seen[0].compiling and not NormCall.of(torch.randn(2, 16), 16).compiling
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # forward AD's own
+def test_torch_func_transforms_and_forward_mode_ad_keep_the_composite() -> None:
+    """The kernels have neither a batching rule nor a jvp: under ``torch.func`` transforms and forward-mode AD
+    the call says so (and the table then chooses the composite, as tested above)."""
+    x = torch.randn(2, 16)
+    assert not NormCall.of(x, 16).transformed
+    seen = []
+    torch.func.vmap(lambda row: seen.append(NormCall.of(row, 16)) or row)(x)
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(x, torch.ones_like(x))
+        seen.append(NormCall.of(dual, 16))
+    assert [call.transformed for call in seen] == [True, True]
