@@ -283,6 +283,24 @@ def test_a_cpu_norm_and_a_compiled_one_keep_the_composite() -> None:
     assert seen[0].compiling and not NormCall.of(torch.randn(2, 16), 16).compiling
 
 
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_compiled_norm_traces_the_composite_without_graph_breaks(where: str) -> None:
+    if where == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    plain = _plain("layer", (32,), where, torch.float32)
+    batched = _batched(plain, "models")
+    merged = torch.randn(B * N, TOKENS, 32, device=where, requires_grad=True)
+    y = torch.compile(batched, fullgraph=True, backend="aot_eager")(merged)
+    (y * y).sum().backward()
+    for i, model in enumerate(plain):
+        own = merged.detach().view(B, N, TOKENS, 32)[i].requires_grad_()
+        y_own = model(own)
+        (y_own * y_own).sum().backward()
+        torch.testing.assert_close(y.view(B, N, TOKENS, 32)[i], y_own, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(merged.grad.view(B, N, TOKENS, 32)[i], own.grad, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(batched.weight.grad[i], model.weight.grad, atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # forward AD's own
 def test_torch_func_transforms_and_forward_mode_ad_keep_the_composite() -> None:
     """The kernels have neither a batching rule nor a jvp: under ``torch.func`` transforms and forward-mode AD
