@@ -35,6 +35,7 @@ from ._layout import Layout
 from ._linear import Linear
 from ._linear_cross_entropy import LinearCrossEntropyLoss
 from ._norm import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm, RMSNorm
+from ._norm_table import explain_norm_kernels
 from ._recurrent import GRU, LSTM, RNN
 from ._recurrent_cells import GRUCell, LSTMCell, RNNCell
 from ._stacked_reads import StackedReadError, check_stacked_read, stacked_reads_watched_elsewhere
@@ -100,6 +101,7 @@ __all__ = [
     "check_stacked_read",
     "current_forward",
     "explain_kernels",
+    "explain_norm_kernels",
     "forward_context",
     "get_backend",
     "is_shared_input",

@@ -247,16 +247,17 @@ OPS: dict[str, tuple[Candidate, ...]] = {
 """op -> its candidates in order of preference (the last always applies)."""
 
 
-def choose(op: str, call: ConvCall) -> Candidate:
-    """The candidate that runs ``op`` for ``call``."""
-    return next(c for c in OPS[op] if c.applies(call))
+def choose(op: str, call: ConvCall, ops: dict[str, tuple[Candidate, ...]] = OPS) -> Candidate:
+    """The candidate that runs ``op`` for ``call`` (in the table ``ops``: the convolutions' by default)."""
+    return next(c for c in ops[op] if c.applies(call))
 
 
-def explain(call: ConvCall) -> str:
-    """For every op: the candidate that runs ``call`` and, for each one preferred before it, why not."""
+def explain(call: ConvCall, ops: dict[str, tuple[Candidate, ...]] = OPS) -> str:
+    """For every op of the table ``ops``: the candidate that runs ``call`` and, for each one preferred before
+    it, why not."""
     lines = []
-    for op, candidates in OPS.items():
-        chosen = choose(op, call)
+    for op, candidates in ops.items():
+        chosen = choose(op, call, ops)
         lines.append(f"{op}: {chosen.name} ({chosen.measured})" if chosen.conditions else f"{op}: {chosen.name}")
         for c in candidates[: candidates.index(chosen)]:
             lines.append(f"    not {c.name}: needs " + "; ".join(c.unmet(call)))

@@ -4,7 +4,8 @@ Their statistics are taken within one sample, so the normalisation itself runs u
 ``(B*n, ...)`` tensor (torch's fused kernels, no copies); only the elementwise affine differs per model,
 and it is applied as one broadcast product and sum with the ``(B, ...)`` weights on the ``(B, n, ...)``
 view. A shared ``(n, ...)`` input is normalised once; the per-model affine broadcasts it to ``(B, n, ...)``
-(without an affine the output stays shared).
+(without an affine the output stays shared). On a GPU with Triton, LayerNorm and RMSNorm run fused kernels
+that apply each model's affine themselves (``functional/_norm.py`` and the kernel table of norms).
 
 ``nn.LocalResponseNorm`` has no parameters and normalises across the channels of one sample, so it needs
 no batched class: it runs on the merged axis as it is (tested against B plain models).

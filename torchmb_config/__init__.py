@@ -10,8 +10,8 @@ own switch functions (``batch_layers.set_backend``, ``offload.set_engine``, ...)
 
 - ``backend`` (``TORCHMB_BACKEND``, default ``auto``): the kernels of batched layers and fused optimizers:
   ``auto`` (CuPy where it applies), ``cupy`` (required for CUDA tensors), ``torch`` (reference path).
-- ``triton`` (``TORCHMB_TRITON``, default ``1``): convolutions may take the Triton kernels where the kernel
-  table says they are faster; ``0``: cuDNN/ATen for every convolution.
+- ``triton`` (``TORCHMB_TRITON``, default ``1``): convolutions and per-model-affine norms may take the Triton
+  kernels where their kernel tables say they are faster; ``0``: cuDNN/ATen for every convolution and norm.
 - ``offload_engine`` (``TORCHMB_OFFLOAD_ENGINE``, default ``auto``): the default copy engine of
   ``offload.HostTable``: ``auto`` (measured), ``uva``, ``cpu``, ``hybrid`` (offload validates the name).
 - ``offload_cache_kernels`` (``TORCHMB_OFFLOAD_KERNELS``, default ``1``): CuPy kernels keep the books of an
@@ -124,8 +124,8 @@ register(Switch("backend", "TORCHMB_BACKEND", "auto",
                 "CuPy kernels where they apply), 'cupy' (required for CUDA tensors), 'torch' (reference path)",
                 _backend, _backend))
 register(Switch("triton", "TORCHMB_TRITON", True,
-                "whether convolutions may take the Triton kernels where their table says they are faster "
-                "(off: cuDNN/ATen for every convolution)", _flag, _bool))
+                "whether convolutions and per-model-affine norms may take the Triton kernels where their tables "
+                "say they are faster (off: cuDNN/ATen for every convolution and norm)", _flag, _bool))
 register(Switch("offload_engine", "TORCHMB_OFFLOAD_ENGINE", "auto",
                 "the default copy engine of offload.HostTable: 'auto' (measured), 'uva', 'cpu' or 'hybrid'",
                 str, str))

@@ -5,18 +5,24 @@ batch norm over the grouped ``(n, B*C, ...)`` layout (a free view samples-major;
 channels-last, cuDNN's NHWC batch norm). The per-sample norms (layer, RMS, group, instance) take their
 statistics within one sample, so the normalisation runs unchanged on the merged tensor; only the elementwise
 affine differs per model, one broadcast product and sum with the ``(B, ...)`` weights on the ``(B, n, ...)``
-view. A shared ``(n, ...)`` input is normalised once; the per-model affine broadcasts it to B models.
+view. A shared ``(n, ...)`` input is normalised once; the per-model affine broadcasts it to B models. Layer
+and RMS norms of a merged input may instead run fused Triton kernels that apply each row's model's affine
+themselves (the kernel table of norms, :mod:`batch_layers._norm_table`, chooses).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._base import autocast_dtype
 from .._layout import Layout, from_grouped, shared_to_grouped, to_grouped
+from .._norm_table import runs_fused_norm
+from .._norm_triton import norm_affine_backward, norm_affine_forward
 
 __all__ = ["batch_norm", "frozen_batch_norm", "group_norm", "instance_norm", "layer_norm", "rms_norm"]
 
@@ -136,7 +142,10 @@ def layer_norm(
 ) -> Tensor:
     """:func:`torch.nn.functional.layer_norm` for B models: the merged ``(B*n, *, *normalized_shape)`` input
     (with ``shared``, one ``(n, ...)``), ``weight`` and ``bias`` ``(B, *normalized_shape)``. Without an affine
-    the output of a shared input stays shared."""
+    the output of a shared input stays shared. The kernel table of norms (:mod:`batch_layers._norm_table`)
+    chooses the fused kernels or torch's norm plus a broadcast affine."""
+    if _takes_fused(input, normalized_shape, (weight, bias), layout, shared):
+        return _FusedNorm.apply(input, weight, bias, tuple(normalized_shape), eps, layout, False)
     return _affine(F.layer_norm(input, normalized_shape, None, None, eps), weight, bias, layout, shared)
 
 
@@ -151,7 +160,81 @@ def rms_norm(
 ) -> Tensor:
     """:func:`torch.nn.functional.rms_norm` for B models, as :func:`layer_norm` (``weight``
     ``(B, *normalized_shape)``, no bias)."""
+    if _takes_fused(input, normalized_shape, (weight,), layout, shared):
+        # torch's default: the machine epsilon of the float type it computes in (float32 for every fused dtype)
+        eps = torch.finfo(torch.float32).eps if eps is None else eps
+        return _FusedNorm.apply(input, weight, None, tuple(normalized_shape), eps, layout, True)
     return _affine(F.rms_norm(input, normalized_shape, None, eps), weight, None, layout, shared)
+
+
+def _takes_fused(input: Tensor, normalized_shape: Sequence[int], params: tuple[Tensor | None, ...], layout: Layout,
+                 shared: bool) -> bool:
+    """Whether a norm with this per-model affine runs on the fused kernels: the kernel table's choice, for the
+    shapes they read (any other goes to the composite, whose checks raise torch's errors)."""
+    params = tuple(p for p in params if p is not None)
+    if shared or not params:  # a shared input is normalised once, then broadcast to the models
+        return False
+    shape = tuple(normalized_shape)
+    if input.dim() <= len(shape) or tuple(input.shape[input.dim() - len(shape) :]) != shape:
+        return False
+    if input.shape[0] % layout.batch or any(tuple(p.shape) != (layout.batch, *shape) for p in params):
+        return False
+    return runs_fused_norm(input, math.prod(shape))
+
+
+class _FusedNorm(torch.autograd.Function):
+    """A layer norm (or, with ``rms``, an RMS norm) of the merged input's rows with each row's model's weight
+    and bias, forward and backward on the Triton kernels of :mod:`batch_layers._norm_triton`.
+
+    The output's dtype is the one the composite gives: the input's, or float32 under autocast (torch's norms
+    run in float32 there), read from the input as it is rather than from a float32 copy. A backward that is
+    itself differentiated (``create_graph=True``) differentiates the composite instead: the kernels have no
+    derivatives of their own.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, normalized_shape, eps, layout, rms):
+        features, batch = math.prod(normalized_shape), layout.batch
+        # CUDA's autocast runs torch's norms in float32 (the kernels run on CUDA tensors only; on CPU, Triton's
+        # interpreter in the tests)
+        out_dtype = torch.float32 if x.is_cuda and autocast_dtype("cuda") is not None else x.dtype
+        w = None if weight is None else weight.reshape(batch, features).contiguous()
+        b = None if bias is None else bias.reshape(batch, features).contiguous()
+        y, mean, rstd = norm_affine_forward(x.contiguous(), w, b, features, eps, layout, rms, out_dtype)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.config = (normalized_shape, eps, layout, rms, out_dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        normalized_shape, eps, layout, rms, out_dtype = ctx.config
+        needs = (ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1],
+                 bias is not None and ctx.needs_input_grad[2])
+        if torch.is_grad_enabled():
+            grads = _composite_grads(grad, x, weight, bias, normalized_shape, eps, layout, rms, out_dtype, needs)
+        else:
+            features, batch = math.prod(normalized_shape), layout.batch
+            w = None if weight is None else weight.reshape(batch, features).contiguous()
+            param_dtype = (weight if weight is not None else bias).dtype
+            dx, dw, db = norm_affine_backward(grad, x.contiguous(), w, mean, rstd, features, layout, rms, needs,
+                                              param_dtype)
+            grads = (None if dx is None else dx.view(x.shape), None if dw is None else dw.view(weight.shape),
+                     None if db is None else db.view(bias.shape).to(bias.dtype))
+        return (*grads, None, None, None, None)
+
+
+def _composite_grads(grad, x, weight, bias, normalized_shape, eps, layout, rms, out_dtype, needs):
+    """The gradients ``needs`` asks for, differentiably, through the composite of the same norm of ``x``
+    computed in ``out_dtype`` (as autocast would have)."""
+    rows = x.to(out_dtype)
+    if rms:
+        y = _affine(F.rms_norm(rows, normalized_shape, None, eps), weight, None, layout, False)
+    else:
+        y = _affine(F.layer_norm(rows, normalized_shape, None, None, eps), weight, bias, layout, False)
+    inputs = [t for t, need in zip((x, weight, bias), needs) if need]
+    found = iter(torch.autograd.grad(y, inputs, grad, create_graph=True))
+    return tuple(next(found) if need else None for need in needs)
 
 
 def group_norm(
