@@ -5,8 +5,7 @@ A batched convolution runs as one grouped convolution (the models are groups, se
 op below the first candidate whose conditions all hold runs; the last candidate of each op has none.
 :func:`choose` answers for a shape, :func:`explain` says why for every op (``python -m torchmb kernels``).
 The functional core (``batch_layers/functional/_conv.py``) asks through
-:func:`~batch_layers._conv_triton.runs_on_triton`, :func:`~batch_layers._depthwise_triton.runs_depthwise_grad`,
-:func:`~batch_layers._conv_depthwise.runs_depthwise_merged`
+:func:`~batch_layers._conv_triton.runs_on_triton`, :func:`~batch_layers._depthwise_triton.runs_depthwise_grad`
 and :func:`~batch_layers.functional._conv.keeps_channels_last`.
 
 Adding a kernel: its module beside the layer (the kernel and its launch), plus one :class:`Candidate` in
@@ -48,9 +47,7 @@ class ConvCall:
     grouped convolution's input (``cuda``, ``dims``, ``dtype``, its ``channels``), its stacked weight's ``weight_shape``
     (``(B*O, C/g, *k)``; ``(B*C, O/g, *k)`` transposed), ``groups`` (``B * g``), ``transposed``, ``stride`` and
     ``dilation``, and the input's spatial ``size`` and ``padding`` (empty where the caller does not know them:
-    only the candidates that read them need them); ``channels_last``: the merged ``(B*n, C, H, W)`` input lies
-    in memory as ``(B*n, H, W, C)`` (timm's ConvNeXt), which only the candidates that read it where it lies
-    ask about."""
+    only the candidates that read them need them)."""
 
     cuda: bool
     dims: int
@@ -63,7 +60,6 @@ class ConvCall:
     dilation: tuple[int, ...] = (1, 1)
     size: tuple[int, ...] = ()
     padding: tuple[int, ...] = ()
-    channels_last: bool = False
 
     @classmethod
     def of(cls, x: torch.Tensor, weight: torch.Tensor, groups: int, transposed: bool = False,
@@ -78,8 +74,7 @@ class ConvCall:
         """The call of B models' convolution of the merged ``(B*n, C, *S)`` ``x`` (one model's channels) with the
         stacked ``weight``, ``groups`` counting ``B * g``; not transposed."""
         return cls(x.is_cuda, x.dim(), x.dtype, batch * x.shape[1], tuple(weight.shape), groups, False, tuple(stride),
-                   tuple(dilation), tuple(x.shape[2:]), tuple(padding),
-                   x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))
+                   tuple(dilation), tuple(x.shape[2:]), tuple(padding))
 
 
 Check = Callable[[dict, ConvCall], bool]
@@ -183,26 +178,6 @@ POINTWISE = Candidate(
 """A pointwise convolution as one batched matrix product of pixels (``_conv_pointwise.py``), forward and both
 gradients (autograd's)."""
 
-DEPTHWISE_MERGED = Candidate(
-    "triton-depthwise-merged",
-    (_CUDA, _TWO_D, _NOT_TRANSPOSED, _FLOAT,
-     ("depthwise: one input and one output channel per group",
-      lambda lim, c: c.weight_shape[1] == 1 and c.groups == c.channels == c.weight_shape[0]),
-     ("a merged input lying channels-last ((B*n, H, W, C) in memory)", lambda lim, c: c.channels_last),
-     ("at most {max_taps} filter taps (8x8 and smaller)", lambda lim, c: _prod(c.weight_shape[2:]) <= lim["max_taps"]),
-     ("the image's size known and at most {max_pixels} pixels",
-      lambda lim, c: len(c.size) == 2 and _prod(c.size) <= lim["max_pixels"]),
-     _TRITON),
-    {"max_taps": 64, "max_pixels": 4096},
-    "not measured yet: the thresholds are guesses (tests/benchmarks/bench_depthwise_cl.py measures them); what it "
-    "saves is the grouped layout's copies, 199 clones of a timm ConvNeXt-atto step")
-"""Depthwise convolutions read from and written to the merged layout where it lies (``_conv_depthwise.py``):
-forward, input, weight and bias gradients on Triton kernels, no grouped copy, so it heads all three ops."""
-
-MERGED_IN_PLACE = Candidate(
-    "merged, where it lies", DEPTHWISE_MERGED.conditions, DEPTHWISE_MERGED.limits,
-    "the depthwise kernels (triton-depthwise-merged) read the merged channels-last input as it lies: no grouped copy")
-
 _ATEN = Candidate("aten", measured="cuDNN or ATen's kernels (torch.convolution and its backward)")
 
 TRITON_GROUPED = Candidate("triton-grouped", _GROUPED, _GROUPED_LIMITS, _GROUPED_MEASURED)
@@ -239,10 +214,10 @@ CHANNELS_LAST = Candidate(
 CONTIGUOUS = Candidate("contiguous", measured="the grouped layout in memory order (NCHW)")
 
 OPS: dict[str, tuple[Candidate, ...]] = {
-    "forward": (MATMUL, POINTWISE, DEPTHWISE_MERGED, TRITON_GROUPED, _ATEN),
-    "input grad": (MATMUL, POINTWISE, DEPTHWISE_MERGED, TRITON_GROUPED_INPUT_GRAD, _ATEN),
-    "weight grad": (MATMUL, POINTWISE, DEPTHWISE_MERGED, TRITON_DEPTHWISE_GRAD, _ATEN),
-    "layout of a channels-last input": (MERGED_IN_PLACE, CHANNELS_LAST, CONTIGUOUS),
+    "forward": (MATMUL, POINTWISE, TRITON_GROUPED, _ATEN),
+    "input grad": (MATMUL, POINTWISE, TRITON_GROUPED_INPUT_GRAD, _ATEN),
+    "weight grad": (MATMUL, POINTWISE, TRITON_DEPTHWISE_GRAD, _ATEN),
+    "layout of a channels-last input": (CHANNELS_LAST, CONTIGUOUS),
 }
 """op -> its candidates in order of preference (the last always applies)."""
 
@@ -267,9 +242,9 @@ def explain(call: ConvCall, ops: dict[str, tuple[Candidate, ...]] = OPS) -> str:
 def explain_kernels(*, cuda: bool, dims: int, dtype: torch.dtype, channels: int, weight_shape: Sequence[int],
                     groups: int, transposed: bool = False, stride: Sequence[int] = (1, 1),
                     dilation: Sequence[int] = (1, 1), size: Sequence[int] = (),
-                    padding: Sequence[int] = (), channels_last: bool = False) -> str:
+                    padding: Sequence[int] = ()) -> str:
     """:func:`explain` for a grouped convolution described by its values (see :class:`ConvCall`; without the
-    image ``size`` and ``padding``, the candidates that need them do not apply; ``channels_last``: the merged
-    input lies channels-last): for every op, which kernel runs and why not those preferred before it."""
+    image ``size`` and ``padding``, the candidates that need them do not apply): for every op, which kernel
+    runs and why not those preferred before it."""
     return explain(ConvCall(cuda, dims, dtype, channels, tuple(weight_shape), groups, transposed, tuple(stride),
-                            tuple(dilation), tuple(size), tuple(padding), channels_last))
+                            tuple(dilation), tuple(size), tuple(padding)))

@@ -19,7 +19,6 @@ from torch.nn.modules.utils import _ntuple, _reverse_repeat_tuple
 
 from .. import _kernel_table
 from .._base import autocast_dtype
-from .._conv_depthwise import depthwise_conv2d, runs_depthwise_merged
 from .._conv_matmul import matmul_conv2d, runs_as_matmul
 from .._conv_pointwise import pointwise_conv2d, runs_pointwise
 from .._conv_triton import grouped_conv2d, input_grad, runs_on_triton
@@ -154,8 +153,6 @@ def grouped_conv(
             return matmul_conv2d(x, weight, bias, Layout(batch, order), stride, padding, dilation, groups // batch)
         if runs_pointwise(call):
             return pointwise_conv2d(x, weight, bias, Layout(batch, order), stride, groups // batch)
-        if runs_depthwise_merged(call):
-            return depthwise_conv2d(x, weight, bias, Layout(batch, order), stride, padding, dilation)
     config = (stride, padding, dilation, groups, transposed, output_padding, order)
     # a channels-last input gives a channels-last output, as a plain layer's would, whichever layout ran
     y = _GroupedConv.apply(x, weight, bias, batch, *config)

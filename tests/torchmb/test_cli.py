@@ -95,22 +95,6 @@ def test_kernels_command_says_which_kernel_a_shape_takes_and_why(capsys: pytest.
         main(["kernels", "--batch", "2", "--in-channels", "6", "--out-channels", "8", "--groups", "4"])
 
 
-def test_kernels_command_explains_the_merged_layout_depthwise_kernels(monkeypatch, capsys) -> None:
-    from batch_layers import _kernel_table
-
-    monkeypatch.setattr(_kernel_table, "TRITON_INSTALLED", True)
-    convnext = ["kernels", "--batch", "64", "--in-channels", "40", "--out-channels", "40", "--groups", "40",
-                "--kernel", "7", "7", "--size", "8", "8", "--padding", "3"]
-    main([*convnext, "--channels-last"])
-    out = capsys.readouterr().out
-    assert "8x8 images, padding 3, channels-last input" in out
-    assert "forward: triton-depthwise-merged (" in out and "weight grad: triton-depthwise-merged (" in out
-    assert "layout of a channels-last input: merged, where it lies (" in out
-    main(convnext)
-    out = capsys.readouterr().out
-    assert "forward: aten" in out and "needs a merged input lying channels-last" in out
-
-
 def test_config_command_lists_every_switch(capsys: pytest.CaptureFixture[str]) -> None:
     import torchmb_config
 

@@ -25,9 +25,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the input image's height and width (the matrix products need it)")
     parser.add_argument("--padding", type=int, default=0, help="zero padding on each side (default 0)")
     parser.add_argument("--transposed", action="store_true", help="a transposed convolution (ConvTranspose2d)")
-    parser.add_argument("--channels-last", action="store_true",
-                        help="the merged input lies channels-last in memory (timm's ConvNeXt: its depthwise "
-                             "convolutions' input; the merged-layout depthwise kernels need it and the image --size)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="input dtype (default float32)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="the input's device type (default cuda: every kernel but ATen's needs it)")
@@ -45,9 +42,8 @@ def main(args: argparse.Namespace) -> str:
     text = explain_kernels(cuda=args.device == "cuda", dims=4, dtype=_DTYPES[args.dtype], channels=b * c,
                            weight_shape=weight, groups=b * g, transposed=args.transposed,
                            stride=(args.stride,) * 2, dilation=(args.dilation,) * 2, size=tuple(args.size or ()),
-                           padding=(args.padding,) * 2 if args.size else (), channels_last=args.channels_last)
+                           padding=(args.padding,) * 2 if args.size else ())
     image = f", {args.size[0]}x{args.size[1]} images, padding {args.padding}" if args.size else ""
-    image += ", channels-last input" if args.channels_last else ""
     print(f"B={b} models of a {'transposed ' if args.transposed else ''}{c} -> {o} channel {kh}x{kw} convolution "
           f"(groups={g}, stride {args.stride}, dilation {args.dilation}{image}, {args.dtype} on {args.device}): one "
           f"grouped convolution with weight {weight} and {b * g} groups")
