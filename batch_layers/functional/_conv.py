@@ -152,9 +152,27 @@ def grouped_conv(
     if not transposed and runs_pointwise(x, weight, batch, groups // batch, stride, padding, dilation):
         return pointwise_conv2d(x, weight, bias, Layout(batch, order), stride, groups // batch)
     config = (stride, padding, dilation, groups, transposed, output_padding, order)
+    if order == "samples" and x.is_contiguous() and autocast_dtype(x.device.type) is None:
+        grouped = to_grouped(x, batch, order)  # a view: autograd saves x itself, as _GroupedConv does
+        if _aten_differentiates(grouped, weight, groups, transposed, stride, dilation):
+            # autograd's own ConvolutionBackward0: the same kernels without a Python function per layer
+            y = torch.convolution(grouped, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+            return from_grouped(y, batch, order, unread=True)
     # a channels-last input gives a channels-last output, as a plain layer's would, whichever layout ran
     y = _GroupedConv.apply(x, weight, bias, batch, *config)
     return from_grouped(y, batch, order, is_channels_last(x), unread=True)
+
+
+def _aten_differentiates(grouped, weight, groups, transposed, stride, dilation) -> bool:
+    """Whether ``torch.convolution`` runs this grouped convolution forward and no kernel of
+    :func:`_kernel_grads` would take a gradient: autograd then differentiates it as well as
+    :class:`_GroupedConv` does (a kernel added to either must be excluded here too)."""
+    if runs_on_triton(grouped, weight, groups, transposed):
+        return False
+    if transposed:
+        return True
+    call = ConvCall.of(grouped, weight, groups, False, stride, dilation)
+    return not TRITON_GROUPED_INPUT_GRAD.applies(call) and not runs_depthwise_grad(grouped, weight, groups)
 
 
 def _grouped(grouped, weight, bias, stride, padding, dilation, groups, transposed, output_padding) -> Tensor:

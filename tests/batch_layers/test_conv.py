@@ -24,6 +24,60 @@ def test_backward_keeps_the_models_major_input_not_a_grouped_copy() -> None:
     assert saved_weight.data_ptr() == conv.weight.data_ptr()
 
 
+def _autograd_nodes(y: torch.Tensor) -> list[str]:
+    """The names of every node of the autograd graph behind ``y``."""
+    names, todo, seen = [], [y.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        todo += [next_node for next_node, _ in node.next_functions]
+    return names
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["conv", "transposed"])
+def test_samples_major_runs_on_autograds_own_convolution_node_keeping_the_input(transposed: bool) -> None:
+    """Samples-major, the grouped layout of a contiguous input is a view of it: autograd's own
+    ``ConvolutionBackward0`` then keeps the layer's input itself (no copy), as ``_GroupedConv`` does, without
+    a Python function per layer, and gives the custom function's results bit for bit."""
+    torch.manual_seed(0)
+    conv = (batch_layers.ConvTranspose2d(3, 4, 2, stride=2, batch=2) if transposed
+            else batch_layers.Conv2d(3, 4, 3, padding=1, batch=2))
+    conv.merged_order = "samples"
+    x = torch.randn(2 * 5, 3, 6, 6, requires_grad=True)
+    y = conv(x)
+    assert "_GroupedConvBackward" not in _autograd_nodes(y)
+    node = y.grad_fn.next_functions[0][0]
+    assert type(node).__name__ == "ConvolutionBackward0"
+    assert node._saved_input.data_ptr() == x.data_ptr(), "the layer's own input is kept, no layout copy of it"
+    assert node._saved_weight.data_ptr() == conv.weight.data_ptr()
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    grads = [x.grad, conv.weight.grad, conv.bias.grad]
+    # the same layer through the custom function (an input that is not contiguous takes it)
+    x_strided = torch.empty(2 * 5, 3, 6, 12).narrow(3, 0, 6).copy_(x.detach()).requires_grad_()
+    conv.zero_grad(set_to_none=True)
+    y_custom = conv(x_strided)
+    assert "_GroupedConvBackward" in _autograd_nodes(y_custom)
+    y_custom.backward(grad)
+    torch.testing.assert_close(y_custom, y, rtol=0, atol=0)
+    for got, expected in zip([x_strided.grad, conv.weight.grad, conv.bias.grad], grads):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_channels_last_and_autocast_keep_the_grouped_function() -> None:
+    """What autograd's node cannot do as ``_GroupedConv`` does (keep a channels-last input instead of its
+    grouped copy, cast once under autocast for a custom backward) stays with the function."""
+    conv = batch_layers.Conv2d(3, 4, 3, padding=1, batch=2)
+    conv.merged_order = "samples"
+    x = torch.randn(2 * 5, 3, 6, 6, requires_grad=True)
+    assert "_GroupedConvBackward" in _autograd_nodes(conv(x.to(memory_format=torch.channels_last)))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert "_GroupedConvBackward" in _autograd_nodes(conv(x))
+
+
 @pytest.mark.parametrize("order", ["models", "samples"])
 def test_double_backward_matches_finite_differences(order: str) -> None:
     conv = batch_layers.Conv1d(2, 3, 3, stride=2, padding=1, batch=2, dtype=torch.float64)
