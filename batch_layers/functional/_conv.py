@@ -23,7 +23,7 @@ from .._conv_matmul import matmul_conv2d, runs_as_matmul
 from .._conv_pointwise import pointwise_conv2d, runs_pointwise
 from .._conv_triton import grouped_conv2d, input_grad, runs_on_triton
 from .._depthwise_triton import depthwise_weight_grad, runs_depthwise_grad
-from .._kernel_table import CHANNELS_LAST, TRITON_GROUPED_INPUT_GRAD, ConvCall
+from .._kernel_table import CHANNELS_LAST, TRITON_DEPTHWISE_GRAD, TRITON_GROUPED, TRITON_GROUPED_INPUT_GRAD, ConvCall
 from .._layout import Layout, expand_shared, from_grouped, is_channels_last, to_grouped
 
 __all__ = [
@@ -167,12 +167,10 @@ def _aten_differentiates(grouped, weight, groups, transposed, stride, dilation) 
     """Whether ``torch.convolution`` runs this grouped convolution forward and no kernel of
     :func:`_kernel_grads` would take a gradient: autograd then differentiates it as well as
     :class:`_GroupedConv` does (a kernel added to either must be excluded here too)."""
-    if runs_on_triton(grouped, weight, groups, transposed):
+    call = ConvCall.of(grouped, weight, groups, transposed, stride, dilation)  # one call for the three checks
+    if TRITON_GROUPED.applies(call):  # runs_on_triton's
         return False
-    if transposed:
-        return True
-    call = ConvCall.of(grouped, weight, groups, False, stride, dilation)
-    return not TRITON_GROUPED_INPUT_GRAD.applies(call) and not runs_depthwise_grad(grouped, weight, groups)
+    return transposed or not (TRITON_GROUPED_INPUT_GRAD.applies(call) or TRITON_DEPTHWISE_GRAD.applies(call))
 
 
 def _grouped(grouped, weight, bias, stride, padding, dilation, groups, transposed, output_padding) -> Tensor:

@@ -9,11 +9,11 @@ A step is ``bench``'s: forward, the summed cross-entropy divided by n (``torchmb
 kernels, so a step's host time is Python, the dispatcher and autograd's bookkeeping. On a CPU the kernels
 run inline, and for these models the parameter-sized ones (convolutions' weight gradients over B models'
 filters, the SGD update) take 10-100x the host time. So this script replaces them, on the CPU, by stubs that
-only allocate their results (:class:`AsyncKernels`: convolutions, batch norms, their gradients and
-``aten::_foreach_add_``, each a few microseconds of Python, about what a launch costs the host; a batch
-norm over B*C channels of a few pixels costs a CPU far more than over C), and
-feeds small images (``--size``, 8x8 by default; ConvNeXt needs 32x32, ViT is built for the size) to keep
-the element-wise kernels on activations small. What remains is host time plus a small compute floor that
+only allocate their results (:class:`AsyncKernels`: convolutions, batch norms, matrix products, their
+gradients and ``aten::_foreach_add_``, each a few microseconds of Python, about what a launch costs the
+host; a batch norm over B*C channels of a few pixels costs a CPU far more than over C), and feeds small
+images (``--size``, 8x8 by default; ConvNeXt needs 32x32, ViT is built for the size) to keep the
+element-wise kernels on activations small. What remains is host time plus a small compute floor that
 both steps share. The numbers are garbage (the stubs leave memory uninitialised); the operators dispatched
 are those of the real step, since every kernel choice on a CPU reads shapes only.
 
@@ -92,6 +92,22 @@ def _stub_batch_norm_backward(grad, x, weight, running_mean, running_var, save_m
     return grad_x, grad_weight, grad_bias
 
 
+def _stub_mm(a, b):
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+def _stub_addmm(start, a, b, beta=1, alpha=1):
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+def _stub_bmm(a, b):
+    return a.new_empty((a.shape[0], a.shape[1], b.shape[2]))
+
+
+def _stub_baddbmm(start, a, b, beta=1, alpha=1):
+    return a.new_empty((a.shape[0], a.shape[1], b.shape[2]))
+
+
 def _stub_foreach_add_(tensors, others, alpha=1):
     return None
 
@@ -101,13 +117,17 @@ STUBS = {
     "convolution_backward": _stub_convolution_backward,
     "native_batch_norm": _stub_batch_norm,
     "native_batch_norm_backward": _stub_batch_norm_backward,
+    "mm": _stub_mm,
+    "addmm": _stub_addmm,
+    "bmm": _stub_bmm,
+    "baddbmm": _stub_baddbmm,
     "_foreach_add_.List": _stub_foreach_add_,
 }
 
 
 class AsyncKernels:
-    """Inside it, the CPU's convolutions and batch norms, their gradients and the foreach update allocate
-    their results and compute nothing (see the module's docstring); the kernels are restored on exit."""
+    """Inside it, the CPU's convolutions, batch norms and matrix products, their gradients and the foreach
+    update allocate their results and compute nothing (see the module's docstring); the kernels are restored on exit."""
 
     def __enter__(self) -> AsyncKernels:
         self.library = torch.library.Library("aten", "IMPL")
