@@ -116,8 +116,9 @@ class _BatchNorm(_NormBase):
         shared = self.is_shared(input)
         if not shared:
             self.check_merged(input)
+        num_batches_tracked = self.num_batches_tracked  # (each read of a buffer is a check: read it once)
         if self.training and self.track_running_stats:
-            self.num_batches_tracked.add_(1)
+            num_batches_tracked.add_(1)
         return batch_norm(
             input,
             self.running_mean,
@@ -129,7 +130,7 @@ class _BatchNorm(_NormBase):
             self.eps,
             layout=self.layout,
             shared=shared,
-            num_batches_tracked=self.num_batches_tracked,
+            num_batches_tracked=num_batches_tracked,
         )
 
     def batch_norm_form(
