@@ -17,10 +17,10 @@ element-wise kernels on activations small. What remains is host time plus a smal
 both steps share. The numbers are garbage (the stubs leave memory uninitialised); the operators dispatched
 are those of the real step, since every kernel choice on a CPU reads shapes only.
 
-It prints per model: microseconds per step (the fastest of ``torch.utils.benchmark``'s blocked timings over
-rounds that take turns) for torchmb and the plain model and their ratio, and, with ``--counts``, the
-outermost ATen operators
-(``bench --launches``'s count) and the computing operators (:mod:`support.launches`) of each.
+It prints per model: microseconds per step (this thread's CPU time: the fastest of
+``torch.utils.benchmark``'s blocked timings over rounds that take turns) for torchmb and the plain model
+and their ratio, and, with ``--counts``, the outermost ATen operators (``bench --launches``'s count) and
+the computing operators (:mod:`support.launches`) of each.
 ``--profile NAME`` prints where torchmb's step spends its host time instead (cProfile, by own time).
 """
 
@@ -30,6 +30,7 @@ import argparse
 import cProfile
 import dataclasses
 import pstats
+import time
 import warnings
 from collections.abc import Callable
 
@@ -190,9 +191,10 @@ def _step(loss_of, model: torch.nn.Module):
 
 def host_us(built: dict[str, Callable[[], None]], rounds: int, min_run_time: float) -> dict[str, float]:
     """Microseconds per step of each of ``built``'s steps: the fastest of ``torch.utils.benchmark``'s blocks
-    over ``rounds`` rounds that take turns between the steps (on a shared machine other work only slows a
-    block down, and it slows both steps alike)."""
-    timers = {impl: benchmark.Timer("step()", globals={"step": step}, num_threads=1) for impl, step in built.items()}
+    over ``rounds`` rounds that take turns between the steps, each block timed in this thread's CPU time
+    (``time.thread_time``: on a shared machine the time others' work takes the core away does not count)."""
+    timers = {impl: benchmark.Timer("step()", globals={"step": step}, num_threads=1, timer=time.thread_time)
+              for impl, step in built.items()}
     blocks = {impl: [] for impl in built}
     for _ in range(rounds):
         for impl, timer in timers.items():
