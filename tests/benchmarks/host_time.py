@@ -2,7 +2,7 @@
 measured on a CPU (issue 24: at B=16 the zoo's steps are bound by the host).
 
     PYTHONPATH=.:tests python tests/benchmarks/host_time.py [--workloads tv-resnet18,...] [--batch 16]
-        [--samples 2] [--size 8] [--counts] [--profile tv-resnet18]
+        [--samples 2] [--size 8] [--counts] [--profile tv-resnet18 [--impl limit]]
 
 A step is ``bench``'s: forward, the summed cross-entropy divided by n (``torchmb.cli.bench_steps``), backward,
 ``torch.optim.SGD(foreach=True)`` (the optimizer a CUDA step runs). On a GPU the host only enqueues the
@@ -21,7 +21,8 @@ It prints per model: microseconds per step (this thread's CPU time: the fastest 
 ``torch.utils.benchmark``'s blocked timings over rounds that take turns) for torchmb and the plain model
 and their ratio, and, with ``--counts``, the outermost ATen operators (``bench --launches``'s count) and
 the computing operators (:mod:`support.launches`) of each.
-``--profile NAME`` prints where torchmb's step spends its host time instead (cProfile, by own time).
+``--profile NAME`` prints where torchmb's step (``--impl limit``: the plain model's) spends its host time
+instead (cProfile, by own time).
 """
 
 from __future__ import annotations
@@ -218,6 +219,7 @@ def main() -> None:
     parser.add_argument("--min-run-time", type=float, default=0.2, help="seconds of each step's timing per round")
     parser.add_argument("--counts", action="store_true", help="also count ATen and computing operators")
     parser.add_argument("--profile", help="print where this workload's torchmb step spends its host time")
+    parser.add_argument("--impl", default="torchmb", choices=("torchmb", "limit"), help="the step --profile profiles")
     parser.add_argument("--rows", type=int, default=30)
     args = parser.parse_args()
     import_torchvision()
@@ -225,7 +227,7 @@ def main() -> None:
     torch.set_flush_denormal(True)
     with AsyncKernels():
         if args.profile:
-            step = steps(args.profile, args.batch, args.samples, args.size)["torchmb"]
+            step = steps(args.profile, args.batch, args.samples, args.size)[args.impl]
             profiler = cProfile.Profile()
             profiler.runcall(lambda: [step() for _ in range(5)])
             pstats.Stats(profiler).sort_stats("tottime").print_stats(args.rows)
