@@ -116,15 +116,15 @@ class _BatchNorm(_NormBase):
         shared = self.is_shared(input)
         if not shared:
             self.check_merged(input)
-        num_batches_tracked = self.num_batches_tracked  # (each read of a buffer is a check: read it once)
+        num_batches_tracked = self._own_state("num_batches_tracked")
         if self.training and self.track_running_stats:
             num_batches_tracked.add_(1)
         return batch_norm(
             input,
-            self.running_mean,
-            self.running_var,
-            self.weight,
-            self.bias,
+            self._own_state("running_mean"),
+            self._own_state("running_var"),
+            self._own_state("weight"),
+            self._own_state("bias"),
             self.training or not self.track_running_stats,
             self.momentum,
             self.eps,

@@ -129,7 +129,7 @@ class _ConvNd(AbstractBatchModule):
         return layer
 
     def forward(self, input: Tensor) -> Tensor:
-        return self._conv_forward(input, self.weight, self.bias)
+        return self._conv_forward(input, self._own_state("weight"), self._own_state("bias"))
 
     def _conv_forward(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """The layer's convolution of a merged input with per-model ``(B, out, in/groups, *k)`` weights and

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from support.graph import grouped_conv_node
 from support.layer_cases import LayerCase, run_case
 from torch import nn
@@ -79,6 +80,48 @@ def test_channels_last_and_autocast_keep_the_grouped_function() -> None:
     assert "_GroupedConvBackward" in _autograd_nodes(conv(x.to(memory_format=torch.channels_last)))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert "_GroupedConvBackward" in _autograd_nodes(conv(x))
+
+
+class _Doubled(nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return 2 * weight
+
+
+def test_the_forward_reads_a_replaced_or_parametrized_weight() -> None:
+    """The layers read their parameters and buffers from the module's dicts every forward (nothing kept
+    between calls): a parameter replaced between steps, a parametrization registered later and a replaced
+    buffer are what the next forward computes with, as on B plain layers."""
+    torch.manual_seed(0)
+    plain = [nn.Conv2d(3, 4, 3) for _ in range(2)]
+    conv = batch_layers.Conv2d(3, 4, 3, batch=2)
+    conv.merged_order = "samples"
+    x = torch.randn(2, 5, 3, 6, 6)  # (B, n, C, H, W)
+    merged = x.transpose(0, 1).reshape(10, 3, 6, 6)
+    conv(merged)
+    conv.weight = nn.Parameter(torch.stack([p.weight for p in plain]).detach())
+    conv.bias = nn.Parameter(torch.stack([p.bias for p in plain]).detach())
+    got = conv(merged).view(5, 2, 4, 4, 4).transpose(0, 1)
+    for i, p in enumerate(plain):
+        torch.testing.assert_close(got[i], p(x[i]), atol=1e-5, rtol=1e-5)
+    torch.nn.utils.parametrize.register_parametrization(conv, "weight", _Doubled())
+    got = conv(merged).view(5, 2, 4, 4, 4).transpose(0, 1)
+    for i, p in enumerate(plain):
+        torch.testing.assert_close(got[i], F.conv2d(x[i], 2 * p.weight, p.bias), atol=1e-5, rtol=1e-5)
+
+    norms = [nn.BatchNorm2d(4).eval() for _ in range(2)]
+    norm = batch_layers.BatchNorm2d(4, batch=2).eval()
+    norm.merged_order = "samples"
+    features = torch.randn(2, 5, 4, 3, 3)
+    merged = features.transpose(0, 1).reshape(10, 4, 3, 3)
+    norm(merged)
+    for plain_norm in norms:
+        plain_norm.running_mean.uniform_(-1, 1)
+        plain_norm.running_var.uniform_(0.5, 2)
+    norm.running_mean = torch.stack([n.running_mean for n in norms])
+    norm.running_var = torch.stack([n.running_var for n in norms])
+    got = norm(merged).view(5, 2, 4, 3, 3).transpose(0, 1)
+    for i, plain_norm in enumerate(norms):
+        torch.testing.assert_close(got[i], plain_norm(features[i]), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("order", ["models", "samples"])
