@@ -116,20 +116,21 @@ class _BatchNorm(_NormBase):
         shared = self.is_shared(input)
         if not shared:
             self.check_merged(input)
+        num_batches_tracked = self._own_state("num_batches_tracked")
         if self.training and self.track_running_stats:
-            self.num_batches_tracked.add_(1)
+            num_batches_tracked.add_(1)
         return batch_norm(
             input,
-            self.running_mean,
-            self.running_var,
-            self.weight,
-            self.bias,
+            self._own_state("running_mean"),
+            self._own_state("running_var"),
+            self._own_state("weight"),
+            self._own_state("bias"),
             self.training or not self.track_running_stats,
             self.momentum,
             self.eps,
             layout=self.layout,
             shared=shared,
-            num_batches_tracked=self.num_batches_tracked,
+            num_batches_tracked=num_batches_tracked,
         )
 
     def batch_norm_form(

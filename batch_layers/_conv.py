@@ -21,6 +21,8 @@ _BATCHED_CONV = {1: conv1d, 2: conv2d, 3: conv3d}
 
 
 def _check_input(layer: _ConvNd, x: Tensor, weight: Tensor) -> None:
+    if x.dim() == layer.dims + 2 and x.shape[1] == layer.in_channels and x.dtype == weight.dtype:
+        return  # what the checks below accept, without naming the layer for a message (every forward)
     owner = f"{type(layer).__name__}({layer.in_channels}, {layer.out_channels}, batch={layer.batch})"
     check_conv_input(owner, x, layer.dims, layer.in_channels, layer.batch)
     check_input_dtype(owner, x, weight)
@@ -127,7 +129,7 @@ class _ConvNd(AbstractBatchModule):
         return layer
 
     def forward(self, input: Tensor) -> Tensor:
-        return self._conv_forward(input, self.weight, self.bias)
+        return self._conv_forward(input, self._own_state("weight"), self._own_state("bias"))
 
     def _conv_forward(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """The layer's convolution of a merged input with per-model ``(B, out, in/groups, *k)`` weights and

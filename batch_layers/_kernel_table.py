@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -41,13 +42,13 @@ def _prod(sizes: Sequence[int]) -> int:
     return out
 
 
-@dataclass(frozen=True)
-class ConvCall:
+class ConvCall(NamedTuple):
     """What the choice depends on, as plain values (so a shape can be asked about without tensors): the
     grouped convolution's input (``cuda``, ``dims``, ``dtype``, its ``channels``), its stacked weight's ``weight_shape``
     (``(B*O, C/g, *k)``; ``(B*C, O/g, *k)`` transposed), ``groups`` (``B * g``), ``transposed``, ``stride`` and
     ``dilation``, and the input's spatial ``size`` and ``padding`` (empty where the caller does not know them:
-    only the candidates that read them need them)."""
+    only the candidates that read them need them). A named tuple: every batched convolution builds a few per
+    call, and a frozen dataclass took three times as long to build (``tests/benchmarks/host_time.py``)."""
 
     cuda: bool
     dims: int

@@ -23,7 +23,7 @@ from .._conv_matmul import matmul_conv2d, runs_as_matmul
 from .._conv_pointwise import pointwise_conv2d, runs_pointwise
 from .._conv_triton import grouped_conv2d, input_grad, runs_on_triton
 from .._depthwise_triton import depthwise_weight_grad, runs_depthwise_grad
-from .._kernel_table import CHANNELS_LAST, TRITON_GROUPED_INPUT_GRAD, ConvCall
+from .._kernel_table import CHANNELS_LAST, TRITON_DEPTHWISE_GRAD, TRITON_GROUPED, TRITON_GROUPED_INPUT_GRAD, ConvCall
 from .._layout import Layout, expand_shared, from_grouped, is_channels_last, to_grouped
 
 __all__ = [
@@ -154,9 +154,25 @@ def grouped_conv(
         if runs_pointwise(call):
             return pointwise_conv2d(x, weight, bias, Layout(batch, order), stride, groups // batch)
     config = (stride, padding, dilation, groups, transposed, output_padding, order)
+    if order == "samples" and x.is_contiguous() and autocast_dtype(x.device.type) is None:
+        grouped = to_grouped(x, batch, order)  # a view: autograd saves x itself, as _GroupedConv does
+        if _aten_differentiates(grouped, weight, groups, transposed, stride, dilation):
+            # autograd's own ConvolutionBackward0: the same kernels without a Python function per layer
+            y = torch.convolution(grouped, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+            return from_grouped(y, batch, order, unread=True)
     # a channels-last input gives a channels-last output, as a plain layer's would, whichever layout ran
     y = _GroupedConv.apply(x, weight, bias, batch, *config)
     return from_grouped(y, batch, order, is_channels_last(x), unread=True)
+
+
+def _aten_differentiates(grouped, weight, groups, transposed, stride, dilation) -> bool:
+    """Whether ``torch.convolution`` runs this grouped convolution forward and no kernel of
+    :func:`_kernel_grads` would take a gradient: autograd then differentiates it as well as
+    :class:`_GroupedConv` does (a kernel added to either must be excluded here too)."""
+    call = ConvCall.of(grouped, weight, groups, transposed, stride, dilation)  # one call for the three checks
+    if TRITON_GROUPED.applies(call):  # runs_on_triton's
+        return False
+    return transposed or not (TRITON_GROUPED_INPUT_GRAD.applies(call) or TRITON_DEPTHWISE_GRAD.applies(call))
 
 
 def _grouped(grouped, weight, bias, stride, padding, dilation, groups, transposed, output_padding) -> Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from support.graph import grouped_conv_node
 from support.layer_cases import LayerCase, run_case
 from torch import nn
@@ -22,6 +23,105 @@ def test_backward_keeps_the_models_major_input_not_a_grouped_copy() -> None:
     saved_input, saved_weight = grouped_conv_node(y).saved_tensors
     assert saved_input.data_ptr() == x.data_ptr(), "the layer's own input is kept, no layout copy of it"
     assert saved_weight.data_ptr() == conv.weight.data_ptr()
+
+
+def _autograd_nodes(y: torch.Tensor) -> list[str]:
+    """The names of every node of the autograd graph behind ``y``."""
+    names, todo, seen = [], [y.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        todo += [next_node for next_node, _ in node.next_functions]
+    return names
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["conv", "transposed"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_samples_major_runs_on_autograds_own_convolution_node_keeping_the_input(device: str, transposed: bool) -> None:
+    """Samples-major, the grouped layout of a contiguous input is a view of it: autograd's own
+    ``ConvolutionBackward0`` then keeps the layer's input itself (no copy), as ``_GroupedConv`` does, without
+    a Python function per layer, and gives the custom function's results (bit for bit on the CPU; cuDNN may
+    pick another algorithm for another call)."""
+    torch.manual_seed(0)
+    conv = (batch_layers.ConvTranspose2d(3, 4, 2, stride=2, batch=2, device=device) if transposed
+            else batch_layers.Conv2d(3, 4, 3, padding=1, batch=2, device=device))
+    conv.merged_order = "samples"
+    x = torch.randn(2 * 5, 3, 6, 6, device=device, requires_grad=True)
+    y = conv(x)
+    assert "_GroupedConvBackward" not in _autograd_nodes(y)
+    node = y.grad_fn.next_functions[0][0]
+    assert type(node).__name__ == "ConvolutionBackward0"
+    assert node._saved_input.data_ptr() == x.data_ptr(), "the layer's own input is kept, no layout copy of it"
+    assert node._saved_weight.data_ptr() == conv.weight.data_ptr()
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    grads = [x.grad, conv.weight.grad, conv.bias.grad]
+    # the same layer through the custom function (an input that is not contiguous takes it)
+    x_strided = torch.empty(2 * 5, 3, 6, 12, device=device).narrow(3, 0, 6).copy_(x.detach()).requires_grad_()
+    conv.zero_grad(set_to_none=True)
+    y_custom = conv(x_strided)
+    assert "_GroupedConvBackward" in _autograd_nodes(y_custom)
+    y_custom.backward(grad)
+    tolerance = 0 if device == "cpu" else 1e-5
+    torch.testing.assert_close(y_custom, y, rtol=tolerance, atol=tolerance)
+    for got, expected in zip([x_strided.grad, conv.weight.grad, conv.bias.grad], grads):
+        torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+
+
+def test_channels_last_and_autocast_keep_the_grouped_function() -> None:
+    """What autograd's node cannot do as ``_GroupedConv`` does (keep a channels-last input instead of its
+    grouped copy, cast once under autocast for a custom backward) stays with the function."""
+    conv = batch_layers.Conv2d(3, 4, 3, padding=1, batch=2)
+    conv.merged_order = "samples"
+    x = torch.randn(2 * 5, 3, 6, 6, requires_grad=True)
+    assert "_GroupedConvBackward" in _autograd_nodes(conv(x.to(memory_format=torch.channels_last)))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert "_GroupedConvBackward" in _autograd_nodes(conv(x))
+
+
+class _Doubled(nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return 2 * weight
+
+
+def test_the_forward_reads_a_replaced_or_parametrized_weight() -> None:
+    """The layers read their parameters and buffers from the module's dicts every forward (nothing kept
+    between calls): a parameter replaced between steps, a parametrization registered later and a replaced
+    buffer are what the next forward computes with, as on B plain layers."""
+    torch.manual_seed(0)
+    plain = [nn.Conv2d(3, 4, 3) for _ in range(2)]
+    conv = batch_layers.Conv2d(3, 4, 3, batch=2)
+    conv.merged_order = "samples"
+    x = torch.randn(2, 5, 3, 6, 6)  # (B, n, C, H, W)
+    merged = x.transpose(0, 1).reshape(10, 3, 6, 6)
+    conv(merged)
+    conv.weight = nn.Parameter(torch.stack([p.weight for p in plain]).detach())
+    conv.bias = nn.Parameter(torch.stack([p.bias for p in plain]).detach())
+    got = conv(merged).view(5, 2, 4, 4, 4).transpose(0, 1)
+    for i, p in enumerate(plain):
+        torch.testing.assert_close(got[i], p(x[i]), atol=1e-5, rtol=1e-5)
+    torch.nn.utils.parametrize.register_parametrization(conv, "weight", _Doubled())
+    got = conv(merged).view(5, 2, 4, 4, 4).transpose(0, 1)
+    for i, p in enumerate(plain):
+        torch.testing.assert_close(got[i], F.conv2d(x[i], 2 * p.weight, p.bias), atol=1e-5, rtol=1e-5)
+
+    norms = [nn.BatchNorm2d(4).eval() for _ in range(2)]
+    norm = batch_layers.BatchNorm2d(4, batch=2).eval()
+    norm.merged_order = "samples"
+    features = torch.randn(2, 5, 4, 3, 3)
+    merged = features.transpose(0, 1).reshape(10, 4, 3, 3)
+    norm(merged)
+    for plain_norm in norms:
+        plain_norm.running_mean.uniform_(-1, 1)
+        plain_norm.running_var.uniform_(0.5, 2)
+    norm.running_mean = torch.stack([n.running_mean for n in norms])
+    norm.running_var = torch.stack([n.running_var for n in norms])
+    got = norm(merged).view(5, 2, 4, 3, 3).transpose(0, 1)
+    for i, plain_norm in enumerate(norms):
+        torch.testing.assert_close(got[i], plain_norm(features[i]), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("order", ["models", "samples"])

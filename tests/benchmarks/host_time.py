@@ -1,0 +1,251 @@
+"""Host time of one training step of the zoo's models, torchmb against the plain model on all B*n samples,
+measured on a CPU (issue 24: at B=16 the zoo's steps are bound by the host).
+
+    PYTHONPATH=.:tests python tests/benchmarks/host_time.py [--workloads tv-resnet18,...] [--batch 16]
+        [--samples 2] [--size 8] [--counts] [--profile tv-resnet18 [--impl limit]]
+
+A step is ``bench``'s: forward, the summed cross-entropy divided by n (``torchmb.cli.bench_steps``), backward,
+``torch.optim.SGD(foreach=True)`` (the optimizer a CUDA step runs). On a GPU the host only enqueues the
+kernels, so a step's host time is Python, the dispatcher and autograd's bookkeeping. On a CPU the kernels
+run inline, and for these models the parameter-sized ones (convolutions' weight gradients over B models'
+filters, the SGD update) take 10-100x the host time. So this script replaces them, on the CPU, by stubs that
+only allocate their results (:class:`AsyncKernels`: convolutions, batch norms, matrix products, their
+gradients and ``aten::_foreach_add_``, each a few microseconds of Python, about what a launch costs the
+host; a batch norm over B*C channels of a few pixels costs a CPU far more than over C), and feeds small
+images (``--size``, 8x8 by default; ConvNeXt needs 32x32, ViT is built for the size) to keep the
+element-wise kernels on activations small. What remains is host time plus a small compute floor that
+both steps share. The numbers are garbage (the stubs leave memory uninitialised); the operators dispatched
+are those of the real step, since every kernel choice on a CPU reads shapes only.
+
+It prints per model: microseconds per step (this thread's CPU time: the fastest of
+``torch.utils.benchmark``'s blocked timings over rounds that take turns) for torchmb and the plain model
+and their ratio, and, with ``--counts``, the outermost ATen operators (``bench --launches``'s count) and
+the computing operators (:mod:`support.launches`) of each.
+``--profile NAME`` prints where torchmb's step (``--impl limit``: the plain model's) spends its host time
+instead (cProfile, by own time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import pstats
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from support.launches import count_launches
+from support.torchvision_ops import import_torchvision
+from torch.profiler import ProfilerActivity, profile
+from torch.utils import benchmark
+
+from torchmb import BatchModule
+from torchmb.cli import bench_steps
+from torchmb.cli.bench_measure import aten_op_names
+
+ZOO = (
+    "tv-resnet18",
+    "tv-mobilenet_v3_small",
+    "tv-regnet_x_400mf",
+    "tv-efficientnet_b0",
+    "timm-efficientnet_b0",
+    "timm-convnext_atto",
+    "timm-vit_tiny",
+)
+SMALLEST_SIZE = {"timm-convnext_atto": 32}  # its stages downsample by 32 without padding
+
+
+def _conv_output(size: int, kernel: int, stride: int, padding: int, dilation: int) -> int:
+    return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
+
+
+def _stub_convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    if transposed:
+        raise NotImplementedError("the host-time stubs cover convolutions, not transposed ones")
+    spatial = [
+        _conv_output(size, k, s, p, d)
+        for size, k, s, p, d in zip(x.shape[2:], weight.shape[2:], stride, padding, dilation)
+    ]
+    channels_last = x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    return x.new_empty((x.shape[0], weight.shape[0], *spatial)).contiguous(memory_format=fmt)
+
+
+def _stub_convolution_backward(grad, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding,
+                               groups, mask):
+    grad_x = torch.empty_like(x) if mask[0] else x.new_empty(0)
+    grad_weight = torch.empty_like(weight) if mask[1] else x.new_empty(0)
+    grad_bias = x.new_empty(bias_sizes) if mask[2] and bias_sizes is not None else x.new_empty(0)
+    return grad_x, grad_weight, grad_bias
+
+
+def _stub_batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    channels = x.shape[1]
+    return torch.empty_like(x), x.new_empty(channels), x.new_empty(channels)
+
+
+def _stub_batch_norm_backward(grad, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps, mask):
+    grad_x = torch.empty_like(x) if mask[0] else x.new_empty(0)
+    grad_weight = torch.empty_like(weight) if mask[1] and weight is not None else x.new_empty(0)
+    grad_bias = torch.empty_like(weight) if mask[2] and weight is not None else x.new_empty(0)
+    return grad_x, grad_weight, grad_bias
+
+
+def _stub_mm(a, b):
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+def _stub_addmm(start, a, b, beta=1, alpha=1):
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+def _stub_bmm(a, b):
+    return a.new_empty((a.shape[0], a.shape[1], b.shape[2]))
+
+
+def _stub_baddbmm(start, a, b, beta=1, alpha=1):
+    return a.new_empty((a.shape[0], a.shape[1], b.shape[2]))
+
+
+def _stub_foreach_add_(tensors, others, alpha=1):
+    return None
+
+
+STUBS = {
+    "convolution": _stub_convolution,
+    "convolution_backward": _stub_convolution_backward,
+    "native_batch_norm": _stub_batch_norm,
+    "native_batch_norm_backward": _stub_batch_norm_backward,
+    "mm": _stub_mm,
+    "addmm": _stub_addmm,
+    "bmm": _stub_bmm,
+    "baddbmm": _stub_baddbmm,
+    "_foreach_add_.List": _stub_foreach_add_,
+}
+
+
+class AsyncKernels:
+    """Inside it, the CPU's convolutions, batch norms and matrix products, their gradients and the foreach
+    update allocate their results and compute nothing (see the module's docstring); the kernels are restored on exit."""
+
+    def __enter__(self) -> AsyncKernels:
+        self.library = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():  # that it overrides torch's kernels: it means to
+            warnings.simplefilter("ignore", UserWarning)
+            for name, stub in STUBS.items():
+                self.library.impl(name, stub, "CPU")
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.library._destroy()
+
+
+def workload(name: str, size: int) -> bench_steps.Workload:
+    """``bench``'s workload ``name`` on ``size`` x ``size`` images (ViT built for that size)."""
+    work = bench_steps.WORKLOADS[name]
+    size = max(size, SMALLEST_SIZE.get(name, 0))
+    make = work.make
+    if name == "timm-vit_tiny":
+
+        def make():
+            import timm
+
+            return timm.create_model("vit_tiny_patch16_224", num_classes=10, img_size=size, patch_size=4)
+
+    return dataclasses.replace(work, make=make, make_input=bench_steps._images(3, size))
+
+
+def steps(name: str, batch: int, samples: int, size: int) -> dict[str, Callable[[], None]]:
+    """The torchmb and plain ("limit") steps of ``bench``, with the foreach SGD a CUDA step runs."""
+    work = workload(name, size)
+    x = work.make_input((batch, samples), torch.device("cpu"))
+    y = torch.randint(0, work.classes, (batch, samples))
+    torch.manual_seed(0)
+    batched = BatchModule(work.make(), batch)
+    plain = work.make()
+
+    def torchmb_loss() -> torch.Tensor:
+        return bench_steps.summed_cross_entropy(batched(x), y, samples)
+
+    merged_x, merged_y = x.reshape(-1, *x.shape[2:]), y.reshape(-1)
+
+    def plain_loss() -> torch.Tensor:
+        return F.cross_entropy(plain(merged_x), merged_y)
+
+    return {"torchmb": _step(torchmb_loss, batched), "limit": _step(plain_loss, plain)}
+
+
+def _step(loss_of, model: torch.nn.Module):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, foreach=True)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss_of().backward()
+        optimizer.step()
+
+    step()  # the first step settles the merged order and creates the optimizer's state
+    return step
+
+
+def host_us(built: dict[str, Callable[[], None]], rounds: int, min_run_time: float) -> dict[str, float]:
+    """Microseconds per step of each of ``built``'s steps: the fastest of ``torch.utils.benchmark``'s blocks
+    over ``rounds`` rounds that take turns between the steps, each block timed in this thread's CPU time
+    (``time.thread_time``: on a shared machine the time others' work takes the core away does not count)."""
+    timers = {impl: benchmark.Timer("step()", globals={"step": step}, num_threads=1, timer=time.thread_time)
+              for impl, step in built.items()}
+    blocks = {impl: [] for impl in built}
+    for _ in range(rounds):
+        for impl, timer in timers.items():
+            blocks[impl] += timer.blocked_autorange(min_run_time=min_run_time).times
+    return {impl: min(times) * 1e6 for impl, times in blocks.items()}
+
+
+def aten_ops(step) -> int:
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        step()
+    return sum(aten_op_names(profiler.events()).values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workloads", default=",".join(ZOO))
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--samples", type=int, default=2)
+    parser.add_argument("--size", type=int, default=8, help="image height and width (at least what a model needs)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of timing, taking turns between the steps")
+    parser.add_argument("--min-run-time", type=float, default=0.2, help="seconds of each step's timing per round")
+    parser.add_argument("--counts", action="store_true", help="also count ATen and computing operators")
+    parser.add_argument("--profile", help="print where this workload's torchmb step spends its host time")
+    parser.add_argument("--impl", default="torchmb", choices=("torchmb", "limit"), help="the step --profile profiles")
+    parser.add_argument("--rows", type=int, default=30)
+    args = parser.parse_args()
+    import_torchvision()
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    with AsyncKernels():
+        if args.profile:
+            step = steps(args.profile, args.batch, args.samples, args.size)[args.impl]
+            profiler = cProfile.Profile()
+            profiler.runcall(lambda: [step() for _ in range(5)])
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(args.rows)
+            return
+        header = f"{'model':24} {'torchmb us':>10} {'plain us':>9} {'ratio':>6}"
+        print(header + ("  aten ops (torchmb/plain)  computing ops" if args.counts else ""), flush=True)
+        for name in args.workloads.split(","):
+            built = steps(name, args.batch, args.samples, args.size)
+            times = host_us(built, args.rounds, args.min_run_time)
+            line = f"{name:24} {times['torchmb']:10.0f} {times['limit']:9.0f} {times['torchmb'] / times['limit']:6.2f}"
+            if args.counts:
+                aten = {impl: aten_ops(step) for impl, step in built.items()}
+                computing = {impl: sum(count_launches(step).values()) for impl, step in built.items()}
+                line += (f"  {aten['torchmb']:5d}/{aten['limit']:<5d} {aten['torchmb'] / aten['limit']:.2f}x"
+                         f"  {computing['torchmb']:5d}/{computing['limit']:<5d}"
+                         f" {computing['torchmb'] / computing['limit']:.2f}x")
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
