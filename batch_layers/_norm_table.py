@@ -30,13 +30,15 @@ class NormCall:
     """What the choice depends on, as plain values: whether the input is a CUDA tensor (``cuda``), its
     ``dtype`` (the one the norm computes in: float32 under autocast), the number of normalised ``features``
     (the product of the normalised shape), and whether ``torch.compile`` is tracing it (``compiling``) or a
-    ``torch.func`` transform or forward-mode AD (``torch.autograd.forward_ad``) is active (``transformed``)."""
+    ``torch.func`` transform or forward-mode AD (``torch.autograd.forward_ad``) is active (``transformed``), and
+    whether the input is ``contiguous``."""
 
     cuda: bool
     dtype: torch.dtype
     features: int
     compiling: bool = False
     transformed: bool = False
+    contiguous: bool = True
 
     @classmethod
     def of(cls, x: torch.Tensor, features: int) -> NormCall:
@@ -44,7 +46,7 @@ class NormCall:
         compiling = torch.compiler.is_compiling()  # (then the transforms are not asked: dynamo cannot trace it)
         transformed = not compiling and (torch._C._are_functorch_transforms_active()
                                          or forward_ad._current_level >= 0)
-        return cls(x.is_cuda, x.dtype, features, compiling, transformed)
+        return cls(x.is_cuda, x.dtype, features, compiling, transformed, x.is_contiguous())
 
 
 TRITON_NORM = Candidate(
@@ -52,6 +54,8 @@ TRITON_NORM = Candidate(
     (("a CUDA tensor", lambda lim, c: c.cuda),
      ("float32, float16 or bfloat16", lambda lim, c: c.dtype in _FLOATS),
      ("at most {max_features} normalised features", lambda lim, c: 0 < c.features <= lim["max_features"]),
+     ("a contiguous input (H200: timm's LayerNorm2d, whose input is a permuted view, made ConvNeXt-atto slower "
+      "fused, 0.87 against 1.03 of the limit at B=64)", lambda lim, c: c.contiguous),
      ("not traced by torch.compile (Inductor fuses the composite itself)", lambda lim, c: not c.compiling),
      ("no torch.func transform or forward-mode AD active (the kernels have no batching rule and no jvp)",
       lambda lim, c: not c.transformed),
@@ -80,9 +84,9 @@ def runs_fused_norm(x: torch.Tensor, features: int) -> bool:
 
 
 def explain_norm_kernels(*, cuda: bool, dtype: torch.dtype, features: int, compiling: bool = False,
-                         transformed: bool = False) -> str:
+                         transformed: bool = False, contiguous: bool = True) -> str:
     """For a layer or RMS norm with a per-model affine, described by its values (see :class:`NormCall`): which
     kernel runs it and why not those preferred before it."""
-    call = NormCall(cuda, dtype, features, compiling, transformed)
+    call = NormCall(cuda, dtype, features, compiling, transformed, contiguous)
     return explain(call, NORM_OPS)  # type: ignore[arg-type]
 

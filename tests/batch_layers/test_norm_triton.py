@@ -243,7 +243,8 @@ def test_the_table_takes_the_kernels_on_cuda_only_where_they_apply(monkeypatch) 
     assert choose(OP, NormCall(True, torch.bfloat16, 8192), NORM_OPS).name == "triton-norm-affine"
     for call in (NormCall(False, torch.float32, 192), NormCall(True, torch.float64, 192),
                  NormCall(True, torch.float32, 8193), NormCall(True, torch.float32, 192, compiling=True),
-                 NormCall(True, torch.float32, 192, transformed=True)):
+                 NormCall(True, torch.float32, 192, transformed=True),
+                 NormCall(True, torch.float32, 192, contiguous=False)):
         assert choose(OP, call, NORM_OPS).name == "aten", call
     with torchmb_config.use("triton", False):
         assert choose(OP, vit, NORM_OPS).name == "aten"
