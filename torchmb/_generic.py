@@ -33,6 +33,7 @@ import contextvars
 import functools
 import inspect
 import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -60,7 +61,7 @@ from batch_layers import (
 
 from ._calls import _MODULE_API  # nn.Module's own names, which torch's machinery calls: never guarded
 
-__all__ = ["batch_generically", "escape_from_regions", "is_generic", "looping_over_models"]
+__all__ = ["batch_generically", "escape_from_regions", "is_generic", "looping_over_models", "merged_from_region"]
 
 _GENERIC_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
 _MODULE_BASES = frozenset(nn.Module.__mro__)
@@ -325,10 +326,22 @@ def _copied_for_every_model(batch: int, value: Any) -> Any:
     return value.expand(batch, *value.shape).reshape(-1, *value.shape[1:]) if value.dim() else value.expand(batch)
 
 
+_MERGED_FROM_REGION: dict[int, weakref.ref[Tensor]] = {}
+
+
+def merged_from_region(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is a region's per-model tensor taken out onto the merged axis for a callee that
+    escapes (its models' data, though no op the forward's tracker saw made it: ``torchmb._tracking``)."""
+    entry = _MERGED_FROM_REGION.get(id(tensor))
+    return entry is not None and entry() is tensor
+
+
 def _to_merged(region: _Region, value: Any) -> Any:
     if not isinstance(value, Tensor) or functorch.maybe_get_level(value) != region.level:
         return value  # the same for every model (a constant or the shared input): passed as it is
     physical = functorch._remove_batch_dim(value, region.level, region.batch, 0)
+    key = id(physical)
+    _MERGED_FROM_REGION[key] = weakref.ref(physical, lambda _: _MERGED_FROM_REGION.pop(key, None))
     return physical.reshape(-1, *physical.shape[2:]) if physical.dim() > 1 else physical
 
 

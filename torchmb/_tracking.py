@@ -63,7 +63,7 @@ import offload
 from batch_layers import AbstractBatchModule, current_forward, is_shared_parameter, stacked_reads_watched_elsewhere
 
 from ._dim0_reductions import refuse_reduction_over_models
-from ._generic import is_generic, looping_over_models
+from ._generic import is_generic, looping_over_models, merged_from_region
 from ._merged_ops import PooledSize, Recipes, random_draw, sample_axis_op, shared_metadata
 from ._shared_operands import expand_shared_operands
 
@@ -200,6 +200,8 @@ class ModelDataTracker(TorchFunctionMode):
         entry = self._kinds.get(id(tensor))
         if entry is not None and entry[0]() is tensor:
             return entry[1]
+        if merged_from_region(tensor):
+            return Kind.PER_MODEL
         stacked = self._stacked.get(id(tensor))
         return Kind.PER_MODEL if stacked is not None and stacked[0] is tensor else None
 

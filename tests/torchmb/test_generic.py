@@ -499,3 +499,21 @@ def test_attention_dropout_in_a_region_draws_per_model() -> None:
     batched.eval()
     plain = batched.unbatch(0).eval()
     torch.testing.assert_close(batched(one_input.expand(B, -1, -1, -1))[0], plain(one_input[0]))
+
+
+@pytest.mark.parametrize("name", ["vit_tiny_patch16_224", "deit_tiny_patch16_224"])
+def test_layers_called_from_a_region_see_its_tensors_as_the_models_data(name: str) -> None:
+    """A ViT's root runs per model (its cls_token and pos_embed); the blocks it calls escape onto the merged
+    axis with the region's tensors, which are the models' data: no block is mistaken for code calling its
+    layers on constants (each block had been made a region of its own, then its attention and MLP)."""
+    from support.zoo import TIMM_MODELS, float64, without_randomness
+
+    entry = next(e for e in TIMM_MODELS if e.name == name)
+
+    def make() -> nn.Module:
+        return float64(without_randomness(entry.build()))
+
+    batched = BatchModule(make(), 2)
+    batched(torch.randn(2, 2, 3, entry.size, entry.size, dtype=torch.float64))
+    assert batched.generic_modules == ["VisionTransformer"]  # the root alone
+    assert_equivalent(make, 2, torch.randn(2, 2, 3, entry.size, entry.size, dtype=torch.float64), steps=2)
