@@ -64,7 +64,9 @@ TRITON_NORM = Candidate(
     {"max_features": MAX_FEATURES},
     "the normalisation, each model's weight and bias, and all three gradients in three launches "
     "(batch_layers/_norm_triton.py), in place of torch's norm without affine plus six activation-sized "
-    "operators (forward mul and add; backward three mul and two sum)")
+    "operators (forward mul and add; backward three mul and two sum). H200, ViT-Tiny's norms (D=192, n=128): "
+    "forward and backward 2.3x (B=16) to 3.5x (B=64) faster than that composite; ViT-Tiny 0.85 -> 0.97 of "
+    "the limit at B=64")
 """The fused kernels of ``_norm_triton.py``: forward, and input, weight and bias gradients."""
 
 _COMPOSITE = Candidate(
