@@ -92,10 +92,16 @@ def installed(dist: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return python
 
 
-def run_installed(python: Path, code: str, cwd: Path) -> str:
-    """``code`` run by the fresh environment's python from outside the checkout; what it printed."""
-    run = subprocess.run([str(python), "-c", code], cwd=cwd, capture_output=True, text=True, timeout=300,
-                         env={"PATH": "/usr/bin:/bin", "HOME": str(cwd)})
+def run_installed(python: Path, code: str, cwd: Path, path: Path | None = None) -> subprocess.CompletedProcess:
+    """``code`` run by the fresh environment's python from outside the checkout (with ``path`` on its
+    ``PYTHONPATH``)."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(cwd), **({"PYTHONPATH": str(path)} if path else {})}
+    return subprocess.run([str(python), "-c", code], cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
+
+
+def printed_by_installed(python: Path, code: str, cwd: Path) -> str:
+    """What ``code`` printed, run by the fresh environment's python from outside the checkout."""
+    run = run_installed(python, code, cwd)
     assert run.returncode == 0, run.stderr
     return run.stdout
 
@@ -118,7 +124,7 @@ def test_installed_wheel_imports_every_module_and_runs_the_quickstart(installed:
         files = importlib.metadata.distribution("torchmb").files
         assert any(f.name == "LICENSE" and f.locate().is_file() for f in files), files
     """)
-    imported = set(run_installed(installed, check + quickstart.group(1), tmp_path).split())
+    imported = set(printed_by_installed(installed, check + quickstart.group(1), tmp_path).split())
     modules = {".".join(path.with_suffix("").relative_to(ROOT).parts).removesuffix(".__init__")
                for name in PACKAGES for path in (ROOT / name).rglob("*.py")}
     assert {"torchmb.integrations.lightning", "torchmb.integrations.transformers"} <= modules
@@ -127,7 +133,26 @@ def test_installed_wheel_imports_every_module_and_runs_the_quickstart(installed:
 
 @pytest.mark.slow  # about 20 s more on CI's machine: Lightning's and transformers' imports and their trainers
 def test_installed_integrations_train_each_model_as_plain_torch_would(installed: Path, tmp_path: Path) -> None:
-    run_installed(installed, LIGHTNING_STEPS + TRANSFORMERS_STEPS, tmp_path)
+    printed_by_installed(installed, LIGHTNING_STEPS + TRANSFORMERS_STEPS, tmp_path)
+
+
+def test_the_integrations_import_beside_a_torchvision_built_for_another_torch(installed: Path, tmp_path: Path) -> None:
+    """PyPI's torchvision, built for the CUDA torch, beside the CPU torch: its compiled operators cannot load and
+    ``import torchvision`` fails, yet Lightning and transformers import it; the integrations still import."""
+    beside = tmp_path / "beside"
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-compile", "--no-deps", "--target", str(beside),
+         *local_package_indexes(), f"torchvision=={importlib.metadata.version('torchvision')}", "pillow"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert install.returncode == 0, install.stderr
+    alone = run_installed(installed, "import torchvision", tmp_path, beside)
+    if alone.returncode:  # this machine's torch is a build the wheel does not match (CI's CPU torch)
+        assert "operator torchvision::nms does not exist" in alone.stderr, alone.stderr
+    imported = run_installed(installed, "import torchmb.integrations.lightning, torchmb.integrations.transformers; "
+                             "import torchvision; print(torchvision.__file__)", tmp_path, beside)
+    assert imported.returncode == 0, imported.stderr
+    assert imported.stdout.strip().startswith(str(beside)), imported.stdout
 
 
 # Two steps of Lightning's Trainer on three linear models, each against the same model trained alone by plain torch.

@@ -6,5 +6,11 @@
   ``Trainer`` training a ``BatchModule`` of a transformers model, with per-model loss, clipping,
   learning rates, schedules and logs.
 
-Importing this package imports neither framework.
+Importing this package imports neither framework. Both import torchvision where it is installed; where
+its compiled operators cannot load beside this torch (PyPI's wheel beside a CPU torch), this package declares
+them without kernels first, so that the frameworks import (:mod:`torchmb.integrations._torchvision`).
 """
+
+from ._torchvision import declare_unloadable_torchvision_ops
+
+declare_unloadable_torchvision_ops()
