@@ -29,12 +29,12 @@ of a batched forward, they would read the stacked state as one model's, so they 
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import inspect
 import sys
-import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +61,7 @@ from batch_layers import (
 
 from ._calls import _MODULE_API  # nn.Module's own names, which torch's machinery calls: never guarded
 
-__all__ = ["batch_generically", "escape_from_regions", "is_generic", "looping_over_models", "merged_from_region"]
+__all__ = ["batch_generically", "escape_from_regions", "is_generic", "looping_over_models", "noting_merged_tensors"]
 
 _GENERIC_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
 _MODULE_BASES = frozenset(nn.Module.__mro__)
@@ -326,23 +326,31 @@ def _copied_for_every_model(batch: int, value: Any) -> Any:
     return value.expand(batch, *value.shape).reshape(-1, *value.shape[1:]) if value.dim() else value.expand(batch)
 
 
-_MERGED_FROM_REGION: dict[int, weakref.ref[Tensor]] = {}
+_NOTE_MERGED: contextvars.ContextVar[Callable[[Tensor], None] | None] = contextvars.ContextVar(
+    "torchmb_note_merged", default=None
+)
 
 
-def merged_from_region(tensor: Tensor) -> bool:
-    """Whether ``tensor`` is a region's per-model tensor taken out onto the merged axis for a callee that
-    escapes (its models' data, though no op the forward's tracker saw made it: ``torchmb._tracking``)."""
-    entry = _MERGED_FROM_REGION.get(id(tensor))
-    return entry is not None and entry() is tensor
+@contextlib.contextmanager
+def noting_merged_tensors(note: Callable[[Tensor], None]) -> Iterator[None]:
+    """Inside the block ``note`` receives every region tensor taken out onto the merged axis for a callee that
+    escapes: the models' data, though no op a forward's tracker sees makes it (``torchmb._tracking``)."""
+    token = _NOTE_MERGED.set(note)
+    try:
+        yield
+    finally:
+        _NOTE_MERGED.reset(token)
 
 
 def _to_merged(region: _Region, value: Any) -> Any:
     if not isinstance(value, Tensor) or functorch.maybe_get_level(value) != region.level:
         return value  # the same for every model (a constant or the shared input): passed as it is
     physical = functorch._remove_batch_dim(value, region.level, region.batch, 0)
-    key = id(physical)
-    _MERGED_FROM_REGION[key] = weakref.ref(physical, lambda _: _MERGED_FROM_REGION.pop(key, None))
-    return physical.reshape(-1, *physical.shape[2:]) if physical.dim() > 1 else physical
+    merged = physical.reshape(-1, *physical.shape[2:]) if physical.dim() > 1 else physical
+    note = _NOTE_MERGED.get()
+    if note is not None:
+        note(merged)
+    return merged
 
 
 def _to_region(region: _Region, owner: str, value: Any) -> Any:

@@ -63,7 +63,7 @@ import offload
 from batch_layers import AbstractBatchModule, current_forward, is_shared_parameter, stacked_reads_watched_elsewhere
 
 from ._dim0_reductions import refuse_reduction_over_models
-from ._generic import is_generic, looping_over_models, merged_from_region
+from ._generic import is_generic, looping_over_models, noting_merged_tensors
 from ._merged_ops import PooledSize, Recipes, random_draw, sample_axis_op, shared_metadata
 from ._shared_operands import expand_shared_operands
 
@@ -200,8 +200,6 @@ class ModelDataTracker(TorchFunctionMode):
         entry = self._kinds.get(id(tensor))
         if entry is not None and entry[0]() is tensor:
             return entry[1]
-        if merged_from_region(tensor):
-            return Kind.PER_MODEL
         stacked = self._stacked.get(id(tensor))
         return Kind.PER_MODEL if stacked is not None and stacked[0] is tensor else None
 
@@ -225,10 +223,13 @@ class ModelDataTracker(TorchFunctionMode):
         ]
         self._reads = stacked_reads_watched_elsewhere() if self.check_decisions else contextlib.nullcontext()
         self._reads.__enter__()  # a read of a stacked tensor is this tracker's to find (_check_mixing)
+        self._merged = noting_merged_tensors(lambda tensor: self.mark((tensor,), Kind.PER_MODEL))
+        self._merged.__enter__()  # a region's data handed on the merged axis to a callee that escapes
         return super().__enter__()
 
     def __exit__(self, *exc_info: object) -> None:
         super().__exit__(*exc_info)
+        self._merged.__exit__(*exc_info)
         self._reads.__exit__(*exc_info)
         for hook in self._hooks:
             hook.remove()
