@@ -22,7 +22,7 @@ from .._base import autocast_dtype
 from .._conv_matmul import matmul_conv2d, runs_as_matmul
 from .._conv_pointwise import pointwise_conv2d, runs_pointwise
 from .._conv_triton import grouped_conv2d, input_grad, runs_on_triton
-from .._depthwise_triton import depthwise_weight_grad, runs_depthwise_grad
+from .._depthwise_triton import depthwise_weight_grad
 from .._kernel_table import CHANNELS_LAST, TRITON_DEPTHWISE_GRAD, TRITON_GROUPED, TRITON_GROUPED_INPUT_GRAD, ConvCall
 from .._layout import Layout, expand_shared, from_grouped, is_channels_last, to_grouped
 
@@ -121,15 +121,22 @@ def _kernel_grads(grad, grouped, weight, stride, padding, dilation, groups, tran
     cuDNN's and ATen's; the rest come from ``aten.convolution_backward``. Only where the backward is not
     itself differentiated: the kernels have no derivatives of their own."""
     own = {}
-    if transposed:
-        return own
-    if mask[0] and TRITON_GROUPED_INPUT_GRAD.applies(ConvCall.of(grouped, weight, groups, False, stride, dilation)):
+    takes_input, takes_weight = _triton_grads(ConvCall.of(grouped, weight, groups, transposed, stride, dilation))
+    if mask[0] and takes_input:
         grad_x = input_grad(grad, weight, grouped.shape, padding, groups)
         if grad_x is not None:
             own[0] = grad_x
-    if mask[1] and runs_depthwise_grad(grouped, weight, groups):
+    if mask[1] and takes_weight:
         own[1] = depthwise_weight_grad(grad, grouped, list(weight.shape), list(stride), list(padding), list(dilation))
     return own
+
+
+def _triton_grads(call: ConvCall) -> tuple[bool, bool]:
+    """Whether the Triton kernels take the input gradient and the weight gradient of the grouped convolution
+    ``call``."""
+    if call.transposed:
+        return False, False
+    return TRITON_GROUPED_INPUT_GRAD.applies(call), TRITON_DEPTHWISE_GRAD.applies(call)
 
 
 def grouped_conv(
@@ -166,13 +173,11 @@ def grouped_conv(
 
 
 def _aten_differentiates(grouped, weight, groups, transposed, stride, dilation) -> bool:
-    """Whether ``torch.convolution`` runs this grouped convolution forward and no kernel of
-    :func:`_kernel_grads` would take a gradient: autograd then differentiates it as well as
-    :class:`_GroupedConv` does (a kernel added to either must be excluded here too)."""
+    """Whether ``torch.convolution`` runs this grouped convolution forward (``runs_on_triton``'s candidate) and
+    no kernel of :func:`_kernel_grads` would take a gradient: autograd then differentiates it as well as
+    :class:`_GroupedConv` does."""
     call = ConvCall.of(grouped, weight, groups, transposed, stride, dilation)  # one call for the three checks
-    if TRITON_GROUPED.applies(call):  # runs_on_triton's
-        return False
-    return transposed or not (TRITON_GROUPED_INPUT_GRAD.applies(call) or TRITON_DEPTHWISE_GRAD.applies(call))
+    return not TRITON_GROUPED.applies(call) and not any(_triton_grads(call))
 
 
 def _grouped(grouped, weight, bias, stride, padding, dilation, groups, transposed, output_padding) -> Tensor:
