@@ -129,6 +129,8 @@ _GROUPED_MEASURED = (
     "backward (tests/benchmarks/bench_conv_forms.py), the compiled LeNet step 1.46x faster; at B=64 the "
     "convolution ties and the compiled step ran 0.94x as fast as with cuDNN; at B=16 cuDNN is twice as fast"
 )
+
+
 def read_window(size: int, out: int, kernel: int, stride: int, pad: int, dilation: int) -> tuple[int, int]:
     """Along one spatial dim of a convolution: the input rows ``[first, stop)`` that some output row reads."""
     return max(0, -pad), min(size, (out - 1) * stride - pad + (kernel - 1) * dilation + 1)

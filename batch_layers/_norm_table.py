@@ -30,8 +30,9 @@ class NormCall:
     """What the choice depends on, as plain values: whether the input is a CUDA tensor (``cuda``), its
     ``dtype`` (the one the norm computes in: float32 under autocast), the number of normalised ``features``
     (the product of the normalised shape), and whether ``torch.compile`` is tracing it (``compiling``) or a
-    ``torch.func`` transform or forward-mode AD (``torch.autograd.forward_ad``) is active (``transformed``), and
-    whether the input is ``contiguous``."""
+    ``torch.func`` transform or forward-mode AD (``torch.autograd.forward_ad``) is active (``transformed``),
+    whether the input is ``contiguous``, and whether it is an RMS norm (``rms``) under autocast
+    (``autocast``)."""
 
     cuda: bool
     dtype: torch.dtype
@@ -39,14 +40,17 @@ class NormCall:
     compiling: bool = False
     transformed: bool = False
     contiguous: bool = True
+    rms: bool = False
+    autocast: bool = False
 
     @classmethod
-    def of(cls, x: torch.Tensor, features: int) -> NormCall:
-        """The call of a norm of ``x``'s rows of ``features``, now."""
+    def of(cls, x: torch.Tensor, features: int, rms: bool) -> NormCall:
+        """The call of a (with ``rms``, an RMS) norm of ``x``'s rows of ``features``, now."""
         compiling = torch.compiler.is_compiling()  # (then the transforms are not asked: dynamo cannot trace it)
         transformed = not compiling and (torch._C._are_functorch_transforms_active()
                                          or forward_ad._current_level >= 0)
-        return cls(x.is_cuda, x.dtype, features, compiling, transformed, x.is_contiguous())
+        return cls(x.is_cuda, x.dtype, features, compiling, transformed, x.is_contiguous(), rms,
+                   torch.is_autocast_enabled(x.device.type))
 
 
 TRITON_NORM = Candidate(
@@ -56,6 +60,8 @@ TRITON_NORM = Candidate(
      ("at most {max_features} normalised features", lambda lim, c: 0 < c.features <= lim["max_features"]),
      ("a contiguous input (H200: timm's LayerNorm2d, whose input is a permuted view, made ConvNeXt-atto slower "
       "fused, 0.87 against 1.03 of the limit at B=64)", lambda lim, c: c.contiguous),
+     ("not an RMS norm under autocast (torch 2.11's rms_norm keeps the input's dtype there, the kernels would "
+      "return float32)", lambda lim, c: not (c.rms and c.autocast)),
      ("not traced by torch.compile (Inductor fuses the composite itself)", lambda lim, c: not c.compiling),
      ("no torch.func transform or forward-mode AD active (the kernels have no batching rule and no jvp)",
       lambda lim, c: not c.transformed),
@@ -79,16 +85,17 @@ NORM_OPS: dict[str, tuple[Candidate, ...]] = {
 """op -> its candidates in order of preference (the last always applies)."""
 
 
-def runs_fused_norm(x: torch.Tensor, features: int) -> bool:
-    """Whether a per-model-affine norm of ``x``'s rows of ``features`` runs on the fused kernels (the table's
-    :data:`TRITON_NORM` says when, and why)."""
-    return TRITON_NORM.applies(NormCall.of(x, features))
+def runs_fused_norm(x: torch.Tensor, features: int, rms: bool) -> bool:
+    """Whether a per-model-affine (with ``rms``, RMS) norm of ``x``'s rows of ``features`` runs on the fused
+    kernels (the table's :data:`TRITON_NORM` says when, and why)."""
+    return TRITON_NORM.applies(NormCall.of(x, features, rms))
 
 
 def explain_norm_kernels(*, cuda: bool, dtype: torch.dtype, features: int, compiling: bool = False,
-                         transformed: bool = False, contiguous: bool = True) -> str:
+                         transformed: bool = False, contiguous: bool = True, rms: bool = False,
+                         autocast: bool = False) -> str:
     """For a layer or RMS norm with a per-model affine, described by its values (see :class:`NormCall`): which
     kernel runs it and why not those preferred before it."""
-    call = NormCall(cuda, dtype, features, compiling, transformed, contiguous)
+    call = NormCall(cuda, dtype, features, compiling, transformed, contiguous, rms, autocast)
     return explain(call, NORM_OPS)  # type: ignore[arg-type]
 

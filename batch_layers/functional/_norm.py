@@ -160,8 +160,7 @@ def rms_norm(
 ) -> Tensor:
     """:func:`torch.nn.functional.rms_norm` for B models, as :func:`layer_norm` (``weight``
     ``(B, *normalized_shape)``, no bias)."""
-    # (under autocast torch's rms_norm returns a dtype that differs between versions: the composite keeps it)
-    if autocast_dtype(input.device.type) is None and _takes_fused(input, normalized_shape, (weight,), layout, shared):
+    if _takes_fused(input, normalized_shape, (weight,), layout, shared, rms=True):
         # torch's default: the machine epsilon of the float type it computes in (float32 for every fused dtype)
         eps = torch.finfo(torch.float32).eps if eps is None else eps
         return _FusedNorm.apply(input, weight, None, tuple(normalized_shape), eps, layout, True)
@@ -169,9 +168,10 @@ def rms_norm(
 
 
 def _takes_fused(input: Tensor, normalized_shape: Sequence[int], params: tuple[Tensor | None, ...], layout: Layout,
-                 shared: bool) -> bool:
-    """Whether a norm with this per-model affine runs on the fused kernels: the kernel table's choice, for the
-    shapes they read (any other goes to the composite, whose checks raise torch's errors)."""
+                 shared: bool, rms: bool = False) -> bool:
+    """Whether a (with ``rms``, RMS) norm with this per-model affine runs on the fused kernels: the kernel
+    table's choice, for the shapes they read (any other goes to the composite, whose checks raise torch's
+    errors)."""
     params = tuple(p for p in params if p is not None)
     if shared or not params:  # a shared input is normalised once, then broadcast to the models
         return False
@@ -180,7 +180,7 @@ def _takes_fused(input: Tensor, normalized_shape: Sequence[int], params: tuple[T
         return False
     if input.shape[0] % layout.batch or any(tuple(p.shape) != (layout.batch, *shape) for p in params):
         return False
-    return runs_fused_norm(input, math.prod(shape))
+    return runs_fused_norm(input, math.prod(shape), rms)
 
 
 class _FusedNorm(torch.autograd.Function):

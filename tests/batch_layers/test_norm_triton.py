@@ -35,7 +35,7 @@ def _triton_interpreter(monkeypatch) -> None:
     if importlib.util.find_spec("triton") is None:
         pytest.skip("needs Triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(functional_norm, "runs_fused_norm", lambda x, features: True)  # the table asks for CUDA
+    monkeypatch.setattr(functional_norm, "runs_fused_norm", lambda x, features, rms: True)  # the table asks for CUDA
     _norm_triton._kernels.cache_clear()
 
 
@@ -254,7 +254,8 @@ def test_the_table_takes_the_kernels_on_cuda_only_where_they_apply(monkeypatch) 
     for call in (NormCall(False, torch.float32, 192), NormCall(True, torch.float64, 192),
                  NormCall(True, torch.float32, 8193), NormCall(True, torch.float32, 192, compiling=True),
                  NormCall(True, torch.float32, 192, transformed=True),
-                 NormCall(True, torch.float32, 192, contiguous=False)):
+                 NormCall(True, torch.float32, 192, contiguous=False),
+                 NormCall(True, torch.float32, 192, rms=True, autocast=True)):
         assert choose(OP, call, NORM_OPS).name == "aten", call
     with torchmb_config.use("triton", False):
         assert choose(OP, vit, NORM_OPS).name == "aten"
@@ -287,11 +288,11 @@ def test_a_cpu_norm_and_a_compiled_one_keep_the_composite() -> None:
 
     @torch.compile(backend="eager", fullgraph=True)
     def traced(x):
-        seen.append(NormCall.of(x, 16))
+        seen.append(NormCall.of(x, 16, False))
         return x + 1
 
     traced(torch.randn(2, 16))
-    assert seen[0].compiling and not NormCall.of(torch.randn(2, 16), 16).compiling
+    assert seen[0].compiling and not NormCall.of(torch.randn(2, 16), 16, False).compiling
 
 
 @pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
@@ -312,15 +313,22 @@ def test_a_compiled_norm_traces_the_composite_without_graph_breaks(where: str) -
         torch.testing.assert_close(batched.weight.grad[i], model.weight.grad, atol=1e-4, rtol=1e-5)
 
 
+def test_the_call_sees_an_rms_norm_under_autocast() -> None:
+    x = torch.randn(2, 16)
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        assert NormCall.of(x, 16, True).autocast
+    assert not NormCall.of(x, 16, True).autocast
+
+
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # forward AD's own
 def test_torch_func_transforms_and_forward_mode_ad_keep_the_composite() -> None:
     """The kernels have neither a batching rule nor a jvp: under ``torch.func`` transforms and forward-mode AD
     the call says so (and the table then chooses the composite, as tested above)."""
     x = torch.randn(2, 16)
-    assert not NormCall.of(x, 16).transformed
+    assert not NormCall.of(x, 16, False).transformed
     seen = []
-    torch.func.vmap(lambda row: seen.append(NormCall.of(row, 16)) or row)(x)
+    torch.func.vmap(lambda row: seen.append(NormCall.of(row, 16, False)) or row)(x)
     with torch.autograd.forward_ad.dual_level():
         dual = torch.autograd.forward_ad.make_dual(x, torch.ones_like(x))
-        seen.append(NormCall.of(dual, 16))
+        seen.append(NormCall.of(dual, 16, False))
     assert [call.transformed for call in seen] == [True, True]

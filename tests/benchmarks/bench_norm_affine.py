@@ -72,7 +72,7 @@ def _rows(kind: str, dtype: torch.dtype, batch: int, samples: int, device: torch
 def _tune(batch: int, samples: int, device: torch.device) -> None:
     """The fused layer norm's milliseconds for each setting of the kernels' tile constants, fp32 and bf16."""
     probe = torch.randn(batch, FEATURES, device=device)
-    if not runs_fused_norm(probe, FEATURES):
+    if not runs_fused_norm(probe, FEATURES, rms=False):
         print(explain_norm_kernels(cuda=probe.is_cuda, dtype=probe.dtype, features=FEATURES))
         return
     print("| dtype | B | forward per thread | backward per thread | programs per SM | fused ms |")
