@@ -1,7 +1,7 @@
 """Profile one torchmb training step (torch.profiler): where the time of a workload goes.
 
     python tests/benchmarks/profile_step.py --workload lenet --batch 64 [--impl torchmb,vmap+compile]
-        [--rows 25] [--host]
+        [--rows 25] [--host] [--precision bf16]
 
 ``--host`` prints instead where the host's time of a step goes: the wall time of enqueueing steps (no
 sync), the kernel launches per step, and the operators sorted by their own CPU time.
@@ -26,12 +26,15 @@ def main() -> None:
     parser.add_argument("--impl", default="torchmb", help="comma-separated implementations, profiled one by one")
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--host", action="store_true", help="host time, launches and CPU-time table instead")
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     args = parser.parse_args()
     torch.backends.cudnn.benchmark = True
     device = torch.device("cuda")
-    builders = _bench_steps.Steps(_bench_steps.WORKLOADS[args.workload], args.batch, args.samples, device).builders()
+    builders = _bench_steps.Steps(
+        _bench_steps.WORKLOADS[args.workload], args.batch, args.samples, device, precision=args.precision
+    ).builders()
     for impl in args.impl.split(","):
-        profile_one(builders[impl](), f"{args.workload} B={args.batch} {impl}", args.rows, args.host)
+        profile_one(builders[impl](), f"{args.workload} B={args.batch} {impl} {args.precision}", args.rows, args.host)
         torch.cuda.empty_cache()
 
 
