@@ -40,7 +40,13 @@ from batch_layers import AbstractBatchModule, is_shared_parameter
 
 from ._calls import _CONTAINERS, per_model_call
 from ._generic import batch_generically, escape_from_regions, is_generic, is_per_model
-from ._own_operands import broadcast_own_parameters, elementwise_only, is_broadcast_own, plain_class
+from ._own_operands import (
+    broadcast_own_parameters,
+    elementwise_only,
+    is_broadcast_own,
+    operand_names,
+    restore_plain_class,
+)  # fmt: skip
 from ._registry import lookup_batch_module, registered_batch_modules
 
 __all__ = ["ConversionEntry", "convert", "run_per_model", "stacked_state", "warn_if_mostly_generic"]
@@ -103,7 +109,7 @@ def run_per_model(
     if not broadcast and (_owns_parameters(module) or is_generic(module) or isinstance(module, AbstractBatchModule)):
         raise RuntimeError(f"torchmb cannot run {name or 'the model'} per model: {reason}")
     position = next(i for i, entry in enumerate(entries) if entry.name == name)
-    owns = f"owns {', '.join(module._torchmb_operands)}" if broadcast else "no parameters"
+    owns = f"owns {', '.join(operand_names(module))}" if broadcast else "no parameters"
     # Without state below it, the whole subtree runs per model (one model after the other where vmap cannot).
     whole = not broadcast and next(module.parameters(), None) is None and next(module.buffers(), None) is None
     entry = ConversionEntry(
@@ -115,8 +121,7 @@ def run_per_model(
     )
     entries[position] = entry
     if broadcast:  # its parameters are stacked already
-        module.__class__ = plain_class(module)
-        del module._torchmb_operands
+        restore_plain_class(module)
     batch_generically(module, batch, whole=whole, stacked=broadcast)
     if not whole:
         _escape_below(module)
@@ -129,7 +134,7 @@ def stacked_state(root: nn.Module) -> dict[int, tuple[Tensor, str]]:
     found = {}
     for module_name, module in root.named_modules():
         if is_broadcast_own(module):
-            for name in module._torchmb_operands:
+            for name in operand_names(module):
                 found[id(module._parameters[name])] = (module._parameters[name], f"{module_name}.{name}".lstrip("."))
             continue
         if not (isinstance(module, AbstractBatchModule) or is_generic(module)):

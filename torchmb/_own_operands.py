@@ -36,7 +36,10 @@ from batch_layers import current_forward, is_shared_input
 from ._calls import _definition
 from ._tracking import PerModelCodeFound
 
-__all__ = ["NotElementwise", "PerModelOperand", "broadcast_own_parameters", "elementwise_only", "is_broadcast_own"]
+__all__ = [
+    "NotElementwise", "PerModelOperand", "broadcast_own_parameters", "elementwise_only", "is_broadcast_own",
+    "operand_names", "restore_plain_class",
+]  # fmt: skip
 
 
 class NotElementwise(RuntimeError):
@@ -48,8 +51,11 @@ _METADATA = (Tensor.shape.__get__, Tensor.size, Tensor.dim, Tensor.ndim.__get__,
 _PROPERTIES = (
     Tensor.dtype.__get__, Tensor.device.__get__, Tensor.requires_grad.__get__, Tensor.is_cuda.__get__,
     Tensor.layout.__get__, Tensor.grad_fn.__get__, Tensor.is_leaf.__get__, Tensor.is_floating_point,
-    Tensor.element_size, Tensor.__repr__, Tensor.__format__,
+    Tensor.element_size, Tensor.__repr__, Tensor.__format__, Tensor.storage_offset,
+    Tensor.is_complex, Tensor.is_signed, Tensor.is_inference, Tensor.get_device,
 )  # fmt: skip
+# layout questions: answered for one model's slice of the stack
+_LAYOUT = (Tensor.stride, Tensor.is_contiguous)
 _CASTS = (Tensor.to, Tensor.float, Tensor.double, Tensor.half, Tensor.bfloat16, Tensor.type_as, Tensor.contiguous,
           Tensor.clone, Tensor.detach)  # fmt: skip
 _ELEMENTWISE = (
@@ -83,6 +89,8 @@ def _per_model_op(func: Callable, args: tuple, kwargs: dict) -> Any:
         return _metadata(func, first, args[1:], kwargs)
     if func in _PROPERTIES:
         return func(*args, **kwargs)
+    if isinstance(first, PerModelOperand) and func in _LAYOUT:
+        return func(first.as_subclass(Tensor)[0], *args[1:], **kwargs)
     if _name(func) == "__get__":  # another attribute: a flag such as is_nested (torch.compile reads several)
         value = func(*args, **kwargs)
         if not isinstance(value, Tensor):
@@ -344,7 +352,7 @@ def _use(node: ast.AST, parents: dict[int, ast.AST]) -> str | bool | None:
     return None
 
 
-_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+_CLASSES: dict[tuple[type[nn.Module], tuple[str, ...]], type[nn.Module]] = {}
 
 
 def is_broadcast_own(module: nn.Module) -> bool:
@@ -353,37 +361,59 @@ def is_broadcast_own(module: nn.Module) -> bool:
     return type(module) in _CLASSES.values()
 
 
+def operand_names(module: nn.Module) -> tuple[str, ...]:
+    """The names of the parameters that :func:`broadcast_own_parameters` stacked on ``module``."""
+    return module._torchmb_operands
+
+
 def broadcast_own_parameters(module: nn.Module, batch: int, names: list[str]) -> nn.Module:
     """Stack ``module``'s parameters ``names`` for ``batch`` models (in place) and make its ``forward`` see
-    them as :class:`PerModelOperand`; returns it."""
+    them as :class:`PerModelOperand`; returns it.
+
+    The module's class gains a property per name that reads the stacked parameter as an operand while its
+    forward runs. Nothing is written into the module's ``_parameters`` then, so ``torch.compile``, resuming
+    after a graph break inside the forward, reads the stacked parameter as the graph's input and makes the
+    operand inside the graph (it cannot take a tensor whose metadata is one model's as an input).
+    """
     for name in names:
         param = module._parameters[name]
         stacked = param.detach().unsqueeze(0).expand(batch, *param.shape).clone()
         module._parameters[name] = nn.Parameter(stacked, requires_grad=param.requires_grad)
-    cls = type(module)
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(cls.__name__, (cls,), {"forward": _make_forward(cls.forward)})
-    module.__class__ = _CLASSES[cls]
+    cls, key = type(module), (type(module), tuple(names))
+    if key not in _CLASSES:
+        namespace: dict[str, Any] = {name: property(_operand_reader(name)) for name in names}
+        namespace["forward"] = _make_forward(cls.forward)
+        _CLASSES[key] = type(cls.__name__, (cls,), namespace)
+    module.__class__ = _CLASSES[key]
     module._torchmb_operands = tuple(names)
+    module._torchmb_forwarding = False
     return module
 
 
-def plain_class(module: nn.Module) -> type[nn.Module]:
-    """The class ``module`` had before :func:`broadcast_own_parameters`."""
-    return type(module).__mro__[1]
+def restore_plain_class(module: nn.Module) -> None:
+    """Undo :func:`broadcast_own_parameters` but for the stacking: ``module`` gets its class back."""
+    module.__class__ = type(module).__mro__[1]
+    del module._torchmb_operands, module._torchmb_forwarding
+
+
+def _operand_reader(name: str) -> Callable[[nn.Module], Tensor]:
+    def read(self: nn.Module) -> Tensor:
+        stacked = self._parameters[name]
+        forwarding = self._torchmb_forwarding and stacked is not None
+        return stacked.as_subclass(PerModelOperand) if forwarding else stacked
+
+    return read
 
 
 def _make_forward(original_forward: Callable[..., Any]) -> Callable[..., Any]:
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        parameters = self._parameters
-        stacked = {name: parameters[name] for name in self._torchmb_operands}
-        for name, tensor in stacked.items():
-            parameters[name] = tensor.as_subclass(PerModelOperand)
+        outer = self._torchmb_forwarding
+        self._torchmb_forwarding = True
         try:
             return original_forward(self, *args, **kwargs)
         except NotElementwise as refused:  # at the first forward, BatchModule runs the module per model instead
             raise PerModelCodeFound(self, f"uses its own parameter otherwise than element-wise: {refused}") from None
         finally:
-            parameters.update(stacked)
+            self._torchmb_forwarding = outer
 
     return forward

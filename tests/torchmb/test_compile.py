@@ -14,7 +14,7 @@ import torch
 import torch._dynamo.testing
 import torch.nn.functional as F
 from support.compiled import DYNAMO_WARNINGS, fresh_dynamo  # noqa: F401 (a fixture)
-from support.models import MLP, BatchNormCNN, LeNet
+from support.models import MLP, BatchNormCNN, LayerScaleBlock, LeNet
 from support.resnet import ResNet18
 from support.transformer import TransformerLM
 from torch import nn
@@ -133,6 +133,33 @@ def test_the_forward_context_survives_a_graph_break_and_an_error() -> None:
     with pytest.raises(RuntimeError, match="the model failed"):
         failing(torch.randn(B, N, 5))
     assert batch_layers.current_forward() is None
+
+
+class _LayerScaleBreaksGraph(LayerScaleBlock):
+    """A layer scale read after a graph break: dynamo resumes inside the forward of a module whose own
+    parameters are broadcast per model (timm's ConvNeXt block, where a depthwise kernel broke the graph)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        torch._dynamo.graph_break()
+        return y.mul(self.gamma.reshape(1, -1, 1, 1)) + self.shift + x
+
+
+def test_a_graph_break_inside_a_broadcast_own_module_compiles_like_plain_models() -> None:
+    batched = BatchModule.from_factory(_LayerScaleBreaksGraph, B, seed=0)
+    assert batched.conversion_report()[0].path == "broadcast-own"
+    x = torch.randn(B, N, 4, 5, 5)
+    out = torch.compile(batched, backend="aot_eager")(x)
+    out.square().sum().backward()
+    assert type(batched.module.gamma) is nn.Parameter and batched.module.gamma.shape == (B, 4)
+    for i in range(B):
+        torch.manual_seed(i)
+        plain = _LayerScaleBreaksGraph()
+        want = plain(x[i])
+        want.square().sum().backward()
+        torch.testing.assert_close(out[i], want, atol=1e-5, rtol=1e-5)
+        for (name, got), expected in zip(batched.module.named_parameters(), plain.parameters(), strict=True):
+            torch.testing.assert_close(got.grad[i], expected.grad, atol=1e-5, rtol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("entered_compiling", [False, True], ids=["entered-eagerly", "entered-compiling"])

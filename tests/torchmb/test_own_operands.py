@@ -166,3 +166,7 @@ def test_a_per_model_operand_answers_attribute_reads_as_one_models_parameter() -
     assert stacked.itemsize == one.itemsize
     assert (stacked.is_nested, stacked.is_sparse, stacked.is_quantized, stacked.is_meta) == (False,) * 4
     assert stacked.shape == one.shape
+    assert (stacked.storage_offset(), stacked.is_complex(), stacked.get_device()) == (0, False, -1)
+    assert (stacked.stride(), stacked.stride(-1), stacked.is_contiguous()) == (one.stride(), 1, True)
+    transposed = torch.randn(3, 5, 4).transpose(1, 2).as_subclass(PerModelOperand)
+    assert (transposed.stride(), transposed.is_contiguous()) == (torch.randn(5, 4).t().stride(), False)
