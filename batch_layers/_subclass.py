@@ -61,16 +61,21 @@ class _SwapFunctionals(TorchFunctionMode):
     def __init__(self, layer: AbstractBatchModule) -> None:
         super().__init__()
         self.layer = layer
-        self.per_model = {id(t): t for t in (*layer.parameters(recurse=False), *layer.buffers(recurse=False))}
+        # a list searched by identity, not a dict by id(): dynamo before torch 2.13 cannot take id() of a tensor
+        # made inside the graph, and every torch call of the forward asks
+        self.per_model = [*layer.parameters(recurse=False), *layer.buffers(recurse=False)]
+
+    def _holds(self, value: object) -> bool:
+        return isinstance(value, Tensor) and any([value is tensor for tensor in self.per_model])
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        touched = [leaf for leaf in _leaves(args, kwargs) if id(leaf) in self.per_model]
+        touched = [leaf for leaf in _leaves(args, kwargs) if self._holds(leaf)]
         if not touched:
             return func(*args, **kwargs)
         others = [leaf for leaf in _leaves(args[1:], kwargs) if isinstance(leaf, Tensor)]
         form = self.layer.functional_forms.get(func)
-        if form is not None and all(id(tensor) in self.per_model for tensor in others):
+        if form is not None and all([self._holds(tensor) for tensor in others]):
             return getattr(self.layer, form)(*args, **kwargs)
         if func in _METADATA:
             return func(args[0][0], *args[1:], **kwargs)
@@ -82,7 +87,7 @@ class _SwapFunctionals(TorchFunctionMode):
                 return value  # the same for one model's tensor as for the stacked one
         if func in _CASTS and not others:
             result = func(*args, **kwargs)
-            self.per_model[id(result)] = result
+            self.per_model.append(result)
             return result
         if func in _SCALAR_UPDATES and not others and args[0] is touched[0]:
             return func(*args, **kwargs)
