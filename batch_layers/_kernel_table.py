@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import Generic, NamedTuple, TypeVar
 
 import torch
 
@@ -78,21 +78,22 @@ class ConvCall(NamedTuple):
                    tuple(dilation), tuple(x.shape[2:]), tuple(padding))
 
 
-Check = Callable[[dict, ConvCall], bool]
+Call = TypeVar("Call")
+"""What a table's checks read of one call: :class:`ConvCall` here, the norm table's ``NormCall``."""
 
 
 @dataclass
-class Candidate:
+class Candidate(Generic[Call]):
     """One implementation of an op: ``name``, the ``conditions`` under which it runs (a description, formatted
     with ``limits``, and a check of ``(limits, call)``), its thresholds (``limits``, read at every check: tests
     and benchmarks may change them) and the measurement that set them (``measured``)."""
 
     name: str
-    conditions: tuple[tuple[str, Check], ...] = ()
-    limits: dict[str, int] | None = None
+    conditions: tuple[tuple[str, Callable[[dict[str, int], Call], bool]], ...] = ()
+    limits: dict[str, int] = field(default_factory=dict)
     measured: str = ""
 
-    def applies(self, call: ConvCall) -> bool:
+    def applies(self, call: Call) -> bool:
         """Whether every condition holds for ``call``."""
         # (a loop of plain calls: it runs inside traced forwards)
         for _, check in self.conditions:
@@ -100,9 +101,9 @@ class Candidate:
                 return False
         return True
 
-    def unmet(self, call: ConvCall) -> list[str]:
+    def unmet(self, call: Call) -> list[str]:
         """The descriptions of the conditions ``call`` does not meet (none: this candidate runs it)."""
-        return [text.format(**(self.limits or {})) for text, check in self.conditions if not check(self.limits, call)]
+        return [text.format(**self.limits) for text, check in self.conditions if not check(self.limits, call)]
 
 
 _CUDA = ("a CUDA tensor", lambda lim, c: c.cuda)
@@ -146,7 +147,7 @@ def _pixels(c: ConvCall) -> tuple[int, int]:
     return out_pixels, read_pixels
 
 
-MATMUL = Candidate(
+MATMUL: Candidate[ConvCall] = Candidate(
     "matmul",
     (_CUDA, _TWO_D, _NOT_TRANSPOSED, _FLOAT,
      ("the image's size and padding known", lambda lim, c: len(c.size) == len(c.padding) == 2),
@@ -164,7 +165,7 @@ MATMUL = Candidate(
 """A convolution of a few pixels as one batched matrix product (``_conv_matmul.py``), forward and both
 gradients (autograd's), so it heads all three ops."""
 
-POINTWISE = Candidate(
+POINTWISE: Candidate[ConvCall] = Candidate(
     "pointwise-matmul",
     (_CUDA, _TWO_D, _NOT_TRANSPOSED, _FLOAT,
      ("a 1x1 kernel without padding", lambda lim, c: tuple(c.weight_shape[2:]) == (1, 1) and set(c.padding) == {0}),
@@ -181,15 +182,15 @@ POINTWISE = Candidate(
 """A pointwise convolution as one batched matrix product of pixels (``_conv_pointwise.py``), forward and both
 gradients (autograd's)."""
 
-_ATEN = Candidate("aten", measured="cuDNN or ATen's kernels (torch.convolution and its backward)")
+_ATEN: Candidate[ConvCall] = Candidate("aten", measured="cuDNN or ATen's kernels (torch.convolution and its backward)")
 
-TRITON_GROUPED = Candidate("triton-grouped", _GROUPED, _GROUPED_LIMITS, _GROUPED_MEASURED)
-TRITON_GROUPED_INPUT_GRAD = Candidate(
+TRITON_GROUPED: Candidate[ConvCall] = Candidate("triton-grouped", _GROUPED, _GROUPED_LIMITS, _GROUPED_MEASURED)
+TRITON_GROUPED_INPUT_GRAD: Candidate[ConvCall] = Candidate(
     "triton-grouped",
     (("stride 1", lambda lim, c: set(c.stride) == {1}),
      ("dilation 1", lambda lim, c: set(c.dilation) == {1}), *_GROUPED),
     _GROUPED_LIMITS, _GROUPED_MEASURED + "; the input gradient is the same kernel on the flipped filters")
-TRITON_DEPTHWISE_GRAD = Candidate(
+TRITON_DEPTHWISE_GRAD: Candidate[ConvCall] = Candidate(
     "triton-depthwise",
     (_CUDA, _TWO_D, _NOT_TRANSPOSED,
      ("one input channel per group", lambda lim, c: c.weight_shape[1] == 1),
@@ -204,7 +205,7 @@ TRITON_DEPTHWISE_GRAD = Candidate(
     "H100: a ConvNeXt 7x7 depthwise layer at B=64 2.7 against 3.8 ms forward and backward (ATen reads the "
     "whole output gradient once per filter tap; fewer channels leave the GPU mostly idle either way)")
 
-CHANNELS_LAST = Candidate(
+CHANNELS_LAST: Candidate[ConvCall] = Candidate(
     "channels-last",
     (("at least {min_in_per_group} input channels per group",
       lambda lim, c: (c.weight_shape[0] // c.groups if c.transposed else c.weight_shape[1])
@@ -214,9 +215,9 @@ CHANNELS_LAST = Candidate(
     "backward) and depthwise ones in its NHWC engine instead of ATen's depthwise kernels: 1.3-2x slower than "
     "NCHW for LeNet's 1-16 channels per model; from 64 on NHWC was 4% faster (tests/benchmarks/"
     "bench_conv_forms.py)")
-CONTIGUOUS = Candidate("contiguous", measured="the grouped layout in memory order (NCHW)")
+CONTIGUOUS: Candidate[ConvCall] = Candidate("contiguous", measured="the grouped layout in memory order (NCHW)")
 
-OPS: dict[str, tuple[Candidate, ...]] = {
+OPS: dict[str, tuple[Candidate[ConvCall], ...]] = {
     "forward": (MATMUL, POINTWISE, TRITON_GROUPED, _ATEN),
     "input grad": (MATMUL, POINTWISE, TRITON_GROUPED_INPUT_GRAD, _ATEN),
     "weight grad": (MATMUL, POINTWISE, TRITON_DEPTHWISE_GRAD, _ATEN),
@@ -225,14 +226,14 @@ OPS: dict[str, tuple[Candidate, ...]] = {
 """op -> its candidates in order of preference (the last always applies)."""
 
 
-def choose(op: str, call: ConvCall, ops: dict[str, tuple[Candidate, ...]] = OPS) -> Candidate:
-    """The candidate that runs ``op`` for ``call`` (in the table ``ops``: the convolutions' by default)."""
+def choose(op: str, call: Call, ops: dict[str, tuple[Candidate[Call], ...]]) -> Candidate[Call]:
+    """The candidate that runs ``op`` for ``call`` in the table ``ops`` (:data:`OPS`: the convolutions')."""
     return next(c for c in ops[op] if c.applies(call))
 
 
-def explain(call: ConvCall, ops: dict[str, tuple[Candidate, ...]] = OPS) -> str:
-    """For every op of the table ``ops``: the candidate that runs ``call`` and, for each one preferred before
-    it, why not."""
+def explain(call: Call, ops: dict[str, tuple[Candidate[Call], ...]]) -> str:
+    """For every op of the table ``ops`` (:data:`OPS`: the convolutions'): the candidate that runs ``call``
+    and, for each one preferred before it, why not."""
     lines = []
     for op, candidates in ops.items():
         chosen = choose(op, call, ops)
@@ -250,4 +251,4 @@ def explain_kernels(*, cuda: bool, dims: int, dtype: torch.dtype, channels: int,
     image ``size`` and ``padding``, the candidates that need them do not apply): for every op, which kernel
     runs and why not those preferred before it."""
     return explain(ConvCall(cuda, dims, dtype, channels, tuple(weight_shape), groups, transposed, tuple(stride),
-                            tuple(dilation), tuple(size), tuple(padding)))
+                            tuple(dilation), tuple(size), tuple(padding)), OPS)

@@ -53,7 +53,7 @@ class NormCall:
                    torch.is_autocast_enabled(x.device.type))
 
 
-TRITON_NORM = Candidate(
+TRITON_NORM: Candidate[NormCall] = Candidate(
     "triton-norm-affine",
     (("a CUDA tensor", lambda lim, c: c.cuda),
      ("float32, float16 or bfloat16", lambda lim, c: c.dtype in _FLOATS),
@@ -75,11 +75,11 @@ TRITON_NORM = Candidate(
     "the limit at B=64")
 """The fused kernels of ``_norm_triton.py``: forward, and input, weight and bias gradients."""
 
-_COMPOSITE = Candidate(
+_COMPOSITE: Candidate[NormCall] = Candidate(
     "aten", measured="torch's norm kernel without affine, then each model's weight and bias as a broadcast "
     "product and sum on the (B, n, ...) view (autograd's backward)")
 
-NORM_OPS: dict[str, tuple[Candidate, ...]] = {
+NORM_OPS: dict[str, tuple[Candidate[NormCall], ...]] = {
     "layer or RMS norm with a per-model affine": (TRITON_NORM, _COMPOSITE),
 }
 """op -> its candidates in order of preference (the last always applies)."""
@@ -97,5 +97,5 @@ def explain_norm_kernels(*, cuda: bool, dtype: torch.dtype, features: int, compi
     """For a layer or RMS norm with a per-model affine, described by its values (see :class:`NormCall`): which
     kernel runs it and why not those preferred before it."""
     call = NormCall(cuda, dtype, features, compiling, transformed, contiguous, rms, autocast)
-    return explain(call, NORM_OPS)  # type: ignore[arg-type]
+    return explain(call, NORM_OPS)
 

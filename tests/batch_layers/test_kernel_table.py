@@ -12,7 +12,7 @@ import torch
 
 import torchmb_config
 from batch_layers import _kernel_table
-from batch_layers._kernel_table import ConvCall, choose, explain
+from batch_layers._kernel_table import OPS, ConvCall, choose, explain
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -79,8 +79,7 @@ def test_the_table_chooses_what_the_old_predicates_chose(monkeypatch, triton):
     monkeypatch.setattr(_kernel_table, "TRITON_INSTALLED", triton)
     seen = set()
     for call in calls():
-        got = (choose("forward", call).name, choose("input grad", call).name, choose("weight grad", call).name,
-               choose("layout of a channels-last input", call).name)
+        got = tuple(choose(op, call, OPS).name for op in OPS)
         want = ("triton-grouped" if old_runs_on_triton(call, triton) else "aten",
                 "triton-grouped" if old_input_grad_on_triton(call, triton) else "aten",
                 "triton-depthwise" if old_runs_depthwise_grad(call, triton) else "aten",
@@ -101,20 +100,20 @@ def test_the_table_chooses_what_the_old_predicates_chose(monkeypatch, triton):
 def test_the_triton_switch_and_the_limits_are_read_at_each_choice(monkeypatch):
     monkeypatch.setattr(_kernel_table, "TRITON_INSTALLED", True)
     lenet2 = ConvCall(True, 4, torch.float32, 256 * 6, (256 * 16, 6, 5, 5), 256)
-    assert choose("forward", lenet2).name == "triton-grouped"
+    assert choose("forward", lenet2, OPS).name == "triton-grouped"
     with torchmb_config.use("triton", False):
-        assert choose("forward", lenet2).name == "aten"
+        assert choose("forward", lenet2, OPS).name == "aten"
     monkeypatch.setitem(_kernel_table.TRITON_GROUPED.limits, "min_groups", 512)
-    assert choose("forward", lenet2).name == "aten"
+    assert choose("forward", lenet2, OPS).name == "aten"
 
 
 def test_explain_names_the_kernel_and_every_unmet_condition(monkeypatch):
     monkeypatch.setattr(_kernel_table, "TRITON_INSTALLED", True)
     few_models = ConvCall(True, 4, torch.float32, 16 * 6, (16 * 16, 6, 5, 5), 16)
-    text = explain(few_models)
+    text = explain(few_models, OPS)
     assert "forward: aten" in text and "not triton-grouped: needs at least 128 groups" in text
     assert "weight grad: aten" in text and "one input channel per group" in text
     assert "layout of a channels-last input: contiguous" in text
     lenet2 = ConvCall(True, 4, torch.float32, 256 * 6, (256 * 16, 6, 5, 5), 256, stride=(2, 2))
-    text = explain(lenet2)
+    text = explain(lenet2, OPS)
     assert "forward: triton-grouped (H100" in text and "not triton-grouped: needs stride 1" in text
