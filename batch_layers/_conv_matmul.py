@@ -88,8 +88,9 @@ def _one_pixel(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Layout, r
     they lie (a strided view where the pixels read are the whole contiguous image)."""
     batch = layout.batch
     n, models = x.shape[0] // batch, batch * groups
-    per_group, in_per_group, kh, kw = weight.shape[0] // models, *weight.shape[1:]
-    filters = weight.view(models, per_group, in_per_group, kh, kw)
+    in_per_group, kh, kw = weight.shape[-3:]
+    per_group = weight.numel() // (models * in_per_group * kh * kw)
+    filters = weight.reshape(models, per_group, in_per_group, kh, kw)
     if (rows_plan.tap_count, cols_plan.tap_count) != (kh, kw):
         filters = filters[..., rows_plan.tap_first : rows_plan.tap_first + rows_plan.tap_count,
                           cols_plan.tap_first : cols_plan.tap_first + cols_plan.tap_count]
@@ -102,7 +103,7 @@ def _one_pixel(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Layout, r
     if bias is None:
         y = torch.bmm(filters, columns)
     else:
-        y = torch.baddbmm(bias.view(models, per_group, 1), filters, columns)
+        y = torch.baddbmm(bias.reshape(models, per_group, 1), filters, columns)
     y = y.view(batch, groups * per_group, n, 1, 1).transpose(1, 2)
     return layout.merge(y, unread=True)  # bmm reads no output
 
@@ -110,12 +111,13 @@ def _one_pixel(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Layout, r
 def matmul_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Layout, stride: Sequence[int],
                   padding: Sequence[int], dilation: Sequence[int], groups: int) -> Tensor:
     """B models' ``F.conv2d`` of the merged ``x`` (``(B*n, C, H, W)`` in ``layout``) with the stacked
-    ``(B*O, C/groups, kh, kw)`` ``weight`` and ``(B*O,)`` ``bias`` (``groups`` per model), as a batched matrix
+    ``(B*O, C/groups, kh, kw)`` ``weight`` and ``(B*O,)`` ``bias`` (or the per-model ``(B, O, C/groups, kh, kw)``
+    and ``(B, O)``, read without stacking them first; ``groups`` per model), as a batched matrix
     product; the merged result keeps ``x``'s order and, where it has more than one pixel, its storage."""
-    batch, (height, width), (kh, kw) = layout.batch, x.shape[2:], weight.shape[2:]
-    n, in_per_group = x.shape[0] // batch, weight.shape[1]
-    per_group = weight.shape[0] // (batch * groups)
+    batch, (height, width), (kh, kw) = layout.batch, x.shape[2:], weight.shape[-2:]
+    n, in_per_group = x.shape[0] // batch, weight.shape[-3]
     models = batch * groups
+    per_group = weight.numel() // (models * in_per_group * kh * kw)
     out_h, out_w = ((size + 2 * p - d * (k - 1) - 1) // s + 1
                     for size, k, s, p, d in zip((height, width), (kh, kw), stride, padding, dilation))
     rows_plan = _plan(height, out_h, kh, stride[0], padding[0], dilation[0])
@@ -124,7 +126,7 @@ def matmul_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Layout
         return _one_pixel(x, weight, bias, layout, rows_plan, cols_plan, groups)
     pixels_read, pixels_out = rows_plan.count * cols_plan.count, out_h * out_w
     # only the taps some pixel uses (a 1x1 image's centre), each filter's taps outside its input channels
-    filters = weight.view(models, per_group, in_per_group, kh, kw)[
+    filters = weight.reshape(models, per_group, in_per_group, kh, kw)[
         ..., rows_plan.tap_first : rows_plan.tap_first + rows_plan.tap_count,
         cols_plan.tap_first : cols_plan.tap_first + cols_plan.tap_count]
     filters = filters.permute(0, 1, 3, 4, 2).reshape(models, per_group, -1, in_per_group)
@@ -146,7 +148,7 @@ def matmul_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Layout
     if bias is None:
         y = torch.bmm(rows, toeplitz)
     else:
-        start = bias.view(models, 1, per_group, 1).expand(-1, -1, -1, pixels_out)
+        start = bias.reshape(models, 1, per_group, 1).expand(-1, -1, -1, pixels_out)
         y = torch.baddbmm(start.reshape(models, 1, -1), rows, toeplitz)
     y = y.view(batch, groups, n, per_group, out_h, out_w).transpose(1, 2)
     y = layout.merge(y.reshape(batch, n, groups * per_group, out_h, out_w), unread=True)  # bmm reads no output

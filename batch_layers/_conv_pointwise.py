@@ -35,14 +35,15 @@ def runs_pointwise(call: ConvCall) -> bool:
 def pointwise_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Layout, stride: Sequence[int],
                      groups: int) -> Tensor:
     """B models' unpadded 1x1 ``F.conv2d`` of the merged ``x`` (``(B*n, C, H, W)`` in ``layout``) with the stacked
-    ``(B*O, C/groups, 1, 1)`` ``weight`` and ``(B*O,)`` ``bias`` (``groups`` per model); the merged result keeps
+    ``(B*O, C/groups, 1, 1)`` ``weight`` and ``(B*O,)`` ``bias`` (or the per-model ``(B, O, C/groups, 1, 1)`` and
+    ``(B, O)``, which it reads without stacking them first; ``groups`` per model); the merged result keeps
     ``x``'s order and storage (channels-last or contiguous)."""
     batch, n = layout.batch, x.shape[0] // layout.batch
-    in_per_group, per_group = weight.shape[1], weight.shape[0] // (batch * groups)
-    models = batch * groups
+    models, in_per_group = batch * groups, weight.shape[-3]
+    per_group = weight.numel() // (models * in_per_group)
     pixels = x[:, :, :: stride[0], :: stride[1]]
     height, width = pixels.shape[2:]
-    filters = weight.view(models, per_group, in_per_group)
+    filters = weight.reshape(models, per_group, in_per_group)
     if not is_channels_last(x):
         # filters first, (B*g, O/g, C/g) @ (B*g, C/g, n*h*w): the weight's gradient then comes back in the
         # weight's own layout (pixels first, it came back transposed: a copy of B models' filters per backward)
@@ -51,7 +52,7 @@ def pointwise_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Lay
         if bias is None:
             y = torch.bmm(filters, columns)
         else:
-            y = torch.baddbmm(bias.view(models, per_group, 1), filters, columns)
+            y = torch.baddbmm(bias.reshape(models, per_group, 1), filters, columns)
         # (B, n, O, h, w): each model's pixels with all its groups' channels
         y = y.view(batch, groups * per_group, n, height, width).transpose(1, 2)
         return layout.merge(y).contiguous()
@@ -61,7 +62,7 @@ def pointwise_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Lay
     if bias is None:
         y = torch.bmm(rows, filters.transpose(1, 2))
     else:
-        y = torch.baddbmm(bias.view(models, 1, per_group), rows, filters.transpose(1, 2))
+        y = torch.baddbmm(bias.reshape(models, 1, per_group), rows, filters.transpose(1, 2))
     # (B, n, h, w, O): each model's pixels with all its groups' channels
     y = y.view(batch, groups, n, height, width, per_group).permute(0, 2, 3, 4, 1, 5).flatten(4)
     return layout.merge(y, unread=True).permute(0, 3, 1, 2)  # bmm reads no output

@@ -31,10 +31,13 @@ GEOMETRIES = [  # in, out, kernel, stride, padding, dilation, groups, height, wi
 ]
 
 
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "per-model"])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
 @pytest.mark.parametrize("order", ["models", "samples"])
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: "x".join(map(str, g)))
-def test_the_product_is_b_plain_convolutions(geometry, order: str, channels_last: bool) -> None:
+def test_the_product_is_b_plain_convolutions(geometry, order: str, channels_last: bool, stacked: bool) -> None:
+    """With the stacked ``(B*O, ...)`` weight and ``(B*O,)`` bias, or B models' ``(B, O, ...)`` and ``(B, O)``
+    (a batched Conv2d hands its own)."""
     cin, cout, k, stride, padding, dilation, groups, height, width = geometry
     k, stride, padding, dilation = (v if isinstance(v, tuple) else (v, v) for v in (k, stride, padding, dilation))
     torch.manual_seed(0)
@@ -44,6 +47,8 @@ def test_the_product_is_b_plain_convolutions(geometry, order: str, channels_last
     bias = torch.randn(BATCH, cout, dtype=torch.float64, requires_grad=True)
 
     def run(merged, stacked_weight, stacked_bias):
+        if not stacked:
+            stacked_weight, stacked_bias = weight, bias
         return matmul_conv2d(merged, stacked_weight, stacked_bias, layout, stride, padding, dilation, groups)
 
     check_against_plain_conv2d(run, x, weight, bias, layout, channels_last, stride, padding, dilation, groups)

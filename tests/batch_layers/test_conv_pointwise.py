@@ -22,11 +22,15 @@ GEOMETRIES = [  # in, out, stride, groups, height, width
 ]
 
 
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "per-model"])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
 @pytest.mark.parametrize("order", ["models", "samples"])
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: "x".join(map(str, g)))
-def test_the_product_is_b_plain_convolutions(geometry, order: str, channels_last: bool, bias: bool) -> None:
+def test_the_product_is_b_plain_convolutions(geometry, order: str, channels_last: bool, bias: bool,
+                                             stacked: bool) -> None:
+    """With the stacked ``(B*O, ...)`` weight and ``(B*O,)`` bias, or B models' ``(B, O, ...)`` and ``(B, O)``
+    (a batched Conv2d hands its own)."""
     cin, cout, stride, groups, height, width = geometry
     stride = stride if isinstance(stride, tuple) else (stride, stride)
     torch.manual_seed(0)
@@ -36,6 +40,8 @@ def test_the_product_is_b_plain_convolutions(geometry, order: str, channels_last
     biases = torch.randn(BATCH, cout, dtype=torch.float64, requires_grad=True) if bias else None
 
     def run(merged, stacked_weight, stacked_bias):
+        if not stacked:
+            stacked_weight, stacked_bias = weight, biases
         return pointwise_conv2d(merged, stacked_weight, stacked_bias, layout, stride, groups)
 
     check_against_plain_conv2d(run, x, weight, biases, layout, channels_last, stride, 0, 1, groups)
