@@ -79,22 +79,54 @@ def _to_device(values: Tensor, device: torch.device) -> Tensor:
     return values.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else values
 
 
+def _one_pixel(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Layout, rows_plan: _DimPlan,
+               cols_plan: _DimPlan, groups: int) -> Tensor:
+    """:func:`matmul_conv2d` of one output pixel whose pixels read meet the filter taps in order, one each (a
+    1x1 image's centre taps): filters first, ``(B*g, O/g, C/g * taps) @ (B*g, C/g * taps, n)``, each filter's
+    taps in its own layout (so autograd hands the weight's gradient back in it, where the pixels-first product
+    handed it back transposed, a copy of B models' filters per backward) and each sample's pixels read where
+    they lie (a strided view where the pixels read are the whole contiguous image)."""
+    batch = layout.batch
+    n, models = x.shape[0] // batch, batch * groups
+    in_per_group, kh, kw = weight.shape[-3:]
+    per_group = weight.numel() // (models * in_per_group * kh * kw)
+    filters = weight.reshape(models, per_group, in_per_group, kh, kw)
+    if (rows_plan.tap_count, cols_plan.tap_count) != (kh, kw):
+        filters = filters[..., rows_plan.tap_first : rows_plan.tap_first + rows_plan.tap_count,
+                          cols_plan.tap_first : cols_plan.tap_first + cols_plan.tap_count]
+    filters = filters.reshape(models, per_group, -1)
+    if (rows_plan.count, cols_plan.count) != tuple(x.shape[2:]):
+        x = x[:, :, rows_plan.first : rows_plan.first + rows_plan.count,
+              cols_plan.first : cols_plan.first + cols_plan.count]
+    # (B*g, C/g * pixels read, n): each model's (and group's) samples as columns
+    columns = layout.split(x).reshape(batch, n, groups, -1).permute(0, 2, 3, 1).reshape(models, -1, n)
+    if bias is None:
+        y = torch.bmm(filters, columns)
+    else:
+        y = torch.baddbmm(bias.reshape(models, per_group, 1), filters, columns)
+    y = y.view(batch, groups * per_group, n, 1, 1).transpose(1, 2)
+    return layout.merge(y, unread=True)  # bmm reads no output
+
+
 def matmul_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Layout, stride: Sequence[int],
                   padding: Sequence[int], dilation: Sequence[int], groups: int) -> Tensor:
     """B models' ``F.conv2d`` of the merged ``x`` (``(B*n, C, H, W)`` in ``layout``) with the stacked
-    ``(B*O, C/groups, kh, kw)`` ``weight`` and ``(B*O,)`` ``bias`` (``groups`` per model), as a batched matrix
+    ``(B*O, C/groups, kh, kw)`` ``weight`` and ``(B*O,)`` ``bias`` (or the per-model ``(B, O, C/groups, kh, kw)``
+    and ``(B, O)``, read without stacking them first; ``groups`` per model), as a batched matrix
     product; the merged result keeps ``x``'s order and, where it has more than one pixel, its storage."""
-    batch, (height, width), (kh, kw) = layout.batch, x.shape[2:], weight.shape[2:]
-    n, in_per_group = x.shape[0] // batch, weight.shape[1]
-    per_group = weight.shape[0] // (batch * groups)
+    batch, (height, width), (kh, kw) = layout.batch, x.shape[2:], weight.shape[-2:]
+    n, in_per_group = x.shape[0] // batch, weight.shape[-3]
     models = batch * groups
+    per_group = weight.numel() // (models * in_per_group * kh * kw)
     out_h, out_w = ((size + 2 * p - d * (k - 1) - 1) // s + 1
                     for size, k, s, p, d in zip((height, width), (kh, kw), stride, padding, dilation))
     rows_plan = _plan(height, out_h, kh, stride[0], padding[0], dilation[0])
     cols_plan = _plan(width, out_w, kw, stride[1], padding[1], dilation[1])
+    if rows_plan.in_tap_order and cols_plan.in_tap_order:
+        return _one_pixel(x, weight, bias, layout, rows_plan, cols_plan, groups)
     pixels_read, pixels_out = rows_plan.count * cols_plan.count, out_h * out_w
     # only the taps some pixel uses (a 1x1 image's centre), each filter's taps outside its input channels
-    filters = weight.view(models, per_group, in_per_group, kh, kw)[
+    filters = weight.reshape(models, per_group, in_per_group, kh, kw)[
         ..., rows_plan.tap_first : rows_plan.tap_first + rows_plan.tap_count,
         cols_plan.tap_first : cols_plan.tap_first + cols_plan.tap_count]
     filters = filters.permute(0, 1, 3, 4, 2).reshape(models, per_group, -1, in_per_group)
@@ -116,7 +148,7 @@ def matmul_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Layout
     if bias is None:
         y = torch.bmm(rows, toeplitz)
     else:
-        start = bias.view(models, 1, per_group, 1).expand(-1, -1, -1, pixels_out)
+        start = bias.reshape(models, 1, per_group, 1).expand(-1, -1, -1, pixels_out)
         y = torch.baddbmm(start.reshape(models, 1, -1), rows, toeplitz)
     y = y.view(batch, groups, n, per_group, out_h, out_w).transpose(1, 2)
     y = layout.merge(y.reshape(batch, n, groups * per_group, out_h, out_w), unread=True)  # bmm reads no output

@@ -2,11 +2,13 @@
 
 A 1x1 convolution multiplies every pixel's channels by one ``(O, C)`` matrix. cuDNN's grouped convolution,
 with B models as groups, converts every group's slice between NCHW and NHWC and back (``docs/performance.md``);
-here each model's pixels become the rows of one matrix (a strided view, or one copy where the merged layout
-does not allow it) multiplied by its filters in one ``torch.baddbmm``, and the result is laid out merged
-again in one copy. A stride subsamples the pixels first (a view). Autograd differentiates it (double backward
-included), autocast casts it as it casts matrix products, and fp32 products run in TF32 where
-``torch.backends.cuda.matmul.allow_tf32`` allows. The kernel table's
+here each model's filters multiply its pixels in one ``torch.baddbmm``: the filters first, the pixels as the
+columns of one matrix (one copy), where the input is contiguous, so that autograd hands the weight's gradient
+back in the weight's layout; the pixels first, as the rows of one matrix (a strided view where the merged
+layout allows it), where the input is channels-last, whose output then keeps that storage. The result is laid
+out merged again in at most one copy. A stride subsamples the pixels first (a view). Autograd differentiates
+it (double backward included), autocast casts it as it casts matrix products, and fp32 products run in TF32
+where ``torch.backends.cuda.matmul.allow_tf32`` allows. The kernel table's
 :data:`~batch_layers._kernel_table.POINTWISE` says which convolutions take it.
 """
 
@@ -33,23 +35,34 @@ def runs_pointwise(call: ConvCall) -> bool:
 def pointwise_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Layout, stride: Sequence[int],
                      groups: int) -> Tensor:
     """B models' unpadded 1x1 ``F.conv2d`` of the merged ``x`` (``(B*n, C, H, W)`` in ``layout``) with the stacked
-    ``(B*O, C/groups, 1, 1)`` ``weight`` and ``(B*O,)`` ``bias`` (``groups`` per model); the merged result keeps
+    ``(B*O, C/groups, 1, 1)`` ``weight`` and ``(B*O,)`` ``bias`` (or the per-model ``(B, O, C/groups, 1, 1)`` and
+    ``(B, O)``, which it reads without stacking them first; ``groups`` per model); the merged result keeps
     ``x``'s order and storage (channels-last or contiguous)."""
     batch, n = layout.batch, x.shape[0] // layout.batch
-    in_per_group, per_group = weight.shape[1], weight.shape[0] // (batch * groups)
-    models = batch * groups
+    models, in_per_group = batch * groups, weight.shape[-3]
+    per_group = weight.numel() // (models * in_per_group)
     pixels = x[:, :, :: stride[0], :: stride[1]]
     height, width = pixels.shape[2:]
-    # (B*g, n*h*w, C/g): each model's (and group's) pixels as rows
+    filters = weight.reshape(models, per_group, in_per_group)
+    if not is_channels_last(x):
+        # filters first, (B*g, O/g, C/g) @ (B*g, C/g, n*h*w): the weight's gradient then comes back in the
+        # weight's own layout (pixels first, it came back transposed: a copy of B models' filters per backward)
+        columns = layout.split(pixels).unflatten(2, (groups, in_per_group)).permute(0, 2, 3, 1, 4, 5)
+        columns = columns.reshape(models, in_per_group, n * height * width)
+        if bias is None:
+            y = torch.bmm(filters, columns)
+        else:
+            y = torch.baddbmm(bias.reshape(models, per_group, 1), filters, columns)
+        # (B, n, O, h, w): each model's pixels with all its groups' channels
+        y = y.view(batch, groups * per_group, n, height, width).transpose(1, 2)
+        return layout.merge(y).contiguous()
+    # (B*g, n*h*w, C/g): each model's (and group's) pixels as rows, read where they lie (channels-last)
     rows = layout.split(pixels).unflatten(2, (groups, in_per_group)).permute(0, 2, 1, 4, 5, 3)
     rows = rows.reshape(models, n * height * width, in_per_group)
-    filters = weight.view(models, per_group, in_per_group).transpose(1, 2)
     if bias is None:
-        y = torch.bmm(rows, filters)
+        y = torch.bmm(rows, filters.transpose(1, 2))
     else:
-        y = torch.baddbmm(bias.view(models, 1, per_group), rows, filters)
+        y = torch.baddbmm(bias.reshape(models, 1, per_group), rows, filters.transpose(1, 2))
     # (B, n, h, w, O): each model's pixels with all its groups' channels
     y = y.view(batch, groups, n, height, width, per_group).permute(0, 2, 3, 4, 1, 5).flatten(4)
-    if is_channels_last(x):
-        return layout.merge(y, unread=True).permute(0, 3, 1, 2)  # bmm reads no output
-    return layout.merge(y.permute(0, 1, 4, 2, 3)).contiguous()
+    return layout.merge(y, unread=True).permute(0, 3, 1, 2)  # bmm reads no output

@@ -73,8 +73,11 @@ class ConvCall(NamedTuple):
     def of_merged(cls, x: torch.Tensor, weight: torch.Tensor, batch: int, groups: int, stride: Sequence[int],
                   padding: Sequence[int], dilation: Sequence[int]) -> ConvCall:
         """The call of B models' convolution of the merged ``(B*n, C, *S)`` ``x`` (one model's channels) with the
-        stacked ``weight``, ``groups`` counting ``B * g``; not transposed."""
-        return cls(x.is_cuda, x.dim(), x.dtype, batch * x.shape[1], tuple(weight.shape), groups, False, tuple(stride),
+        stacked ``weight`` (or B models' ``(B, O, C/g, *k)``), ``groups`` counting ``B * g``; not transposed."""
+        shape = tuple(weight.shape)
+        if len(shape) == x.dim() + 1:
+            shape = (shape[0] * shape[1], *shape[2:])
+        return cls(x.is_cuda, x.dim(), x.dtype, batch * x.shape[1], shape, groups, False, tuple(stride),
                    tuple(dilation), tuple(x.shape[2:]), tuple(padding))
 
 

@@ -153,13 +153,19 @@ def grouped_conv(
     order: str,
 ) -> Tensor:
     """The models-as-groups (transposed) convolution of a merged ``(B*n, C, *S)`` input in the merged ``order``:
-    ``weight`` is the stacked ``(B*O, C/g, *k)`` (``(B*C, O/g, *k)`` transposed) and ``groups`` counts ``B * g``."""
+    ``weight`` is the stacked ``(B*O, C/g, *k)`` (``(B*C, O/g, *k)`` transposed) and ``groups`` counts ``B * g``.
+    A convolution may pass B models' ``(B, O, C/g, *k)`` weight and ``(B, O)`` bias instead: the matrix products
+    read them as they are, and only the grouped convolution stacks them (two views and their two autograd
+    nodes fewer per layer where a product runs it)."""
     if not transposed:
         call = ConvCall.of_merged(x, weight, batch, groups, stride, padding, dilation)
         if runs_as_matmul(call):
             return matmul_conv2d(x, weight, bias, Layout(batch, order), stride, padding, dilation, groups // batch)
         if runs_pointwise(call):
             return pointwise_conv2d(x, weight, bias, Layout(batch, order), stride, groups // batch)
+    if weight.dim() == x.dim() + 1:
+        weight = weight.flatten(0, 1)
+        bias = None if bias is None else bias.reshape(-1)
     config = (stride, padding, dilation, groups, transposed, output_padding, order)
     if order == "samples" and x.is_contiguous() and autocast_dtype(x.device.type) is None:
         grouped = to_grouped(x, batch, order)  # a view: autograd saves x itself, as _GroupedConv does
@@ -242,12 +248,11 @@ def _conv_nd(dims, x, weight, bias, stride, padding, dilation, groups, layout, s
     if isinstance(padding, str) and (padding not in ("same", "valid") or (padding == "same" and set(stride) != {1})):
         raise ValueError(f"padding must be 'same' (at stride 1), 'valid' or numbers, got {padding!r} (stride {stride})")
     kernel_size = weight.shape[3:]
-    weight = weight.reshape(batch * out_channels, *weight.shape[2:])
-    bias = None if bias is None else bias.reshape(-1)
     if shared and groups == 1:  # every model reads the same input: one dense conv against all filters
         if padding_mode != "zeros":
             x, padding = F.pad(x, _mode_padding(padding, dilation, kernel_size), mode=padding_mode), 0
-        y = _CONV[dims](x, weight, bias, stride, padding, dilation, 1)
+        stacked, flat_bias = weight.flatten(0, 1), None if bias is None else bias.reshape(-1)
+        y = _CONV[dims](x, stacked, flat_bias, stride, padding, dilation, 1)
         return from_grouped(y, batch, layout.order, unread=True)
     if shared:
         x = expand_shared(x, layout)
@@ -260,10 +265,11 @@ def _conv_nd(dims, x, weight, bias, stride, padding, dilation, groups, layout, s
     else:
         numeric = _numeric_padding(padding, dilation, kernel_size)
     config = (stride, padding, numeric, dilation, groups, dims)
-    if per_call >= batch:
+    if per_call >= batch:  # B models' weight and bias as they are: grouped_conv stacks them where it must
         return _grouped_forward(x, weight, bias, batch, layout.order, *config)
     # Too many models for one kernel's 32-bit indexing: convolve them a slice of models at a time
     # (slices of rows only models-major).
+    weight, bias = weight.flatten(0, 1), None if bias is None else bias.reshape(-1)
     n = x.shape[0] // batch
     samples_major = layout.order == "samples"
     if samples_major:
@@ -281,7 +287,10 @@ def _conv_nd(dims, x, weight, bias, stride, padding, dilation, groups, layout, s
 
 
 def _grouped_forward(x, weight, bias, batch, order, stride, padding, numeric, dilation, groups, dims) -> Tensor:
+    """``weight`` the stacked ``(B*O, C/g, *k)`` or B models' ``(B, O, C/g, *k)`` (``bias`` likewise)."""
     if numeric is None:  # uneven 'same' padding: torch's own conv pads it
+        if weight.dim() == x.dim() + 1:
+            weight, bias = weight.flatten(0, 1), None if bias is None else bias.reshape(-1)
         grouped = to_grouped(x, batch, order, keeps_channels_last(weight, batch * groups, False))
         y = _CONV[dims](grouped, weight, bias, stride, padding, dilation, batch * groups)
         return from_grouped(y, batch, order, is_channels_last(x), unread=True)

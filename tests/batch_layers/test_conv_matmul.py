@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from support.conv_checks import check_against_plain_conv2d, check_conv_on_gpu
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from batch_layers import Layout, _kernel_table
 from batch_layers._conv_matmul import matmul_conv2d, runs_as_matmul
@@ -25,13 +26,18 @@ GEOMETRIES = [  # in, out, kernel, stride, padding, dilation, groups, height, wi
     (6, 4, 3, 1, 2, 2, 2, 2, 3),  # dilated, two groups per model, a 2x3 image
     (3, 4, (1, 3), (1, 2), (0, 1), 1, 1, 1, 3),
     (2, 4, 3, 1, 0, 1, 1, 3, 3),  # no padding: one output pixel reading nine
+    (6, 4, 3, 1, 1, 1, 2, 1, 1),  # a 1x1 image, two groups per model
+    (6, 9, 1, 1, 0, 1, 3, 1, 1),  # squeeze-and-excitation's 1x1 convolutions of pooled images, three groups
 ]
 
 
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "per-model"])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
 @pytest.mark.parametrize("order", ["models", "samples"])
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: "x".join(map(str, g)))
-def test_the_product_is_b_plain_convolutions(geometry, order: str, channels_last: bool) -> None:
+def test_the_product_is_b_plain_convolutions(geometry, order: str, channels_last: bool, stacked: bool) -> None:
+    """With the stacked ``(B*O, ...)`` weight and ``(B*O,)`` bias, or B models' ``(B, O, ...)`` and ``(B, O)``
+    (a batched Conv2d hands its own)."""
     cin, cout, k, stride, padding, dilation, groups, height, width = geometry
     k, stride, padding, dilation = (v if isinstance(v, tuple) else (v, v) for v in (k, stride, padding, dilation))
     torch.manual_seed(0)
@@ -41,6 +47,8 @@ def test_the_product_is_b_plain_convolutions(geometry, order: str, channels_last
     bias = torch.randn(BATCH, cout, dtype=torch.float64, requires_grad=True)
 
     def run(merged, stacked_weight, stacked_bias):
+        if not stacked:
+            stacked_weight, stacked_bias = weight, bias
         return matmul_conv2d(merged, stacked_weight, stacked_bias, layout, stride, padding, dilation, groups)
 
     check_against_plain_conv2d(run, x, weight, bias, layout, channels_last, stride, padding, dilation, groups)
@@ -86,3 +94,33 @@ def test_the_layer_takes_the_product_on_a_gpu_and_matches_plain(order: str, amp:
     # a dilated filter on a 3x3 image: its one output pixel skips the middle row and column (gathered, masked)
     dilated = nn.Conv2d(16, 24, 2, dilation=2)
     check_conv_on_gpu(dilated, BATCH, SAMPLES, 3, order, amp, takes_kernel(dilated))
+
+
+class _Copies(TorchDispatchMode):
+    """The sizes of the copies (``clone``, ``copy_``) dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.clone.default, torch.ops.aten.copy_.default):
+            self.sizes.append(args[0].numel())
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("order", ["models", "samples"])
+@pytest.mark.parametrize(("kernel", "padding", "size"), [(1, 0, 1), (3, 0, 3)], ids=["1x1-image", "3x3-unpadded"])
+def test_one_pixel_copies_nothing_of_the_filters(order: str, kernel: int, padding: int, size: int) -> None:
+    """One output pixel reading every tap in order multiplies filters first: autograd hands the weight's
+    gradient back in the weight's own layout, and forward and backward copy no filter."""
+    layout = Layout(BATCH, order)
+    x = torch.randn(BATCH * SAMPLES, 8, size, size, requires_grad=True)
+    weight = torch.randn(BATCH * 16, 8, kernel, kernel, requires_grad=True)
+    bias = torch.randn(BATCH * 16, requires_grad=True)
+    with _Copies() as copies:
+        y = matmul_conv2d(x, weight, bias, layout, (1, 1), (padding, padding), (1, 1), 1)
+        y.sum().backward()
+    assert weight.grad.is_contiguous() and weight.grad.shape == weight.shape
+    assert weight.numel() not in copies.sizes, f"a copy of the filters ({weight.numel()} elements): {copies.sizes}"
+    assert copies.sizes, "the output is laid out merged (the check sees copies)"

@@ -8,6 +8,7 @@ import pytest
 import torch
 from support.conv_checks import check_against_plain_conv2d, check_conv_on_gpu
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from batch_layers import Layout, _kernel_table
 from batch_layers._conv_pointwise import pointwise_conv2d, runs_pointwise
@@ -21,11 +22,15 @@ GEOMETRIES = [  # in, out, stride, groups, height, width
 ]
 
 
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "per-model"])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
 @pytest.mark.parametrize("order", ["models", "samples"])
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: "x".join(map(str, g)))
-def test_the_product_is_b_plain_convolutions(geometry, order: str, channels_last: bool, bias: bool) -> None:
+def test_the_product_is_b_plain_convolutions(geometry, order: str, channels_last: bool, bias: bool,
+                                             stacked: bool) -> None:
+    """With the stacked ``(B*O, ...)`` weight and ``(B*O,)`` bias, or B models' ``(B, O, ...)`` and ``(B, O)``
+    (a batched Conv2d hands its own)."""
     cin, cout, stride, groups, height, width = geometry
     stride = stride if isinstance(stride, tuple) else (stride, stride)
     torch.manual_seed(0)
@@ -35,6 +40,8 @@ def test_the_product_is_b_plain_convolutions(geometry, order: str, channels_last
     biases = torch.randn(BATCH, cout, dtype=torch.float64, requires_grad=True) if bias else None
 
     def run(merged, stacked_weight, stacked_bias):
+        if not stacked:
+            stacked_weight, stacked_bias = weight, biases
         return pointwise_conv2d(merged, stacked_weight, stacked_bias, layout, stride, groups)
 
     check_against_plain_conv2d(run, x, weight, biases, layout, channels_last, stride, 0, 1, groups)
@@ -66,3 +73,36 @@ def test_the_layer_takes_the_product_on_a_gpu_and_matches_plain(order: str, amp:
         return runs_pointwise(_kernel_table.ConvCall.of_merged(x, weight, BATCH, BATCH, (2, 2), (0, 0), (1, 1)))
 
     check_conv_on_gpu(nn.Conv2d(32, 48, 1, stride=2), BATCH, SAMPLES, 7, order, amp, takes_kernel)
+
+
+class _Copies(TorchDispatchMode):
+    """The sizes of the copies (``clone``, ``copy_``) dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.clone.default, torch.ops.aten.copy_.default):
+            self.sizes.append(args[0].numel())
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("order", ["models", "samples"])
+def test_a_contiguous_input_copies_nothing_of_the_filters(order: str) -> None:
+    """Filters first, autograd hands the weight's gradient back in the weight's own layout: forward and
+    backward copy the input's pixels and the output and their gradients, never B models' filters."""
+    layout = Layout(BATCH, order)
+    x = torch.randn(BATCH * SAMPLES, 8, 3, 3, requires_grad=True)  # no activation the filters' size
+    weight = torch.randn(BATCH * 16, 8, 1, 1, requires_grad=True)
+    bias = torch.randn(BATCH * 16, requires_grad=True)
+
+    def step():
+        x.grad = weight.grad = bias.grad = None
+        pointwise_conv2d(x, weight, bias, layout, (1, 1), 1).sum().backward()
+
+    with _Copies() as copies:
+        step()
+    assert weight.grad.is_contiguous() and weight.grad.shape == weight.shape
+    assert weight.numel() not in copies.sizes, f"a copy of the filters ({weight.numel()} elements): {copies.sizes}"
+    assert copies.sizes, "the pixels are copied (the check sees copies)"

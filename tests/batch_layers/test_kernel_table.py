@@ -117,3 +117,10 @@ def test_explain_names_the_kernel_and_every_unmet_condition(monkeypatch):
     lenet2 = ConvCall(True, 4, torch.float32, 256 * 6, (256 * 16, 6, 5, 5), 256, stride=(2, 2))
     text = explain(lenet2, OPS)
     assert "forward: triton-grouped (H100" in text and "not triton-grouped: needs stride 1" in text
+
+
+def test_a_call_of_b_models_weights_is_the_call_of_their_stack():
+    x, weight = torch.empty(4 * 2, 6, 3, 3), torch.empty(4, 16, 6, 3, 3)
+    per_model = ConvCall.of_merged(x, weight, 4, 4, (1, 1), (1, 1), (1, 1))
+    assert per_model == ConvCall.of_merged(x, weight.flatten(0, 1), 4, 4, (1, 1), (1, 1), (1, 1))
+    assert per_model.weight_shape == (64, 6, 3, 3)

@@ -2,7 +2,7 @@
 measured on a CPU (issue 24: at B=16 the zoo's steps are bound by the host).
 
     PYTHONPATH=.:tests python tests/benchmarks/host_time.py [--workloads tv-resnet18,...] [--batch 16]
-        [--samples 2] [--size 8] [--counts] [--profile tv-resnet18 [--impl limit]]
+        [--samples 2] [--size 8] [--counts] [--cuda-choices] [--profile tv-resnet18 [--impl limit]]
 
 A step is ``bench``'s: forward, the summed cross-entropy divided by n (``torchmb.cli.bench_steps``), backward,
 ``torch.optim.SGD(foreach=True)`` (the optimizer a CUDA step runs). On a GPU the host only enqueues the
@@ -15,7 +15,14 @@ host; a batch norm over B*C channels of a few pixels costs a CPU far more than o
 images (``--size``, 8x8 by default; ConvNeXt needs 32x32, ViT is built for the size) to keep the
 element-wise kernels on activations small. What remains is host time plus a small compute floor that
 both steps share. The numbers are garbage (the stubs leave memory uninitialised); the operators dispatched
-are those of the real step, since every kernel choice on a CPU reads shapes only.
+are those of the real CPU step, since every kernel choice on a CPU reads shapes only.
+
+A GPU step takes other paths: the kernel tables send some convolutions to batched matrix products, the
+Triton kernels take depthwise weight gradients (through ``_GroupedConv``, a Python autograd function) and
+layer norms. ``--cuda-choices`` (:class:`CudaChoices`) makes the tables answer for the CPU's tensors as they
+would for CUDA ones with Triton installed, and stubs the Triton kernels as well: the step then dispatches the
+operators a GPU step does, less the kernels' own launch code. The choices read the image size: ``--size 32``
+gives those of ``bench --zoo``'s 32x32 images.
 
 It prints per model: microseconds per step (this thread's CPU time: the fastest of
 ``torch.utils.benchmark``'s blocked timings over rounds that take turns) for torchmb and the plain model
@@ -28,6 +35,7 @@ instead (cProfile, by own time).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import dataclasses
 import pstats
@@ -143,6 +151,90 @@ class AsyncKernels:
         self.library._destroy()
 
 
+def _stub_grouped_conv2d(x, weight, bias, stride, padding, dilation, groups):
+    spatial = [_conv_output(size, k, s, p, d)
+               for size, k, s, p, d in zip(x.shape[2:], weight.shape[2:], stride, padding, dilation)]
+    return x.new_empty((x.shape[0], weight.shape[0], *spatial))
+
+
+def _stub_depthwise_weight_grad(grad, x, weight_shape, stride, padding, dilation):
+    return x.new_empty(weight_shape)
+
+
+def _stub_norm_affine_forward(x, weight, bias, features, eps, layout, rms, out_dtype):
+    rows = x.numel() // features
+    return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty(0 if rms else rows, dtype=torch.float32),
+            x.new_empty(rows, dtype=torch.float32))
+
+
+def _stub_norm_affine_backward(grad, x, weight, mean, rstd, features, layout, rms, needs, param_dtype):
+    needs_dx, needs_dw, needs_db = needs
+    batch = layout.batch
+    return (torch.empty_like(x) if needs_dx else None,
+            x.new_empty(batch, features, dtype=param_dtype) if needs_dw else None,
+            x.new_empty(batch, features, dtype=param_dtype) if needs_db else None)
+
+
+_COPY = torch.ops.aten.copy_.default
+_BELOW_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutogradNonFunctional)
+LARGE = 1 << 16
+"""Elements from which :class:`CudaChoices` copies and zeroes nothing (B models' weight gradients)."""
+
+
+def _stub_large_copy_(self, src, non_blocking=False):
+    if not isinstance(src, torch.Tensor):  # a number, as the boxed call hands it
+        return self.fill_(src)
+    if self.numel() >= LARGE:
+        return self
+    return _COPY.redispatch(_BELOW_CPU, self, src, non_blocking)
+
+
+def _stub_large_zero_(self):
+    return self if self.numel() >= LARGE else self.fill_(0)
+
+
+class CudaChoices:
+    """Inside it, the kernel tables of convolutions and norms answer for CPU tensors as for CUDA ones with
+    Triton installed, and the Triton kernels they choose allocate their results only (``--cuda-choices``):
+    a step takes the paths of a GPU step. Those paths copy and zero weight-sized gradients (the matrix
+    products' filters), so copies and zeroings of :data:`LARGE` elements or more do nothing here; the others
+    run through a Python stub that costs about three times a CPU copy's host time (plain steps copy little).
+    Everything is restored on exit."""
+
+    def __enter__(self) -> CudaChoices:
+        from batch_layers import _kernel_table, _norm_table
+        from batch_layers.functional import _norm
+
+        self.candidates = [c for op in (*_kernel_table.OPS.values(), *_norm_table.NORM_OPS.values()) for c in op]
+        self.conditions = [c.conditions for c in self.candidates]
+        for c in self.candidates:
+            c.conditions = tuple((text, (lambda lim, call: True) if text == "a CUDA tensor" else check)
+                                 for text, check in c.conditions)
+        self.triton_installed, _kernel_table.TRITON_INSTALLED = _kernel_table.TRITON_INSTALLED, True
+        self.norms = _norm.norm_affine_forward, _norm.norm_affine_backward
+        _norm.norm_affine_forward, _norm.norm_affine_backward = _stub_norm_affine_forward, _stub_norm_affine_backward
+        self.library = torch.library.Library("torchmb", "IMPL")
+        self.library.impl("grouped_conv2d", _stub_grouped_conv2d, "CPU")
+        self.library.impl("depthwise_weight_grad", _stub_depthwise_weight_grad, "CPU")
+        self.aten = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():  # that it overrides torch's kernels: it means to
+            warnings.simplefilter("ignore", UserWarning)
+            self.aten.impl("copy_", _stub_large_copy_, "CPU")
+            self.aten.impl("zero_", _stub_large_zero_, "CPU")
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        from batch_layers import _kernel_table
+        from batch_layers.functional import _norm
+
+        self.aten._destroy()
+        self.library._destroy()
+        _norm.norm_affine_forward, _norm.norm_affine_backward = self.norms
+        _kernel_table.TRITON_INSTALLED = self.triton_installed
+        for c, conditions in zip(self.candidates, self.conditions):
+            c.conditions = conditions
+
+
 def workload(name: str, size: int) -> bench_steps.Workload:
     """``bench``'s workload ``name`` on ``size`` x ``size`` images (ViT built for that size)."""
     work = bench_steps.WORKLOADS[name]
@@ -218,6 +310,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="rounds of timing, taking turns between the steps")
     parser.add_argument("--min-run-time", type=float, default=0.2, help="seconds of each step's timing per round")
     parser.add_argument("--counts", action="store_true", help="also count ATen and computing operators")
+    parser.add_argument("--cuda-choices", action="store_true",
+                        help="take the kernel tables' choices for CUDA tensors (the paths of a GPU step)")
     parser.add_argument("--profile", help="print where this workload's torchmb step spends its host time")
     parser.add_argument("--impl", default="torchmb", choices=("torchmb", "limit"), help="the step --profile profiles")
     parser.add_argument("--rows", type=int, default=30)
@@ -225,7 +319,7 @@ def main() -> None:
     import_torchvision()
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
-    with AsyncKernels():
+    with AsyncKernels(), CudaChoices() if args.cuda_choices else contextlib.nullcontext():
         if args.profile:
             step = steps(args.profile, args.batch, args.samples, args.size)[args.impl]
             profiler = cProfile.Profile()
