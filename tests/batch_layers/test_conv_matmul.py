@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from support.conv_checks import check_against_plain_conv2d, check_conv_on_gpu
+from support.launches import CopySizes
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from batch_layers import Layout, _kernel_table
 from batch_layers._conv_matmul import matmul_conv2d, runs_as_matmul
@@ -96,19 +96,6 @@ def test_the_layer_takes_the_product_on_a_gpu_and_matches_plain(order: str, amp:
     check_conv_on_gpu(dilated, BATCH, SAMPLES, 3, order, amp, takes_kernel(dilated))
 
 
-class _Copies(TorchDispatchMode):
-    """The sizes of the copies (``clone``, ``copy_``) dispatched inside it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sizes: list[int] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten.clone.default, torch.ops.aten.copy_.default):
-            self.sizes.append(args[0].numel())
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("order", ["models", "samples"])
 @pytest.mark.parametrize(("kernel", "padding", "size"), [(1, 0, 1), (3, 0, 3)], ids=["1x1-image", "3x3-unpadded"])
 def test_one_pixel_copies_nothing_of_the_filters(order: str, kernel: int, padding: int, size: int) -> None:
@@ -118,7 +105,7 @@ def test_one_pixel_copies_nothing_of_the_filters(order: str, kernel: int, paddin
     x = torch.randn(BATCH * SAMPLES, 8, size, size, requires_grad=True)
     weight = torch.randn(BATCH * 16, 8, kernel, kernel, requires_grad=True)
     bias = torch.randn(BATCH * 16, requires_grad=True)
-    with _Copies() as copies:
+    with CopySizes() as copies:
         y = matmul_conv2d(x, weight, bias, layout, (1, 1), (padding, padding), (1, 1), 1)
         y.sum().backward()
     assert weight.grad.is_contiguous() and weight.grad.shape == weight.shape

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 from support.conv_checks import check_against_plain_conv2d, check_conv_on_gpu
+from support.launches import CopySizes
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from batch_layers import Layout, _kernel_table
 from batch_layers._conv_pointwise import pointwise_conv2d, runs_pointwise
@@ -75,19 +75,6 @@ def test_the_layer_takes_the_product_on_a_gpu_and_matches_plain(order: str, amp:
     check_conv_on_gpu(nn.Conv2d(32, 48, 1, stride=2), BATCH, SAMPLES, 7, order, amp, takes_kernel)
 
 
-class _Copies(TorchDispatchMode):
-    """The sizes of the copies (``clone``, ``copy_``) dispatched inside it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sizes: list[int] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten.clone.default, torch.ops.aten.copy_.default):
-            self.sizes.append(args[0].numel())
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("order", ["models", "samples"])
 def test_a_contiguous_input_copies_nothing_of_the_filters(order: str) -> None:
     """Filters first, autograd hands the weight's gradient back in the weight's own layout: forward and
@@ -101,7 +88,7 @@ def test_a_contiguous_input_copies_nothing_of_the_filters(order: str) -> None:
         x.grad = weight.grad = bias.grad = None
         pointwise_conv2d(x, weight, bias, layout, (1, 1), 1).sum().backward()
 
-    with _Copies() as copies:
+    with CopySizes() as copies:
         step()
     assert weight.grad.is_contiguous() and weight.grad.shape == weight.shape
     assert weight.numel() not in copies.sizes, f"a copy of the filters ({weight.numel()} elements): {copies.sizes}"

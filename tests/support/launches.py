@@ -19,6 +19,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 NOT_LAUNCHES = {"aten::_unsafe_view", "profiler::_record_function_enter_new", "profiler::_record_function_exit"}
 
 
+class CopySizes(TorchDispatchMode):
+    """The sizes of the copies (``clone``, ``copy_``) dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.clone.default, torch.ops.aten.copy_.default):
+            self.sizes.append(args[0].numel())
+        return func(*args, **(kwargs or {}))
+
+
 class CountLaunches(TorchDispatchMode):
     """Counts, by name, the operators dispatched inside it that compute."""
 

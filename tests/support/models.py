@@ -103,6 +103,20 @@ class WithCustom(nn.Module):
         return self.head(F.gelu(self.film(self.fc(x))))
 
 
+def check_like_seeded_plain_models(make, batched: nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` of ``batched`` (``BatchModule.from_factory(make, B, seed=0)``, its gradients from
+    ``out.square().sum()``) against B plain models ``make()`` seeded 0..B-1: each model's output and every
+    parameter's gradient."""
+    for i in range(x.shape[0]):
+        torch.manual_seed(i)
+        plain = make()
+        want = plain(x[i])
+        want.square().sum().backward()
+        torch.testing.assert_close(out[i], want, atol=1e-5, rtol=1e-5)
+        for (name, got), expected in zip(batched.module.named_parameters(), plain.parameters(), strict=True):
+            torch.testing.assert_close(got.grad[i], expected.grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
 class LayerScaleBlock(nn.Module):
     """ConvNeXt's pattern and more: a residual block with a reshaped layer scale, a bias add and an in-place
     scale through a local name, its own parameters used only element-wise."""

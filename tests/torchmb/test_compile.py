@@ -14,7 +14,7 @@ import torch
 import torch._dynamo.testing
 import torch.nn.functional as F
 from support.compiled import DYNAMO_WARNINGS, fresh_dynamo  # noqa: F401 (a fixture)
-from support.models import MLP, BatchNormCNN, LayerScaleBlock, LeNet
+from support.models import MLP, BatchNormCNN, LayerScaleBlock, LeNet, check_like_seeded_plain_models
 from support.resnet import ResNet18
 from support.transformer import TransformerLM
 from torch import nn
@@ -152,14 +152,7 @@ def test_a_graph_break_inside_a_broadcast_own_module_compiles_like_plain_models(
     out = torch.compile(batched, backend="aot_eager")(x)
     out.square().sum().backward()
     assert type(batched.module.gamma) is nn.Parameter and batched.module.gamma.shape == (B, 4)
-    for i in range(B):
-        torch.manual_seed(i)
-        plain = _LayerScaleBreaksGraph()
-        want = plain(x[i])
-        want.square().sum().backward()
-        torch.testing.assert_close(out[i], want, atol=1e-5, rtol=1e-5)
-        for (name, got), expected in zip(batched.module.named_parameters(), plain.parameters(), strict=True):
-            torch.testing.assert_close(got.grad[i], expected.grad, atol=1e-5, rtol=1e-5, msg=name)
+    check_like_seeded_plain_models(_LayerScaleBreaksGraph, batched, x, out)
 
 
 @pytest.mark.parametrize("entered_compiling", [False, True], ids=["entered-eagerly", "entered-compiling"])

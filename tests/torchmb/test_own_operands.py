@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.models import LayerScaleBlock
+from support.models import LayerScaleBlock, check_like_seeded_plain_models
 from support.torchvision_ops import import_torchvision
 from torch import Tensor, nn
 
@@ -79,14 +79,7 @@ def test_a_layer_scale_block_is_broadcast_per_model_like_plain_models(order: str
     x = torch.randn(B, N, 4, 5, 5)
     out = batched(x)
     out.square().sum().backward()
-    for i in range(B):
-        torch.manual_seed(i)
-        plain = LayerScaleBlock()
-        want = plain(x[i])
-        want.square().sum().backward()
-        torch.testing.assert_close(out[i], want, atol=1e-5, rtol=1e-5)
-        for (name, got), expected in zip(batched.module.named_parameters(), plain.parameters(), strict=True):
-            torch.testing.assert_close(got.grad[i], expected.grad, atol=1e-5, rtol=1e-5, msg=name)
+    check_like_seeded_plain_models(LayerScaleBlock, batched, x, out)
 
 
 def test_affines_and_timm_layer_scales_match_plain_models() -> None:
