@@ -163,9 +163,7 @@ def grouped_conv(
             return matmul_conv2d(x, weight, bias, Layout(batch, order), stride, padding, dilation, groups // batch)
         if runs_pointwise(call):
             return pointwise_conv2d(x, weight, bias, Layout(batch, order), stride, groups // batch)
-    if weight.dim() == x.dim() + 1:
-        weight = weight.flatten(0, 1)
-        bias = None if bias is None else bias.reshape(-1)
+    weight, bias = _stacked(x, weight, bias)
     config = (stride, padding, dilation, groups, transposed, output_padding, order)
     if order == "samples" and x.is_contiguous() and autocast_dtype(x.device.type) is None:
         grouped = to_grouped(x, batch, order)  # a view: autograd saves x itself, as _GroupedConv does
@@ -176,6 +174,14 @@ def grouped_conv(
     # a channels-last input gives a channels-last output, as a plain layer's would, whichever layout ran
     y = _GroupedConv.apply(x, weight, bias, batch, *config)
     return from_grouped(y, batch, order, is_channels_last(x), unread=True)
+
+
+def _stacked(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """B models' ``(B, O, C/g, *k)`` weight and ``(B, O)`` bias as the grouped convolution's stacked
+    ``(B*O, C/g, *k)`` and ``(B*O,)``; an already stacked weight and its bias as they are."""
+    if weight.dim() != x.dim() + 1:
+        return weight, bias
+    return weight.flatten(0, 1), None if bias is None else bias.reshape(-1)
 
 
 def _aten_differentiates(grouped, weight, groups, transposed, stride, dilation) -> bool:
@@ -251,8 +257,7 @@ def _conv_nd(dims, x, weight, bias, stride, padding, dilation, groups, layout, s
     if shared and groups == 1:  # every model reads the same input: one dense conv against all filters
         if padding_mode != "zeros":
             x, padding = F.pad(x, _mode_padding(padding, dilation, kernel_size), mode=padding_mode), 0
-        stacked, flat_bias = weight.flatten(0, 1), None if bias is None else bias.reshape(-1)
-        y = _CONV[dims](x, stacked, flat_bias, stride, padding, dilation, 1)
+        y = _CONV[dims](x, *_stacked(x, weight, bias), stride, padding, dilation, 1)
         return from_grouped(y, batch, layout.order, unread=True)
     if shared:
         x = expand_shared(x, layout)
@@ -269,7 +274,7 @@ def _conv_nd(dims, x, weight, bias, stride, padding, dilation, groups, layout, s
         return _grouped_forward(x, weight, bias, batch, layout.order, *config)
     # Too many models for one kernel's 32-bit indexing: convolve them a slice of models at a time
     # (slices of rows only models-major).
-    weight, bias = weight.flatten(0, 1), None if bias is None else bias.reshape(-1)
+    weight, bias = _stacked(x, weight, bias)
     n = x.shape[0] // batch
     samples_major = layout.order == "samples"
     if samples_major:
@@ -289,8 +294,7 @@ def _conv_nd(dims, x, weight, bias, stride, padding, dilation, groups, layout, s
 def _grouped_forward(x, weight, bias, batch, order, stride, padding, numeric, dilation, groups, dims) -> Tensor:
     """``weight`` the stacked ``(B*O, C/g, *k)`` or B models' ``(B, O, C/g, *k)`` (``bias`` likewise)."""
     if numeric is None:  # uneven 'same' padding: torch's own conv pads it
-        if weight.dim() == x.dim() + 1:
-            weight, bias = weight.flatten(0, 1), None if bias is None else bias.reshape(-1)
+        weight, bias = _stacked(x, weight, bias)
         grouped = to_grouped(x, batch, order, keeps_channels_last(weight, batch * groups, False))
         y = _CONV[dims](grouped, weight, bias, stride, padding, dilation, batch * groups)
         return from_grouped(y, batch, order, is_channels_last(x), unread=True)
