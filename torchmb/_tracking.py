@@ -299,7 +299,9 @@ class ModelDataTracker(TorchFunctionMode):
                 kind = Kind.RANDOM
             if kind is not None:
                 self._kinds[id(out)] = (weakref.ref(out), kind)
-                if kind is Kind.PER_MODEL and self._recipes is not None:
+                # (a batched layer's own ops need no recipe: its code is trusted and its outputs are merged. Their
+                # recipes held the layer's grouped copies until the forward ended: models-major, 1.5x its memory)
+                if kind is Kind.PER_MODEL and self._recipes is not None and not self._layer_depth:
                     self._recipes.record(out, func, args, kwargs, self._is_per_model)
         elif isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
             kind = self._kind_of(args, kwargs)
