@@ -29,7 +29,7 @@ from torch import Tensor
 from ._kernel_table import MATMUL, ConvCall, read_window
 from ._layout import Layout, is_channels_last
 
-__all__ = ["matmul_conv2d", "runs_as_matmul"]
+__all__ = ["batched_product", "matmul_conv2d", "runs_as_matmul"]
 
 
 def runs_as_matmul(call: ConvCall) -> bool:
@@ -79,18 +79,21 @@ def _to_device(values: Tensor, device: torch.device) -> Tensor:
     return values.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else values
 
 
-def _one_pixel(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Layout, rows_plan: _DimPlan,
+def batched_product(start: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` for every matrix of the batch, plus ``start`` where given (``torch.baddbmm``, else ``torch.bmm``)."""
+    return torch.bmm(a, b) if start is None else torch.baddbmm(start, a, b)
+
+
+def _one_pixel(x: Tensor, filters: Tensor, bias: Tensor | None, layout: Layout, rows_plan: _DimPlan,
                cols_plan: _DimPlan, groups: int) -> Tensor:
     """:func:`matmul_conv2d` of one output pixel whose pixels read meet the filter taps in order, one each (a
     1x1 image's centre taps): filters first, ``(B*g, O/g, C/g * taps) @ (B*g, C/g * taps, n)``, each filter's
     taps in its own layout (so autograd hands the weight's gradient back in it, where the pixels-first product
     handed it back transposed, a copy of B models' filters per backward) and each sample's pixels read where
-    they lie (a strided view where the pixels read are the whole contiguous image)."""
-    batch = layout.batch
-    n, models = x.shape[0] // batch, batch * groups
-    in_per_group, kh, kw = weight.shape[-3:]
-    per_group = weight.numel() // (models * in_per_group * kh * kw)
-    filters = weight.reshape(models, per_group, in_per_group, kh, kw)
+    they lie (a strided view where the pixels read are the whole contiguous image). ``filters`` are the
+    ``(B*g, O/g, C/g, kh, kw)`` view of the weight."""
+    batch, n = layout.batch, x.shape[0] // layout.batch
+    models, per_group, _, kh, kw = filters.shape
     if (rows_plan.tap_count, cols_plan.tap_count) != (kh, kw):
         filters = filters[..., rows_plan.tap_first : rows_plan.tap_first + rows_plan.tap_count,
                           cols_plan.tap_first : cols_plan.tap_first + cols_plan.tap_count]
@@ -100,10 +103,7 @@ def _one_pixel(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Layout, r
               cols_plan.first : cols_plan.first + cols_plan.count]
     # (B*g, C/g * pixels read, n): each model's (and group's) samples as columns
     columns = layout.split(x).reshape(batch, n, groups, -1).permute(0, 2, 3, 1).reshape(models, -1, n)
-    if bias is None:
-        y = torch.bmm(filters, columns)
-    else:
-        y = torch.baddbmm(bias.reshape(models, per_group, 1), filters, columns)
+    y = batched_product(None if bias is None else bias.reshape(models, per_group, 1), filters, columns)
     y = y.view(batch, groups * per_group, n, 1, 1).transpose(1, 2)
     return layout.merge(y, unread=True)  # bmm reads no output
 
@@ -122,34 +122,32 @@ def matmul_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Layout
                     for size, k, s, p, d in zip((height, width), (kh, kw), stride, padding, dilation))
     rows_plan = _plan(height, out_h, kh, stride[0], padding[0], dilation[0])
     cols_plan = _plan(width, out_w, kw, stride[1], padding[1], dilation[1])
+    filters = weight.reshape(models, per_group, in_per_group, kh, kw)
     if rows_plan.in_tap_order and cols_plan.in_tap_order:
-        return _one_pixel(x, weight, bias, layout, rows_plan, cols_plan, groups)
+        return _one_pixel(x, filters, bias, layout, rows_plan, cols_plan, groups)
     pixels_read, pixels_out = rows_plan.count * cols_plan.count, out_h * out_w
     # only the taps some pixel uses (a 1x1 image's centre), each filter's taps outside its input channels
-    filters = weight.reshape(models, per_group, in_per_group, kh, kw)[
+    filters = filters[
         ..., rows_plan.tap_first : rows_plan.tap_first + rows_plan.tap_count,
         cols_plan.tap_first : cols_plan.tap_first + cols_plan.tap_count]
     filters = filters.permute(0, 1, 3, 4, 2).reshape(models, per_group, -1, in_per_group)
-    if not (rows_plan.in_tap_order and cols_plan.in_tap_order):
-        # the tap joining each (output row, output column, row read, column read), gathered
-        joining_h = torch.tensor(rows_plan.joining)[:, None, :, None]
-        joining_w = torch.tensor(cols_plan.joining)[None, :, None, :]
-        taps = (joining_h * cols_plan.tap_count + joining_w).clamp(min=0).flatten()
-        filters = filters.index_select(2, _to_device(taps, x.device))
-        if not (rows_plan.every_pair_joined and cols_plan.every_pair_joined):
-            joined = ((joining_h >= 0) & (joining_w >= 0)).flatten()
-            filters = filters * _to_device(joined, x.device)[:, None]
+    # the tap joining each (output row, output column, row read, column read), gathered
+    joining_h = torch.tensor(rows_plan.joining)[:, None, :, None]
+    joining_w = torch.tensor(cols_plan.joining)[None, :, None, :]
+    taps = (joining_h * cols_plan.tap_count + joining_w).clamp(min=0).flatten()
+    filters = filters.index_select(2, _to_device(taps, x.device))
+    if not (rows_plan.every_pair_joined and cols_plan.every_pair_joined):
+        joined = ((joining_h >= 0) & (joining_w >= 0)).flatten()
+        filters = filters * _to_device(joined, x.device)[:, None]
     # rows (output channel, output pixel), columns (pixel read, input channel)
     toeplitz = filters.reshape(models, per_group * pixels_out, pixels_read * in_per_group).transpose(1, 2)
     crop = x[:, :, rows_plan.first : rows_plan.first + rows_plan.count,
              cols_plan.first : cols_plan.first + cols_plan.count]
     rows = layout.split(crop).unflatten(2, (groups, in_per_group)).permute(0, 2, 1, 4, 5, 3)
     rows = rows.reshape(models, n, pixels_read * in_per_group)
-    if bias is None:
-        y = torch.bmm(rows, toeplitz)
-    else:
-        start = bias.reshape(models, 1, per_group, 1).expand(-1, -1, -1, pixels_out)
-        y = torch.baddbmm(start.reshape(models, 1, -1), rows, toeplitz)
+    # each output channel's bias at each of its output pixels, the columns' order
+    start = None if bias is None else bias.reshape(models, 1, per_group, 1).expand(-1, -1, -1, pixels_out).flatten(2)
+    y = batched_product(start, rows, toeplitz)
     y = y.view(batch, groups, n, per_group, out_h, out_w).transpose(1, 2)
     y = layout.merge(y.reshape(batch, n, groups * per_group, out_h, out_w), unread=True)  # bmm reads no output
     return y.contiguous(memory_format=torch.channels_last) if is_channels_last(x) else y

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from torch import Tensor
 
+from ._conv_matmul import batched_product
 from ._kernel_table import POINTWISE, ConvCall
 from ._layout import Layout, is_channels_last
 
@@ -49,20 +49,14 @@ def pointwise_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Lay
         # weight's own layout (pixels first, it came back transposed: a copy of B models' filters per backward)
         columns = layout.split(pixels).unflatten(2, (groups, in_per_group)).permute(0, 2, 3, 1, 4, 5)
         columns = columns.reshape(models, in_per_group, n * height * width)
-        if bias is None:
-            y = torch.bmm(filters, columns)
-        else:
-            y = torch.baddbmm(bias.reshape(models, per_group, 1), filters, columns)
+        y = batched_product(None if bias is None else bias.reshape(models, per_group, 1), filters, columns)
         # (B, n, O, h, w): each model's pixels with all its groups' channels
         y = y.view(batch, groups * per_group, n, height, width).transpose(1, 2)
         return layout.merge(y).contiguous()
     # (B*g, n*h*w, C/g): each model's (and group's) pixels as rows, read where they lie (channels-last)
     rows = layout.split(pixels).unflatten(2, (groups, in_per_group)).permute(0, 2, 1, 4, 5, 3)
     rows = rows.reshape(models, n * height * width, in_per_group)
-    if bias is None:
-        y = torch.bmm(rows, filters.transpose(1, 2))
-    else:
-        y = torch.baddbmm(bias.reshape(models, 1, per_group), rows, filters.transpose(1, 2))
+    y = batched_product(None if bias is None else bias.reshape(models, 1, per_group), rows, filters.transpose(1, 2))
     # (B, n, h, w, O): each model's pixels with all its groups' channels
     y = y.view(batch, groups, n, height, width, per_group).permute(0, 2, 3, 4, 1, 5).flatten(4)
     return layout.merge(y, unread=True).permute(0, 3, 1, 2)  # bmm reads no output
