@@ -20,15 +20,19 @@ NOT_LAUNCHES = {"aten::_unsafe_view", "profiler::_record_function_enter_new", "p
 
 
 class CopySizes(TorchDispatchMode):
-    """The sizes of the copies (``clone``, ``copy_``) dispatched inside it."""
+    """The sizes of the copies (``clone``, ``copy_``) dispatched inside it, and the storages they read (data
+    pointers)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.sizes: list[int] = []
+        self.read: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in (torch.ops.aten.clone.default, torch.ops.aten.copy_.default):
             self.sizes.append(args[0].numel())
+            source = args[0] if func is torch.ops.aten.clone.default else args[1]
+            self.read.add(source.untyped_storage().data_ptr())
         return func(*args, **(kwargs or {}))
 
 

@@ -11,10 +11,9 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from support.launches import count_launches, sgd_step
+from support.launches import CopySizes, count_launches, sgd_step
 from support.models import MLP, LeNet
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchmb import BatchModule
 
@@ -99,19 +98,6 @@ def test_a_step_dispatches_no_more_copies_than_the_plain_model(make, shape, clas
     assert not extra, (extra, batched - plain)
 
 
-class _ClonedStorages(TorchDispatchMode):
-    """The storages (data pointers) that the clones dispatched inside it read."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.read: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.clone.default:
-            self.read.add(args[0].untyped_storage().data_ptr())
-        return func(*args, **(kwargs or {}))
-
-
 def test_a_shared_input_step_copies_no_buffer() -> None:
     """Every shared-input forward runs under the tracker that recognises the shared tensors; only the forwards
     that also check the model's code (the first) may run again, and only they need the buffers copied to
@@ -123,9 +109,9 @@ def test_a_shared_input_step_copies_no_buffer() -> None:
     buffers = {buffer.untyped_storage().data_ptr() for buffer in batched.buffers()}
     assert len(buffers) == 12  # four batch norms' running statistics and counts
     for step in range(3):
-        with _ClonedStorages() as clones:
+        with CopySizes() as copies:
             optimizer.zero_grad(set_to_none=True)
             loss = torch.nn.functional.cross_entropy(batched(x, shared_input=True).reshape(-1, 3), y.reshape(-1))
             loss.backward()
             optimizer.step()
-        assert bool(clones.read & buffers) == (step == 0), step  # the first forward checks, and may run again
+        assert bool(copies.read & buffers) == (step == 0), step  # the first forward checks, and may run again

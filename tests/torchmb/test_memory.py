@@ -108,7 +108,6 @@ def test_largest_fitting_counts_trials_and_handles_nothing_fitting() -> None:
         largest_fitting(lambda b: (_ for _ in ()).throw(RuntimeError("not memory")), device="cpu")
 
 
-
 class PeakLiveBytes(TorchDispatchMode):
     """The most bytes that the tensors made by ops inside it held at once (each output's storage, counted until
     that output is freed: views and references kept elsewhere are not followed, alike in every step)."""
