@@ -103,15 +103,16 @@ def _per_model_op(func: Callable, args: tuple, kwargs: dict) -> Any:
             return shaped.as_subclass(PerModelOperand)
     if "out" in kwargs:
         raise NotElementwise(f"{_name(func)} with out= on a per-model parameter")
-    leaves, spec = tree_flatten((args, kwargs))
-    per_model = [leaf for leaf in leaves if isinstance(leaf, PerModelOperand)]
-    batch = per_model[0].shape[0]
     values = (*args, *kwargs.values())
-    nested = any([isinstance(v, (tuple, list)) and any([isinstance(i, Tensor) for i in v]) for v in values])
+    # the arguments themselves are the leaves unless a container holds a tensor (an element-wise op's never
+    # does): a layer scale's every forward passes here, and a pytree walk costs several times the op
+    nested = any([isinstance(v, dict) or (isinstance(v, (tuple, list)) and any([isinstance(i, Tensor) for i in v]))
+                  for v in values])
+    leaves = tree_flatten((args, kwargs))[0] if nested else values
+    batch = next(leaf for leaf in leaves if isinstance(leaf, PerModelOperand)).shape[0]
     data = [leaf for leaf in leaves if isinstance(leaf, Tensor) and not isinstance(leaf, PerModelOperand)]
-    data = [t for t in data if _is_data(t, batch)]
-    if not data:
-        return _per_model_only(func, leaves, spec, batch)
+    if not any([_is_data(t, batch) for t in data]):
+        return _per_model_only(func, args, kwargs, batch)
     if func not in _ELEMENTWISE or nested:
         raise NotElementwise(f"{_name(func)} of a per-model parameter with the models' data")
     return _broadcast(func, args, kwargs, batch)
@@ -188,9 +189,10 @@ def _is_data(tensor: Tensor, batch: int) -> bool:
     return tensor.shape[0] % (batch * max(samples, 1)) == 0 or is_shared_input(tensor, batch)
 
 
-def _per_model_only(func: Callable, leaves: list, spec: Any, batch: int) -> Any:
+def _per_model_only(func: Callable, args: tuple, kwargs: dict, batch: int) -> Any:
     """An op on per-model parameters and constants alone: element-wise ones broadcast the stacked tensors, any
     other runs per model under ``vmap``."""
+    leaves, spec = tree_flatten((args, kwargs))
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, PerModelOperand)]
     if func in _ELEMENTWISE and not _is_in_place(func):
         ranks = [t.dim() - 1 if isinstance(t, PerModelOperand) else t.dim() for t in leaves if isinstance(t, Tensor)]
@@ -245,26 +247,24 @@ def _broadcast(func: Callable, args: tuple, kwargs: dict, batch: int) -> Tensor:
     """``func`` of the merged data and per-model parameters: each model's rows with its own parameter."""
     context = current_forward()
     samples_major = context is not None and context.order == "samples"
-    leaves, spec = tree_flatten((args, kwargs))
-    tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
+    tensors = [value for value in (*args, *kwargs.values()) if isinstance(value, Tensor)]
     rank = max([t.dim() - 1 if isinstance(t, PerModelOperand) else t.dim() for t in tensors])
-    lifted = list(leaves)
-    for i, leaf in enumerate(leaves):
-        if not isinstance(leaf, Tensor):
-            continue
-        if isinstance(leaf, PerModelOperand):
-            value = _lift(leaf, rank)
-            lifted[i] = value.transpose(0, 1) if samples_major else value
-        elif _is_data(leaf, batch):
-            if leaf.dim() != rank:
-                raise NotElementwise(f"{_name(func)} of a per-model parameter with data of fewer dims than it")
-            if is_shared_input(leaf, batch):
-                lifted[i] = leaf.unsqueeze(1) if samples_major else leaf.unsqueeze(0)
-            else:
-                rows = (leaf.shape[0] // batch, batch) if samples_major else (batch, leaf.shape[0] // batch)
-                lifted[i] = leaf.view(*rows, *leaf.shape[1:])
-        # constants (fewer dims, or one row) broadcast over the trailing dims as in the plain model
-    call_args, call_kwargs = tree_unflatten(lifted, spec)
+
+    def lifted(value: Any) -> Any:
+        if isinstance(value, PerModelOperand):
+            value = _lift(value, rank)
+            return value.transpose(0, 1) if samples_major else value
+        if not isinstance(value, Tensor) or not _is_data(value, batch):
+            return value  # constants (fewer dims, or one row) broadcast over the trailing dims as in the plain model
+        if value.dim() != rank:
+            raise NotElementwise(f"{_name(func)} of a per-model parameter with data of fewer dims than it")
+        if is_shared_input(value, batch):
+            return value.unsqueeze(1) if samples_major else value.unsqueeze(0)
+        rows = (value.shape[0] // batch, batch) if samples_major else (batch, value.shape[0] // batch)
+        return value.view(*rows, *value.shape[1:])
+
+    call_args = [lifted(value) for value in args]
+    call_kwargs = {name: lifted(value) for name, value in kwargs.items()}
     if _is_in_place(func):
         target = args[0]
         if isinstance(target, PerModelOperand) or not isinstance(target, Tensor) or is_shared_input(target, batch):

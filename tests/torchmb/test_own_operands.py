@@ -29,6 +29,20 @@ class _Affine(nn.Module):
         return self.scale * torch.addcmul(self.beta, self.alpha, x) + self.beta.unsqueeze(0)
 
 
+class _KeywordOperands(nn.Module):
+    """Passes its parameters as keyword arguments and to ``torch.where``, beside numbers and a Python tuple."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.rand(dim) + 0.5)
+        self.floor = nn.Parameter(torch.randn(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        shifted = torch.add(x, other=self.floor, alpha=0.5)
+        leaky = torch.where(shifted > 0, shifted, self.gain * shifted)
+        return torch.addcmul(leaky, self.gain.view(1, -1), x, value=2.0).permute((1, 0)).permute(1, 0)
+
+
 class _HiddenMatmul(nn.Module):
     """Reads its parameter element-wise (``self.mix * 2.0``), then multiplies the data by a matrix made of it:
     the source reading passes it, the first forward finds the matrix product."""
@@ -93,6 +107,19 @@ def test_affines_and_timm_layer_scales_match_plain_models() -> None:
     assert [path for name, path in _paths(batched).items() if name in ("1", "2", "3")] == ["broadcast-own"] * 3
     _matches_plain_models(make, torch.randn(B, N, 4))
     _matches_plain_models(lambda: nn.Sequential(nn.Conv2d(3, 4, 1), LayerScale2d(4)), torch.randn(B, N, 3, 4, 4))
+
+
+@pytest.mark.parametrize("order", ["models", "samples"])
+def test_keyword_operands_and_where_match_plain_models(order: str) -> None:
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 6), _KeywordOperands(6), nn.Linear(6, 2))
+
+    batched = BatchModule.from_factory(make, B, seed=0, merged_order=order)
+    assert _paths(batched)["1"] == "broadcast-own" and batched.generic_modules == []
+    x = torch.randn(B, N, 4)
+    out = batched(x)
+    out.square().sum().backward()
+    check_like_seeded_plain_models(make, batched, x, out)
 
 
 def test_a_layer_scale_on_the_shared_input_gives_each_model_its_own_output() -> None:
