@@ -1,7 +1,9 @@
 """Profile one torchmb training step (torch.profiler): where the time of a workload goes.
 
     python tests/benchmarks/profile_step.py --workload lenet --batch 64 [--impl torchmb,vmap+compile]
-        [--rows 25] [--host] [--precision bf16]
+        [--rows 25] [--host] [--precision bf16] [--no-tf32]
+
+fp32 runs on TF32 tensor cores as in ``bench`` (matrix products and convolutions alike; ``--no-tf32``: neither).
 
 ``--host`` prints instead where the host's time of a step goes: the wall time of enqueueing steps (no
 sync), the kernel launches per step, and the operators sorted by their own CPU time.
@@ -16,6 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from torchmb.cli import bench_steps as _bench_steps
+from torchmb.cli.bench import tf32
 
 
 def main() -> None:
@@ -27,6 +30,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--host", action="store_true", help="host time, launches and CPU-time table instead")
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    parser.add_argument("--no-tf32", dest="tf32", action="store_false", help="fp32 products without TF32")
     args = parser.parse_args()
     torch.backends.cudnn.benchmark = True
     device = torch.device("cuda")
@@ -34,7 +38,9 @@ def main() -> None:
         _bench_steps.WORKLOADS[args.workload], args.batch, args.samples, device, precision=args.precision
     ).builders()
     for impl in args.impl.split(","):
-        profile_one(builders[impl](), f"{args.workload} B={args.batch} {impl} {args.precision}", args.rows, args.host)
+        title = f"{args.workload} B={args.batch} {impl} {args.precision}{'' if args.tf32 else ' without TF32'}"
+        with tf32(args.tf32):
+            profile_one(builders[impl](), title, args.rows, args.host)
         torch.cuda.empty_cache()
 
 
