@@ -108,11 +108,11 @@ def _per_model_op(func: Callable, args: tuple, kwargs: dict) -> Any:
     # does): a layer scale's every forward passes here, and a pytree walk costs several times the op
     nested = any([isinstance(v, dict) or (isinstance(v, (tuple, list)) and any([isinstance(i, Tensor) for i in v]))
                   for v in values])
-    leaves = tree_flatten((args, kwargs))[0] if nested else values
+    leaves, spec = tree_flatten((args, kwargs)) if nested else (values, None)
     batch = next(leaf for leaf in leaves if isinstance(leaf, PerModelOperand)).shape[0]
     data = [leaf for leaf in leaves if isinstance(leaf, Tensor) and not isinstance(leaf, PerModelOperand)]
     if not any([_is_data(t, batch) for t in data]):
-        return _per_model_only(func, args, kwargs, batch)
+        return _per_model_only(func, *(tree_flatten((args, kwargs)) if spec is None else (leaves, spec)), batch)
     if func not in _ELEMENTWISE or nested:
         raise NotElementwise(f"{_name(func)} of a per-model parameter with the models' data")
     return _broadcast(func, args, kwargs, batch)
@@ -189,10 +189,9 @@ def _is_data(tensor: Tensor, batch: int) -> bool:
     return tensor.shape[0] % (batch * max(samples, 1)) == 0 or is_shared_input(tensor, batch)
 
 
-def _per_model_only(func: Callable, args: tuple, kwargs: dict, batch: int) -> Any:
+def _per_model_only(func: Callable, leaves: list, spec: Any, batch: int) -> Any:
     """An op on per-model parameters and constants alone: element-wise ones broadcast the stacked tensors, any
     other runs per model under ``vmap``."""
-    leaves, spec = tree_flatten((args, kwargs))
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, PerModelOperand)]
     if func in _ELEMENTWISE and not _is_in_place(func):
         ranks = [t.dim() - 1 if isinstance(t, PerModelOperand) else t.dim() for t in leaves if isinstance(t, Tensor)]
