@@ -51,6 +51,23 @@ def wall_seconds(fn: Callable[[], object], iters: int = 10, warmup: int = 2, rep
     return statistics.median(means)
 
 
+def enqueue_seconds(fn: Callable[[], object], calls: int, runs: int = 1, warmup: int = 0) -> float:
+    """The best over ``runs`` of the host seconds per call of ``calls`` back-to-back calls of ``fn``, each run's
+    clock stopped before the device is synchronised: what the host takes to enqueue the work, with nothing
+    waiting on the GPU (as in a training step, whose host time this measures where the GPU keeps up)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(runs):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+        torch.cuda.synchronize()
+    return best
+
+
 def host_profile(fn: Callable[[], object], calls: int, sorts: tuple[tuple[str, int], ...] = (("tottime", 25),)) -> str:
     """cProfile of ``calls`` calls of ``fn`` (the device synchronised after, outside the profile), as text: the
     top ``lines`` entries by each ``(sort key, lines)`` of ``sorts``. Where the host time of a step goes."""

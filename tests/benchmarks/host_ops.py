@@ -12,27 +12,10 @@ depthwise layer and a pointwise layer at B=16, n=128 on 32x32 images; the host t
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 import torch
+from _timing import enqueue_seconds
 
 from batch_layers._depthwise_triton import depthwise_weight_grad
-
-
-def host_us(call: Callable[[], object], calls: int = 200, runs: int = 5) -> float:
-    """Host microseconds to enqueue one ``call``: the best of ``runs`` runs of ``calls`` calls."""
-    for _ in range(20):
-        call()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(runs):
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return best
 
 
 def main() -> None:
@@ -68,7 +51,7 @@ def main() -> None:
     }
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: host microseconds per call")
     for name, call in rows.items():
-        print(f"{host_us(call):8.1f}  {name}")
+        print(f"{enqueue_seconds(call, calls=200, runs=5, warmup=20) * 1e6:8.1f}  {name}")
 
 
 if __name__ == "__main__":

@@ -12,9 +12,9 @@ sync), the kernel launches per step, and the operators sorted by their own CPU t
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from _timing import enqueue_seconds
 from torch.profiler import ProfilerActivity, profile
 
 from torchmb.cli import bench_steps as _bench_steps
@@ -60,19 +60,8 @@ def profile_one(step, title: str, rows: int, host: bool) -> None:
     if not host:
         print(events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70))
         return
-    print(f"enqueue ms per step: {enqueue_ms(step):.3f}")
+    print(f"enqueue ms per step: {enqueue_seconds(step, calls=20) * 1e3:.3f}")
     print(events.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60))
-
-
-def enqueue_ms(step, steps: int = 20) -> float:
-    """Host milliseconds per step of enqueueing ``steps`` steps (the GPU may lag; nothing waits for it)."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / steps * 1e3
 
 
 if __name__ == "__main__":
