@@ -39,6 +39,7 @@ _SPLITS = frozenset(
 _STACKS = frozenset({torch.stack, torch.vstack, torch.row_stack, torch.hstack})
 _UNBINDS = frozenset({torch.unbind, Tensor.unbind})
 _REORDERS = frozenset({torch.flip, Tensor.flip, torch.flipud, Tensor.flipud, torch.roll, Tensor.roll})
+_RESHAPES = frozenset({torch.reshape, Tensor.reshape, Tensor.view})
 _RANDOM = frozenset(
     {
         torch.rand, torch.randn, torch.randint, torch.randperm, torch.rand_like, torch.randn_like,
@@ -117,7 +118,20 @@ def sample_axis_op(
         return "index_select along dim 0"
     if func is Tensor.__getitem__:
         return _indexing(x, args[1], is_constant, context)
+    if func in _RESHAPES:
+        return _reshape_to_samples(x, args[1:], kwargs, context)
     return ""
+
+
+def _reshape_to_samples(x: Tensor, sizes: tuple, kwargs: dict, context: ForwardContext) -> str:
+    """What a reshape of a merged ``x`` to ``n`` rows, one model's sample count, does: its rows hold several
+    models' (a size the code read from the shared input, ``n = x.shape[0]``), or ``""``."""
+    sizes = sizes[0] if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)) else sizes
+    sizes = sizes or kwargs.get("shape", ())
+    lead = sizes[0] if sizes else None
+    if type(lead) is not int or context.batch == 1 or lead != context.samples or x.shape[0] == lead:
+        return ""
+    return f"reshape of dim 0 to {lead} rows, one model's sample count n"
 
 
 def _reorders_dim_0(func: Callable, args: tuple, kwargs: dict, dims_of_x: int) -> bool:

@@ -128,6 +128,8 @@ class BatchModule(SharedMarksKept, nn.Module):
             raise ValueError(f"merged_order must be 'auto', 'models' or 'samples', got {merged_order!r}")
         self.batch = batch
         self._first_forward = True  # checked for Python decisions on several models' data
+        # and the first shared-input one: code reading one model's sample count from the shared input
+        self._shared_checked = False
         self._dry_run = False  # the first forward's eager run before torch.compile traces one
         # A pristine copy to build plain models from (unbatch), kept out of the module tree on purpose; it and
         # the batched module hold the shared parameters as one tensor each, so a backbone is held once.
@@ -252,7 +254,7 @@ class BatchModule(SharedMarksKept, nn.Module):
         """The first forward's checks as a dry run (torch.compile traces the forward afterwards, untracked): a
         forward without gradients whose effects on buffers and the random state are undone. Under ``"auto"``
         it settles the order as an eager first forward does."""
-        if self._first_forward or self._samples_major_pending:
+        if self._first_forward or self._samples_major_pending or self._shared_unchecked(shared_input):
             probe = SamplesOrderProbe() if self._samples_major_pending else None
             self._dry_run = True  # tracked although dynamo is compiling: this runs eagerly
             try:
@@ -313,7 +315,7 @@ class BatchModule(SharedMarksKept, nn.Module):
         """The model's merged output, and the tracker that labelled its tensors (if tracked)."""
         with forward_context(ForwardContext(self.batch, samples, shared_input, self.merged_order, probe)):
             if self._dry_run or not torch.compiler.is_compiling():  # compiled code is not tracked (Python modes)
-                check_decisions = self._first_forward or checking_decisions()
+                check_decisions = self._first_forward or checking_decisions() or self._shared_unchecked(shared_input)
                 if shared_input or check_decisions:
                     return self._run_tracked(shared_input, check_decisions, args, kwargs)
             return self.module(*args, **kwargs), None
@@ -331,7 +333,13 @@ class BatchModule(SharedMarksKept, nn.Module):
                 _run_per_model(self, found)
                 continue
             self._first_forward = False
+            self._shared_checked = self._shared_checked or shared_input
             return out, tracker
+
+    def _shared_unchecked(self, shared_input: bool) -> bool:
+        """Whether this is the first shared-input forward: checked like a first forward, since code that reads
+        the sample count from the shared input (``n = x.shape[0]``) sizes merged tensors by one model's count."""
+        return shared_input and not self._shared_checked
 
     def _split_shared_output(
         self, value: Any, samples: int, labels: ModelDataTracker, probe: SamplesOrderProbe | None

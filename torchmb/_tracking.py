@@ -237,16 +237,21 @@ class ModelDataTracker(TorchFunctionMode):
     def _before_module(self, module: nn.Module, args: tuple) -> tuple | None:
         """Count the batched layers and generic modules being run (their code is trusted); in a checked
         forward, note the module as running: a batched layer called by the model's code on constants alone
-        gets a one-row constant broadcast over the samples, and any other makes its caller run per model."""
+        gets a one-row constant broadcast over the samples, and any other makes its caller run per model, as
+        does a call of a module holding per-model state on sizes alone (its result has no sample axis)."""
         if isinstance(module, AbstractBatchModule) or is_generic(module):
             self._layer_depth += 1
         if not self.check_decisions:
             return None
         caller = self._running[-1] if self._running else None
         self._running.append(module)
-        if caller is None or _runs_its_own_way(caller) or not _runs_its_own_way(module) or _in_region():
+        if caller is None or _runs_its_own_way(caller) or _in_region():
             return None
         tensors = _tensors(args)
+        if not _runs_its_own_way(module):
+            if args and not tensors and _holds_per_model_state(module):  # XCiT's self.pos_embed(B, Hp, Wp)
+                raise PerModelCodeFound(caller, f"calls {type(module).__name__} on sizes alone {args}")
+            return None
         if not tensors or any(self.kind(t) is not None for t in tensors):
             return None
         if all(t.dim() and t.shape[0] == 1 for t in tensors):
@@ -394,6 +399,13 @@ def _runs_its_own_way(module: nn.Module) -> bool:
     """Whether ``module``'s code handles the merged axis itself: a batched layer's, or a generic module's
     (which runs under ``vmap``)."""
     return isinstance(module, AbstractBatchModule) or is_generic(module)
+
+
+def _holds_per_model_state(module: nn.Module) -> bool:
+    """Whether ``module`` or a module below it holds per-model parameters or is a batched layer."""
+    return any(isinstance(m, AbstractBatchModule) or is_generic(m) for m in module.modules()) or any(
+        not is_shared_parameter(p) for p in module.parameters()
+    )
 
 
 def _rows_alike(tensor: Tensor) -> bool:

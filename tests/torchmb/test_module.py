@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from support.models import MLP, BatchNormCNN, ControlFlow, LeNet, WithCustom
-from torch import nn
+from torch import Tensor, nn
 
 import batch_layers
 from torchmb import BatchModule
@@ -244,17 +244,36 @@ def test_sequence_first_transformer_layer(seq: int) -> None:
 
 
 def test_model_that_mixes_samples_across_models_is_refused() -> None:
-    class HardCodedBatch(nn.Module):
+    class PairedRows(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.fc = nn.Linear(8, 3)
 
-        def forward(self, x):  # assumes 2 samples per call: pairs up rows of different models
-            return self.fc(x.reshape(2, -1))
+        def forward(self, x):  # pairs up consecutive rows: on the merged axis, rows of different models
+            return self.fc(x.reshape(-1, 8))
 
-    batched = BatchModule(HardCodedBatch(), 3)
-    with pytest.raises(ValueError, match=r"multiple of B \* n = 3 \* 2 \(the merged model axis\), got shape \(2, 12\)"):
+    batched = BatchModule(PairedRows(), 3)
+    with pytest.raises(ValueError, match=r"multiple of B \* n = 3 \* 2 \(the merged model axis\), got shape \(3, 8\)"):
         batched(torch.randn(3, 2, 4))
+
+
+class HardCodedSamples(nn.Module):
+    """Reshapes to a sample count written in its code (2): on the merged axis, every model's rows in 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x.reshape(2, 8))
+
+
+def test_a_reshape_to_one_models_sample_count_runs_the_module_per_model() -> None:
+    batched = BatchModule(HardCodedSamples(), 3)
+    batched(torch.randn(3, 2, 2, 4))
+    assert batched.generic_modules == ["HardCodedSamples"]
+    assert "reshape of dim 0 to 2 rows, one model's sample count n" in batched.conversion_report()[0].reason
+    assert_equivalent(HardCodedSamples, 3, torch.randn(3, 2, 2, 4))
 
 
 def test_tuple_dict_and_keyword_inputs_and_outputs() -> None:
