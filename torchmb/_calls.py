@@ -42,7 +42,7 @@ from torch import nn
 
 from ._registry import lookup_batch_module
 
-__all__ = ["per_model_call"]
+__all__ = ["followed_methods", "per_model_call"]
 
 _MODULE_API = frozenset(dir(nn.Module))  # parameters(), train(), ...: nn.Module's own, which any module offers
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
@@ -64,13 +64,7 @@ def per_model_call(module: nn.Module, stateful: Callable[[nn.Module], bool]) -> 
     """
     if not any(stateful(child) for child in module.children()):
         return None  # every call this finds is of a child with per-model state: no source to read
-    pending = [("forward", type(module).forward)]
-    followed = {"forward"}
-    while pending:
-        name, function = pending.pop()
-        definition = _definition(function)
-        if definition is None or not definition.args.args:
-            continue
+    for name, function, definition in followed_methods(module):
         self_name = definition.args.args[0].arg
         read = None if _fast_path_check(module, function) else _per_model_read(module, definition, self_name)
         if read is not None:
@@ -80,11 +74,27 @@ def per_model_call(module: nn.Module, stateful: Callable[[nn.Module], bool]) -> 
             found = _per_model(module, call, self_name, data, stateful)
             if found is not None:
                 return f"{name} {found}"
+    return None
+
+
+def followed_methods(module: nn.Module) -> Iterator[tuple[str, Callable, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    """``module``'s ``forward`` and the methods of its own class that it calls (``self.get_bias()``), and
+    theirs in turn, each once: name, function and parsed definition; a method whose source cannot be read is
+    left out."""
+    pending = [("forward", type(module).forward)]
+    followed = {"forward"}
+    while pending:
+        name, function = pending.pop()
+        definition = _definition(function)
+        if definition is None or not definition.args.args:
+            continue
+        yield name, function, definition
+        self_name = definition.args.args[0].arg
+        for call in _calls(definition):
             own = _own_method(module, call.func, self_name)
             if own is not None and own[0] not in followed:
                 followed.add(own[0])
                 pending.append(own)
-    return None
 
 
 def _per_model(

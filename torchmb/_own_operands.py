@@ -14,15 +14,26 @@ again: one kernel, as in the plain model. Any other op on a per-model operand wi
 :class:`NotElementwise`, and the module runs per model instead (at the first forward, which is undone and
 run again; later, as an error).
 
-Which modules take this path is decided at conversion by reading the source of their ``forward``
-(:func:`elementwise_only`): every read of an own parameter is ``self.p`` through shape ops and casts, used as
-an operand of ``*``, ``+``, ``-``, ``/`` or of an element-wise method or function, or compared with
-``None`` (directly or through a local name assigned once).
+A class token is the other use such a module makes of its own parameter: ``self.cls_token.expand(x.shape[0],
+-1, -1)`` (timm's and torchvision's ViTs), concatenated with the patch tokens. Its leading size is the data's
+row count, ``B * n`` on the merged axis, so each model's token is expanded to its own ``n`` rows and merged
+as the data is: from then on it is the models' data, and ``torch.cat`` of it with the patches is the plain
+op.
+
+Which modules take this path is decided at conversion by reading the source of their ``forward`` and of
+the methods of their own that it calls (:func:`elementwise_only`), a branch on one of the module's ``bool``
+flags read as the flag's present value takes it: every read of an own parameter is ``self.p`` through
+shape ops and casts, used as an operand of ``*``, ``+``, ``-``, ``/`` or of an element-wise method or
+function, compared with ``None`` (directly or through a local name assigned once), or expanded to the
+data's row count (``x.shape[0]``, ``x.size(0)``, ``len(x)``, ``B`` of ``B, N, C = x.shape``). Any other
+leading size of an ``expand`` than -1 or 1 keeps the module per model: a number the merged row count could
+equal would be taken for it.
 """
 
 from __future__ import annotations
 
 import ast
+import copy
 import math
 from collections.abc import Callable
 from typing import Any
@@ -33,7 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from batch_layers import current_forward, is_shared_input
 
-from ._calls import _definition
+from ._calls import followed_methods
 from ._tracking import PerModelCodeFound
 
 __all__ = [
@@ -98,6 +109,10 @@ def _per_model_op(func: Callable, args: tuple, kwargs: dict) -> Any:
     if func in (Tensor.type_as, Tensor.to) and not isinstance(first, PerModelOperand):
         return func(*args, **kwargs)  # x.type_as(self.gamma): only the parameter's dtype and device are read
     if isinstance(first, PerModelOperand):
+        if func is Tensor.expand:
+            rows = _expanded_to_rows(first, args[1:], kwargs)
+            if rows is not None:
+                return rows
         shaped = _shape_op(func, first, args[1:], kwargs)
         if shaped is not None:
             return shaped.as_subclass(PerModelOperand)
@@ -178,6 +193,28 @@ def _shape_op(func: Callable, tensor: Tensor, rest: tuple, kwargs: dict) -> Tens
         if all([i is None or i is Ellipsis or (type(i) in (int, slice)) for i in index]):
             return tensor[(slice(None), *index)]
     return None
+
+
+def _expanded_to_rows(tensor: Tensor, rest: tuple, kwargs: dict) -> Tensor | None:
+    """``tensor.expand(rows, ...)`` where ``rows`` is the merged data's row count ``B * m`` (the plain code
+    expanded a class token to ``x.shape[0]``): each model's tensor expanded to its ``m`` rows, merged as the
+    data is; None for any other expand. The source reading lets through only a leading size read from the
+    data, or -1 or 1, which no row count equals."""
+    context = current_forward()
+    sizes = _sizes(rest)
+    batch, shape = tensor.shape[0], tensor.shape[1:]
+    if context is None or kwargs or not sizes or len(sizes) < len(shape) or context.samples < 1:
+        return None
+    step = batch * context.samples
+    samples_major = context.order == "samples"
+    rows = sizes[0]
+    lifted = tensor.view(batch, *[1] * (len(sizes) - len(shape)), *shape)
+    if lifted.shape[1] != 1 or rows <= 1 or rows % step != 0 or (samples_major and rows != step):
+        return None
+    expanded = lifted.expand(batch, rows // batch, *sizes[1:])
+    if samples_major:
+        expanded = expanded.transpose(0, 1)
+    return expanded.reshape(rows, *expanded.shape[2:])
 
 
 def _is_data(tensor: Tensor, batch: int) -> bool:
@@ -288,48 +325,152 @@ _ARITHMETIC = (ast.Mult, ast.Add, ast.Sub, ast.Div)
 
 
 def elementwise_only(module: nn.Module, names: list[str]) -> bool:
-    """Whether the source of ``module``'s ``forward`` reads each of its parameters ``names`` only element-wise
-    (see the module docstring); False where the source cannot be read."""
-    definition = _definition(type(module).forward)
-    if definition is None or not definition.args.args:
-        return False
-    self_name = definition.args.args[0].arg
+    """Whether the source of ``module``'s ``forward``, and of the methods of its own that ``forward`` calls,
+    reads each of its parameters ``names`` only element-wise (see the module docstring); False where the
+    source cannot be read. A branch on one of the module's flags (``if self.dynamic_img_size:``) is read as
+    the flag's present value takes it."""
+    seen: set[str] = set()
+    for _, _, definition in followed_methods(module):
+        definition = _live_branches(definition, module)
+        self_name = definition.args.args[0].arg
+        reads = [
+            node
+            for node in ast.walk(definition)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == self_name
+            and node.attr in names
+        ]  # fmt: skip
+        if not _elementwise_reads(definition, reads, self_name):
+            return False
+        seen.update(node.attr for node in reads)
+    return seen == set(names)  # a parameter read elsewhere (a child, a hook): not seen, not guessed
+
+
+def _elementwise_reads(definition: ast.FunctionDef | ast.AsyncFunctionDef, reads: list[ast.Attribute],
+                       self_name: str) -> bool:  # fmt: skip
     parents = {id(child): node for node in ast.walk(definition) for child in ast.iter_child_nodes(node)}
-    reads = [
-        node
-        for node in ast.walk(definition)
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == self_name
-        and node.attr in names
-    ]  # fmt: skip
-    if {node.attr for node in reads} != set(names):
-        return False  # a parameter read elsewhere (a helper method): not seen, not guessed
+    rows = _row_counts(definition, self_name)
     aliases: dict[str, int] = {}
-    pending = list(reads)
+    pending: list[ast.AST] = list(reads)
     while pending:
         node = pending.pop()
-        use = _use(node, parents)
+        use = _use(node, parents, rows, self_name)
         if use is None:
             return False
         if isinstance(use, str):  # assigned to a local name: its reads are uses too
             aliases[use] = aliases.get(use, 0) + 1
             pending.extend(n for n in ast.walk(definition) if isinstance(n, ast.Name) and n.id == use and _loads(n))
-    assigned = [n.id for n in ast.walk(definition) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)]
-    return all(assigned.count(name) == 1 for name in aliases)
+    return all(_assignments(definition).count(name) == 1 for name in aliases)
+
+
+def _assignments(definition: ast.AST) -> list[str]:
+    return [n.id for n in ast.walk(definition) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)]
 
 
 def _loads(node: ast.Name) -> bool:
     return isinstance(node.ctx, ast.Load)
 
 
-def _use(node: ast.AST, parents: dict[int, ast.AST]) -> str | bool | None:
-    """How a per-model expression is used: True for an element-wise use, the local name it is assigned to, or
-    None for any other use."""
+def _live_branches(
+    definition: ast.FunctionDef | ast.AsyncFunctionDef, module: nn.Module
+) -> ast.FunctionDef | ast.AsyncFunctionDef:
+    """A copy of ``definition`` keeping, of each ``if self.flag:`` or ``if not self.flag:`` on a ``bool``
+    attribute of ``module``, the branch its present value takes. A flag changed later sends a use this hid
+    through the checks of :class:`PerModelOperand` at run time."""
+    self_name = definition.args.args[0].arg
+
+    class _Pruner(ast.NodeTransformer):
+        def visit_If(self, node: ast.If) -> Any:
+            self.generic_visit(node)
+            taken = _flag(node.test, module, self_name)
+            return node if taken is None else (node.body if taken else node.orelse)
+
+    return _Pruner().visit(copy.deepcopy(definition))
+
+
+def _flag(test: ast.expr, module: nn.Module, self_name: str) -> bool | None:
+    """The value of ``self.flag`` or ``not self.flag`` for a ``bool`` attribute of ``module``, else None."""
+    negated = isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not)
+    node = test.operand if negated else test
+    if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == self_name):
+        return None
+    value = getattr(module, node.attr, None)
+    return None if type(value) is not bool else value != negated
+
+
+def _row_counts(definition: ast.AST, self_name: str) -> set[str]:
+    """The local names assigned once the data's row count: ``n = x.shape[0]``, ``b = x.size(0)``,
+    ``B, N, C = x.shape``."""
+    names = []
+    for node in ast.walk(definition):
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
+            continue
+        target = node.targets[0]
+        if isinstance(target, ast.Name) and _is_row_count(node.value, set(), self_name):
+            names.append(target.id)
+        elif isinstance(target, ast.Tuple) and target.elts and isinstance(target.elts[0], ast.Name):
+            if _is_shape(node.value, self_name):
+                names.append(target.elts[0].id)
+    assigned = _assignments(definition)
+    return {name for name in names if assigned.count(name) == 1}
+
+
+def _is_shape(node: ast.expr, self_name: str) -> bool:
+    """``x.shape`` or ``x.size()`` of a local name ``x``."""
+    if isinstance(node, ast.Call) and not node.args and not node.keywords:
+        node = node.func
+        if not (isinstance(node, ast.Attribute) and node.attr == "size"):
+            return False
+    elif not (isinstance(node, ast.Attribute) and node.attr == "shape"):
+        return False
+    return isinstance(node.value, ast.Name) and node.value.id != self_name
+
+
+def _is_row_count(node: ast.expr, rows: set[str], self_name: str) -> bool:
+    """``x.shape[0]``, ``x.size(0)``, ``len(x)`` of a local name ``x``, or a name in ``rows``."""
+    if isinstance(node, ast.Name):
+        return node.id in rows
+    if isinstance(node, ast.Subscript):
+        first = isinstance(node.slice, ast.Constant) and node.slice.value == 0
+        return first and _is_shape(node.value, self_name)
+    if not (isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords):
+        return False
+    (arg,) = node.args
+    if isinstance(node.func, ast.Name) and node.func.id == "len":
+        return isinstance(arg, ast.Name) and arg.id != self_name
+    size = isinstance(node.func, ast.Attribute) and node.func.attr == "size"
+    local = size and isinstance(node.func.value, ast.Name) and node.func.value.id != self_name
+    return local and isinstance(arg, ast.Constant) and arg.value == 0
+
+
+def _expand_use(call: ast.Call, rows: set[str], self_name: str) -> str | None:
+    """How ``expand(...)`` of a per-model expression makes it: ``"rows"`` where its leading size is the data's
+    row count (``x.shape[0]``; or the whole ``x.shape``), ``"model"`` where it is -1 or 1, None otherwise (a
+    number that the merged data's row count could equal)."""
+    if len(call.args) == 1 and _is_shape(call.args[0], self_name):
+        return "rows"
+    if not call.args or call.keywords:
+        return None
+    lead = call.args[0]
+    if _is_row_count(lead, rows, self_name):
+        return "rows"
+    if isinstance(lead, ast.UnaryOp) and isinstance(lead.op, ast.USub):
+        lead = lead.operand
+    return "model" if isinstance(lead, ast.Constant) and lead.value == 1 else None
+
+
+def _use(node: ast.AST, parents: dict[int, ast.AST], rows: set[str], self_name: str) -> str | bool | None:
+    """How a per-model expression is used: True for an element-wise use (or an expand to the data's rows,
+    after which it is the data), the local name it is assigned to, or None for any other use."""
     parent = parents.get(id(node))
     while (
         isinstance(parent, ast.Attribute) and parent.attr in _SHAPE_METHODS
         and isinstance(parents.get(id(parent)), ast.Call) and parents[id(parent)].func is parent
     ):  # fmt: skip
         node = parents[id(parent)]  # self.gamma.reshape(...): a per-model expression too
+        if parent.attr == "expand":
+            expanded = _expand_use(node, rows, self_name)
+            if expanded != "model":
+                return expanded == "rows" or None
         parent = parents.get(id(node))
     if isinstance(parent, ast.BinOp) and isinstance(parent.op, _ARITHMETIC):
         return True

@@ -89,7 +89,6 @@ def is_random(model: nn.Module) -> bool:
 _OWN = "own parameters through torch.func, the layers below them registered"
 _SWIN = f"each shifted-window attention owns its relative position bias table: {_OWN}"
 _MAXVIT = f"each relative-position attention owns its bias table: {_OWN}"
-_TV_VIT = f"the root owns class_token: {_OWN}"
 _RELPOS_MLP = (
     "each RelPosAttention calls its RelPosMlp's get_bias() rather than its forward, and get_bias runs the "
     "registered Mlp on a constant coordinate table: both run per model, the layers below them registered"
@@ -314,11 +313,11 @@ def _torchvision_models() -> list[ZooModel]:
         ),
         *(ZooModel(name, functools.partial(_vgg, layers, False)) for name, layers in _VGG_LAYERS.items()),
         *(ZooModel(f"{name}_bn", functools.partial(_vgg, layers, True)) for name, layers in _VGG_LAYERS.items()),
-        ZooModel("vit_b_16", functools.partial(_vit, 8), generic=1, why_generic=_TV_VIT),
-        ZooModel("vit_b_32", functools.partial(_vit, 16), generic=1, why_generic=_TV_VIT),
-        ZooModel("vit_h_14", functools.partial(_vit, 14, 28), size=28, generic=1, why_generic=_TV_VIT),
-        ZooModel("vit_l_16", functools.partial(_vit, 8), generic=1, why_generic=_TV_VIT),
-        ZooModel("vit_l_32", functools.partial(_vit, 16), generic=1, why_generic=_TV_VIT),
+        ZooModel("vit_b_16", functools.partial(_vit, 8)),
+        ZooModel("vit_b_32", functools.partial(_vit, 16)),
+        ZooModel("vit_h_14", functools.partial(_vit, 14, 28), size=28),
+        ZooModel("vit_l_16", functools.partial(_vit, 8)),
+        ZooModel("vit_l_32", functools.partial(_vit, 16)),
     ]
     return entries
 
@@ -428,34 +427,11 @@ TIMM_MODELS: list[ZooModel] = [
     ZooModel("regnety_002", _timm("regnety_002")),
     ZooModel("regnetz_005", _timm("regnetz_005"), slow=True),
     ZooModel("convnext_atto", _timm("convnext_atto")),
-    ZooModel(
-        "convnextv2_atto",
-        _timm("convnextv2_atto"),
-    ),
-    ZooModel(
-        "vit_tiny_patch16_224",
-        _timm("vit_tiny_patch16_224", **_VIT_TINY),
-        generic=1,
-        why_generic=_own("the root owns cls_token and pos_embed"),
-    ),
-    ZooModel(
-        "deit_tiny_patch16_224",
-        _timm("deit_tiny_patch16_224", **_VIT_TINY),
-        generic=1,
-        why_generic=_own("the root owns cls_token and pos_embed"),
-    ),
-    ZooModel(
-        "deit_tiny_distilled_patch16_224",
-        _timm("deit_tiny_distilled_patch16_224", **_VIT_TINY),
-        generic=1,
-        why_generic=_own("the root owns cls_token, dist_token and pos_embed"),
-    ),
-    ZooModel(
-        "deit3_small_patch16_224",
-        _timm("deit3_small_patch16_224", **_VIT_TINY),
-        generic=1,
-        why_generic=_own("the root owns cls_token and pos_embed"),
-    ),
+    ZooModel("convnextv2_atto", _timm("convnextv2_atto")),
+    ZooModel("vit_tiny_patch16_224", _timm("vit_tiny_patch16_224", **_VIT_TINY)),
+    ZooModel("deit_tiny_patch16_224", _timm("deit_tiny_patch16_224", **_VIT_TINY)),
+    ZooModel("deit_tiny_distilled_patch16_224", _timm("deit_tiny_distilled_patch16_224", **_VIT_TINY)),
+    ZooModel("deit3_small_patch16_224", _timm("deit3_small_patch16_224", **_VIT_TINY)),
     ZooModel(
         "vit_relpos_small_patch16_224",
         _timm("vit_relpos_small_patch16_224", **_VIT_TINY),
@@ -466,26 +442,22 @@ TIMM_MODELS: list[ZooModel] = [
         "eva02_tiny_patch14_224",
         _timm("eva02_tiny_patch14_224", img_size=28, patch_size=14, depth=2),
         size=28,
-        generic=3,
-        why_generic=_own("the root owns cls_token and pos_embed, each attention q_bias and v_bias"),
+        generic=2,
+        why_generic=_own("each attention owns q_bias and v_bias"),
     ),
     ZooModel(
         "beit_base_patch16_224",
         _timm("beit_base_patch16_224", embed_dim=32, num_heads=2, **_VIT_TINY),
-        generic=3,
-        why_generic=_own("the root owns cls_token, each attention its biases and table"),
+        generic=2,
+        why_generic=_own("each attention owns its biases and table"),
     ),
-    ZooModel(
-        "cait_xxs24_224",
-        _timm("cait_xxs24_224", depth_token_only=1, **_VIT_TINY),
-        generic=1,
-        why_generic=_own("the root owns cls_token and pos_embed"),
-    ),
+    ZooModel("cait_xxs24_224", _timm("cait_xxs24_224", depth_token_only=1, **_VIT_TINY)),
     ZooModel(
         "xcit_nano_12_p16_224",
         _timm("xcit_nano_12_p16_224", img_size=32, depth=2),
         generic=1,
-        why_generic=_own("the root owns cls_token"),
+        why_generic="the root calls its position encoding on sizes alone (self.pos_embed(B, Hp, Wp)): its code "
+        "runs per model",
     ),
     ZooModel(
         "swin_tiny_patch4_window7_224",
@@ -531,8 +503,6 @@ TIMM_MODELS: list[ZooModel] = [
         "pit_ti_224",
         _timm("pit_ti_224", img_size=64),
         size=64,
-        generic=1,
-        why_generic=_own("the root owns cls_token and pos_embed"),
     ),
     ZooModel(
         "twins_svt_small",
@@ -553,10 +523,7 @@ TIMM_MODELS: list[ZooModel] = [
     ZooModel("dla46_c", _timm("dla46_c", drop_path=False)),
     ZooModel("cs3darknet_focus_s", _timm("cs3darknet_focus_s")),
     ZooModel("ese_vovnet19b_dw", _timm("ese_vovnet19b_dw")),
-    ZooModel(
-        "hgnetv2_b0",
-        _timm("hgnetv2_b0"),
-    ),
+    ZooModel("hgnetv2_b0", _timm("hgnetv2_b0")),
     ZooModel("sequencer2d_s", _timm("sequencer2d_s", layers=(1, 1, 1, 1))),
     ZooModel(
         "davit_tiny",
@@ -564,10 +531,7 @@ TIMM_MODELS: list[ZooModel] = [
     ),
     ZooModel("starnet_s1", _timm("starnet_s1")),
     ZooModel("mambaout_femto", _timm("mambaout_femto")),
-    ZooModel(
-        "inception_next_atto",
-        _timm("inception_next_atto"),
-    ),
+    ZooModel("inception_next_atto", _timm("inception_next_atto")),
 ]
 
 

@@ -1,9 +1,10 @@
-"""``torch.compile`` of real models: a compiled BatchModule of timm's ConvNeXt and torchvision's ResNet-18
-trains like the eager one and like B plain models, traced once (no recompiles) and without graph breaks; a
-model with a per-model region compiles with the region run eagerly.
+"""``torch.compile`` of real models: a compiled BatchModule of timm's ConvNeXt, torchvision's ResNet-18 and
+ViTs trains like the eager one and like B plain models, traced once (no recompiles) and without graph breaks;
+a model with a per-model region compiles with the region run eagerly.
 
 Compiling real models is slow on a CPU (tens of seconds each under load): those tests are slow, and the
-default run compiles a layer-scale block and a tiny torchvision ViT, whose root runs as a region.
+default run compiles a layer-scale block, a tiny torchvision ViT (its class token on the merged axis) and a
+tiny timm ViT whose root runs as a region.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch._dynamo.testing
 from support.compiled import DYNAMO_WARNINGS, fresh_dynamo  # noqa: F401 (a fixture)
 from support.models import LayerScaleBlock
+from support.torchvision_ops import import_torchvision
 from support.zoo import TIMM_MODELS, TORCHVISION_MODELS, ZooModel, float64, without_randomness
 from torch import Tensor, nn
 
@@ -74,20 +76,39 @@ def test_a_layer_scale_block_compiles_in_one_graph_and_trains_like_plain_models(
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
 
 
-def test_a_region_runs_eagerly_inside_a_compiled_model() -> None:
-    """torchvision's ViT: the root owns class_token (a region, under vmap); dynamo compiles around it once,
-    the region one graph break."""
+def test_a_vit_with_its_class_token_compiles_in_one_graph_and_trains_like_plain_models() -> None:
+    """torchvision's ViT: the root's class_token, expanded to the data's rows, is an operand of the graph
+    (the root had been a region, all of it run eagerly under torch.compile)."""
     entry = _zoo("vit_b_16")
     torch.manual_seed(0)
     x = torch.randn(B, N, 3, entry.size, entry.size, dtype=torch.float64)
     _trains_like_eager_and_plain(lambda: float64(without_randomness(entry.build())), x)
     explained = torch._dynamo.explain(BatchModule(without_randomness(entry.build()), B))(x.float())
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+def test_a_region_runs_eagerly_inside_a_compiled_model() -> None:
+    """timm's ViT resampling its positions (``dynamic_img_size``): the root is a region, under vmap; dynamo
+    compiles around it once, the region one graph break."""
+    import_torchvision()  # timm imports torchvision
+    import timm
+
+    def make() -> nn.Module:
+        return timm.create_model(
+            "vit_tiny_patch16_224", img_size=16, patch_size=8, depth=1, embed_dim=16, num_heads=2,
+            dynamic_img_size=True,
+        )  # fmt: skip
+
+    torch.manual_seed(0)
+    x = torch.randn(B, N, 3, 16, 16, dtype=torch.float64)
+    _trains_like_eager_and_plain(lambda: make().double(), x)
+    explained = torch._dynamo.explain(BatchModule(make(), B))(x.float())
     assert explained.graph_break_count == 1
     assert "torch.compiler.disable" in str(explained.break_reasons[0].reason)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["convnext_atto", "resnet18"])
+@pytest.mark.parametrize("name", ["convnext_atto", "resnet18", "vit_tiny_patch16_224"])
 def test_a_compiled_zoo_model_trains_like_eager_and_plain_models(name: str) -> None:
     entry = _zoo(name)
     torch.manual_seed(0)
@@ -98,7 +119,7 @@ def test_a_compiled_zoo_model_trains_like_eager_and_plain_models(name: str) -> N
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", ["convnext_atto", "resnet18"])
+@pytest.mark.parametrize("name", ["convnext_atto", "resnet18", "vit_tiny_patch16_224"])
 def test_a_zoo_model_compiles_on_cuda_in_one_graph(name: str) -> None:
     """On CUDA other kernels are chosen, and the GPU machine runs an older torch than CI: there timm's
     ConvNeXt broke the graph at every LayerNorm2d and then failed resuming inside its blocks."""

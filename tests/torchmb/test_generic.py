@@ -69,10 +69,11 @@ class Tokens(nn.Module):
 def test_own_parameters_keep_the_childrens_fast_paths() -> None:
     torch.manual_seed(0)
     batched = BatchModule(Tokens(), B)
+    x = torch.randn(B, N, 3, 4, dtype=torch.float64)
+    batched(x.float())  # its read of self.blocks[0].weight, hidden from the source reading, is found here
     assert generic_paths(batched) == {"": "generic-own"}
     assert registered_layers_everywhere(batched, nn.Linear) == 4
     assert batched.module.cls_token.shape == (B, 1, 1, 6)
-    x = torch.randn(B, N, 3, 4, dtype=torch.float64)
     assert_equivalent(lambda: Tokens().double(), B, x, steps=3, **DOUBLE)
     assert_isolated(BatchModule.from_factory(Tokens, B, seed=0), x.float(), model=1)
 
@@ -120,19 +121,58 @@ def tiny_timm_vit() -> nn.Module:
     ).double()
 
 
-def test_timm_vit_root_owns_tokens_and_its_layers_stay_registered() -> None:
+def test_timm_vit_root_broadcasts_its_tokens_and_its_layers_stay_registered() -> None:
+    """The root's cls_token is expanded to the data's rows in a helper method (``_pos_embed``) and
+    concatenated, pos_embed added: both on the merged axis, the root no region."""
     torch.manual_seed(0)
     batched = BatchModule(tiny_timm_vit(), B)
-    paths = generic_paths(batched)
-    assert paths.pop("") == "generic-own"  # cls_token, pos_embed
-    # what remains generic is timm's LayerNorm (a subclass overriding forward, the registry's concern)
-    assert all(type(batched.module.get_submodule(name)).__name__ == "FuncBatchedLayerNorm" for name in paths)
+    assert _paths(batched)[""] == "broadcast-own"  # cls_token, pos_embed
+    assert generic_paths(batched) == {}
     assert registered_layers_everywhere(batched, nn.Linear) == 9
     assert registered_layers_everywhere(batched, nn.Conv2d) == 1
     assert_equivalent(tiny_timm_vit, B, torch.randn(B, N, 3, 16, 16, dtype=torch.float64), steps=2, **DOUBLE)
+    shared = torch.randn(N, 3, 16, 16, dtype=torch.float64)
+    assert_equivalent(tiny_timm_vit, B, shared, steps=2, shared_input=True, **DOUBLE)
+
+
+@pytest.mark.parametrize(
+    "variant", [{"reg_tokens": 2}, {"no_embed_class": True}, {"class_token": False, "global_pool": "avg"}]
+)
+def test_timm_vit_variants_of_its_tokens_match_plain_models(variant: dict) -> None:
+    def make() -> nn.Module:
+        return timm.create_model(
+            "vit_tiny_patch16_224", img_size=16, patch_size=8, depth=1, embed_dim=16, num_heads=2, **variant
+        ).double()
+
+    torch.manual_seed(0)
+    assert _paths(BatchModule(make(), B))[""] == "broadcast-own"
+    assert_equivalent(make, B, torch.randn(B, N, 3, 16, 16, dtype=torch.float64), steps=2, **DOUBLE)
+
+
+def test_a_flag_taking_the_other_branch_keeps_the_root_per_model() -> None:
+    """With dynamic_img_size, timm's _pos_embed resamples pos_embed through a function of its own: not an
+    element-wise use, so the root is a region."""
+
+    def make() -> nn.Module:
+        return timm.create_model(
+            "vit_tiny_patch16_224", img_size=16, patch_size=8, depth=1, embed_dim=16, num_heads=2,
+            dynamic_img_size=True,
+        ).double()  # fmt: skip
+
+    torch.manual_seed(0)
+    assert generic_paths(BatchModule(make(), B))[""] == "generic-own"
+    assert_equivalent(make, B, torch.randn(B, N, 3, 16, 16, dtype=torch.float64), steps=2, **DOUBLE)
+
+
+def _paths(batched: BatchModule) -> dict[str, str]:
+    return {entry.name: entry.path for entry in batched.conversion_report()}
 
 
 def test_torchvision_vit_class_token_and_encoder_positions() -> None:
+    """The root expands class_token to ``n = x.shape[0]`` rows: broadcast on the merged axis. With the shared
+    input, ``_process_input`` reshapes the patches to the n it read from the input, one model's count: the
+    first shared-input forward finds that and runs the root per model."""
+
     def make() -> nn.Module:
         return torchvision.models.VisionTransformer(
             image_size=16, patch_size=8, num_layers=1, num_heads=2, hidden_dim=8, mlp_dim=16, num_classes=10
@@ -140,11 +180,16 @@ def test_torchvision_vit_class_token_and_encoder_positions() -> None:
 
     torch.manual_seed(0)
     batched = BatchModule(make(), B)
-    assert generic_paths(batched) == {"": "generic-own"}  # class_token
-    paths = {entry.name: entry.path for entry in batched.conversion_report()}
-    assert paths["encoder"] == "broadcast-own"  # it adds pos_embedding element-wise
+    paths = _paths(batched)
+    assert (paths[""], paths["encoder"]) == ("broadcast-own", "broadcast-own")  # encoder: pos_embedding
     assert registered_layers_everywhere(batched, nn.Conv2d) == 1
     assert_equivalent(make, B, torch.randn(B, N, 3, 16, 16, dtype=torch.float64), steps=2, **DOUBLE)
+    batched.double()(torch.randn(B, N, 3, 16, 16, dtype=torch.float64))
+    assert batched.generic_modules == []
+    batched(torch.randn(N, 3, 16, 16, dtype=torch.float64), shared_input=True)
+    assert batched.generic_modules == ["VisionTransformer"]
+    assert "reshape of dim 0 to 2 rows, one model's sample count n" in batched.conversion_report()[0].reason
+    assert_equivalent(make, B, torch.randn(N, 3, 16, 16, dtype=torch.float64), steps=2, shared_input=True, **DOUBLE)
 
 
 LAYER_SCALE_BLOCKS = {
@@ -503,17 +548,15 @@ def test_attention_dropout_in_a_region_draws_per_model() -> None:
 
 @pytest.mark.parametrize("name", ["vit_tiny_patch16_224", "deit_tiny_patch16_224"])
 def test_layers_called_from_a_region_see_its_tensors_as_the_models_data(name: str) -> None:
-    """A ViT's root runs per model (its cls_token and pos_embed); the blocks it calls escape onto the merged
-    axis with the region's tensors, which are the models' data: no block is mistaken for code calling its
-    layers on constants (each block had been made a region of its own, then its attention and MLP)."""
-    from support.zoo import TIMM_MODELS, float64, without_randomness
-
-    entry = next(e for e in TIMM_MODELS if e.name == name)
+    """A ViT's root resampling its positions (``dynamic_img_size``) runs per model; the blocks it calls
+    escape onto the merged axis with the region's tensors, which are the models' data: no block is mistaken
+    for code calling its layers on constants (each block had been made a region of its own, then its
+    attention and MLP)."""
 
     def make() -> nn.Module:
-        return float64(without_randomness(entry.build()))
+        return timm.create_model(name, img_size=32, patch_size=8, depth=2, dynamic_img_size=True).double()
 
     batched = BatchModule(make(), 2)
-    batched(torch.randn(2, 2, 3, entry.size, entry.size, dtype=torch.float64))
+    batched(torch.randn(2, 2, 3, 32, 32, dtype=torch.float64))
     assert batched.generic_modules == ["VisionTransformer"]  # the root alone
-    assert_equivalent(make, 2, torch.randn(2, 2, 3, entry.size, entry.size, dtype=torch.float64), steps=2)
+    assert_equivalent(make, 2, torch.randn(2, 2, 3, 32, 32, dtype=torch.float64), steps=2)

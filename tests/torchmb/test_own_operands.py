@@ -77,6 +77,48 @@ class _Projection(nn.Module):
         return self.fc(x) @ self.w
 
 
+class _ClassToken(nn.Module):
+    """A ViT's root in small: a class token expanded to the data's rows in a helper method (through a name
+    unpacked from ``x.shape``), appended to a list and concatenated, positions added; with ``resample`` a
+    branch that passes the positions to a function (not element-wise) runs instead."""
+
+    def __init__(self, resample: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 6)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, 6))
+        self.pos_embed = nn.Parameter(torch.randn(1, 4, 6))
+        self.head = nn.Linear(6, 2)
+        self.resample = resample
+
+    def _tokens(self, x: Tensor) -> Tensor:
+        to_cat = []
+        if self.cls_token is not None:
+            rows, _, _ = x.shape
+            to_cat.append(self.cls_token.expand(rows, -1, -1))
+        if self.resample:
+            pos_embed = nn.functional.interpolate(self.pos_embed.transpose(1, 2), size=x.shape[1] + 1).transpose(1, 2)
+        else:
+            pos_embed = self.pos_embed
+        return torch.cat([*to_cat, x], dim=1) + pos_embed
+
+    def forward(self, x: Tensor) -> Tensor:
+        tokens = self._tokens(self.embed(x))
+        return self.head(tokens[:, 0] + tokens[:, 1:].mean(dim=1))
+
+
+class _FixedRows(nn.Module):
+    """Expands its parameter to a number of rows written in its code (3): with B = 3 models of one sample, the
+    merged row count too, which must not be taken for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.rows = nn.Parameter(torch.randn(1, 4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x) + self.rows.expand(3, -1)
+
+
 def _paths(batched: BatchModule) -> dict[str, str]:
     return {entry.name: entry.path for entry in batched.conversion_report()}
 
@@ -190,3 +232,25 @@ def test_a_per_model_operand_answers_attribute_reads_as_one_models_parameter() -
     assert (stacked.stride(), stacked.stride(-1), stacked.is_contiguous()) == (one.stride(), 1, True)
     transposed = torch.randn(3, 5, 4).transpose(1, 2).as_subclass(PerModelOperand)
     assert (transposed.stride(), transposed.is_contiguous()) == (torch.randn(5, 4).t().stride(), False)
+
+
+@pytest.mark.parametrize("order", ["models", "samples"])
+def test_a_class_token_expanded_to_the_datas_rows_is_broadcast_like_plain_models(order: str) -> None:
+    batched = BatchModule.from_factory(_ClassToken, B, seed=0, merged_order=order)
+    assert _paths(batched)[""] == "broadcast-own" and batched.generic_modules == []
+    x = torch.randn(B, N, 3, 4)
+    out = batched(x)
+    out.square().sum().backward()
+    assert batched.generic_modules == []
+    check_like_seeded_plain_models(_ClassToken, batched, x, out)
+    _matches_plain_models(_ClassToken, torch.randn(N, 3, 4), shared_input=True)
+
+
+def test_a_branch_the_flag_takes_decides_whether_the_source_is_element_wise() -> None:
+    assert _paths(BatchModule(_ClassToken(resample=True), B))[""] == "generic-own"
+    _matches_plain_models(lambda: _ClassToken(resample=True), torch.randn(B, N, 3, 4))
+
+
+def test_an_expand_to_a_number_of_rows_in_the_code_stays_per_model() -> None:
+    assert _paths(BatchModule(_FixedRows(), B))[""] == "generic-own"
+    _matches_plain_models(_FixedRows, torch.randn(B, 1, 4))

@@ -64,14 +64,16 @@ def test_zoo_model_matches_plain_copies(entry: ZooModel) -> None:
         return float64(without_randomness(entry.build()))
 
     torch.manual_seed(0)
+    images = _images(entry, BATCH, torch.float64, entry.samples)
     with _converting(entry):
         batched = torchmb.BatchModule(make(), BATCH)
+        batched(images)  # code found mixing the models at the first forward runs per model from there on
     assert len(batched.generic_modules) == entry.generic, (entry.why_generic, batched.generic_modules)
     with _converting(entry):
         assert_equivalent(
             make,
             BATCH,
-            _images(entry, BATCH, torch.float64, entry.samples),
+            images,
             steps=2,
             loss_fn=lambda output: _logits(output).square().mean(),
             lr=0.01,
