@@ -202,13 +202,13 @@ def _expanded_to_rows(tensor: Tensor, rest: tuple, kwargs: dict) -> Tensor | Non
     data, or -1 or 1, which no row count equals."""
     context = current_forward()
     sizes = _sizes(rest)
-    batch, shape = tensor.shape[0], tensor.shape[1:]
-    if context is None or kwargs or not sizes or len(sizes) < len(shape) or context.samples < 1:
+    batch = tensor.shape[0]
+    if context is None or kwargs or not sizes or len(sizes) < tensor.dim() - 1 or context.samples < 1:
         return None
     step = batch * context.samples
     samples_major = context.order == "samples"
     rows = sizes[0]
-    lifted = tensor.view(batch, *[1] * (len(sizes) - len(shape)), *shape)
+    lifted = _lift(tensor, len(sizes))
     if lifted.shape[1] != 1 or rows <= 1 or rows % step != 0 or (samples_major and rows != step):
         return None
     expanded = lifted.expand(batch, rows // batch, *sizes[1:])
@@ -348,7 +348,8 @@ def elementwise_only(module: nn.Module, names: list[str]) -> bool:
 def _elementwise_reads(definition: ast.FunctionDef | ast.AsyncFunctionDef, reads: list[ast.Attribute],
                        self_name: str) -> bool:  # fmt: skip
     parents = {id(child): node for node in ast.walk(definition) for child in ast.iter_child_nodes(node)}
-    rows = _row_counts(definition, self_name)
+    assigned = [n.id for n in ast.walk(definition) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)]
+    rows = _row_counts(definition, assigned, self_name)
     aliases: dict[str, int] = {}
     pending: list[ast.AST] = list(reads)
     while pending:
@@ -359,11 +360,7 @@ def _elementwise_reads(definition: ast.FunctionDef | ast.AsyncFunctionDef, reads
         if isinstance(use, str):  # assigned to a local name: its reads are uses too
             aliases[use] = aliases.get(use, 0) + 1
             pending.extend(n for n in ast.walk(definition) if isinstance(n, ast.Name) and n.id == use and _loads(n))
-    return all(_assignments(definition).count(name) == 1 for name in aliases)
-
-
-def _assignments(definition: ast.AST) -> list[str]:
-    return [n.id for n in ast.walk(definition) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)]
+    return all(assigned.count(name) == 1 for name in aliases)
 
 
 def _loads(node: ast.Name) -> bool:
@@ -397,9 +394,9 @@ def _flag(test: ast.expr, module: nn.Module, self_name: str) -> bool | None:
     return None if type(value) is not bool else value != negated
 
 
-def _row_counts(definition: ast.AST, self_name: str) -> set[str]:
-    """The local names assigned once the data's row count: ``n = x.shape[0]``, ``b = x.size(0)``,
-    ``B, N, C = x.shape``."""
+def _row_counts(definition: ast.AST, assigned: list[str], self_name: str) -> set[str]:
+    """The local names assigned once (``assigned``: every name stored in ``definition``, repeats kept) the
+    data's row count: ``n = x.shape[0]``, ``b = x.size(0)``, ``B, N, C = x.shape``."""
     names = []
     for node in ast.walk(definition):
         if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
@@ -410,7 +407,6 @@ def _row_counts(definition: ast.AST, self_name: str) -> set[str]:
         elif isinstance(target, ast.Tuple) and target.elts and isinstance(target.elts[0], ast.Name):
             if _is_shape(node.value, self_name):
                 names.append(target.elts[0].id)
-    assigned = _assignments(definition)
     return {name for name in names if assigned.count(name) == 1}
 
 

@@ -403,9 +403,8 @@ def _runs_its_own_way(module: nn.Module) -> bool:
 
 def _holds_per_model_state(module: nn.Module) -> bool:
     """Whether ``module`` or a module below it holds per-model parameters or is a batched layer."""
-    return any(isinstance(m, AbstractBatchModule) or is_generic(m) for m in module.modules()) or any(
-        not is_shared_parameter(p) for p in module.parameters()
-    )
+    modules_own_way = any(_runs_its_own_way(m) for m in module.modules())
+    return modules_own_way or any(not is_shared_parameter(p) for p in module.parameters())
 
 
 def _rows_alike(tensor: Tensor) -> bool:
