@@ -103,6 +103,12 @@ class WithCustom(nn.Module):
         return self.head(F.gelu(self.film(self.fc(x))))
 
 
+def conversion_paths(batched: nn.Module) -> dict[str, str]:
+    """Each module's conversion path (``registered``, ``broadcast-own``, ``generic-own``, ...) by its name in
+    ``batched``, a ``BatchModule``."""
+    return {entry.name: entry.path for entry in batched.conversion_report()}
+
+
 def check_like_seeded_plain_models(make, batched: nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
     """``out`` of ``batched`` (``BatchModule.from_factory(make, B, seed=0)``, its gradients from
     ``out.square().sum()``) against B plain models ``make()`` seeded 0..B-1: each model's output and every

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from support.models import conversion_paths
 from support.torchvision_ops import import_torchvision
 from torch import Tensor, nn
 
@@ -126,7 +127,7 @@ def test_timm_vit_root_broadcasts_its_tokens_and_its_layers_stay_registered() ->
     concatenated, pos_embed added: both on the merged axis, the root no region."""
     torch.manual_seed(0)
     batched = BatchModule(tiny_timm_vit(), B)
-    assert _paths(batched)[""] == "broadcast-own"  # cls_token, pos_embed
+    assert conversion_paths(batched)[""] == "broadcast-own"  # cls_token, pos_embed
     assert generic_paths(batched) == {}
     assert registered_layers_everywhere(batched, nn.Linear) == 9
     assert registered_layers_everywhere(batched, nn.Conv2d) == 1
@@ -145,7 +146,7 @@ def test_timm_vit_variants_of_its_tokens_match_plain_models(variant: dict) -> No
         ).double()
 
     torch.manual_seed(0)
-    assert _paths(BatchModule(make(), B))[""] == "broadcast-own"
+    assert conversion_paths(BatchModule(make(), B))[""] == "broadcast-own"
     assert_equivalent(make, B, torch.randn(B, N, 3, 16, 16, dtype=torch.float64), steps=2, **DOUBLE)
 
 
@@ -164,9 +165,6 @@ def test_a_flag_taking_the_other_branch_keeps_the_root_per_model() -> None:
     assert_equivalent(make, B, torch.randn(B, N, 3, 16, 16, dtype=torch.float64), steps=2, **DOUBLE)
 
 
-def _paths(batched: BatchModule) -> dict[str, str]:
-    return {entry.name: entry.path for entry in batched.conversion_report()}
-
 
 def test_torchvision_vit_class_token_and_encoder_positions() -> None:
     """The root expands class_token to ``n = x.shape[0]`` rows: broadcast on the merged axis. With the shared
@@ -180,7 +178,7 @@ def test_torchvision_vit_class_token_and_encoder_positions() -> None:
 
     torch.manual_seed(0)
     batched = BatchModule(make(), B)
-    paths = _paths(batched)
+    paths = conversion_paths(batched)
     assert (paths[""], paths["encoder"]) == ("broadcast-own", "broadcast-own")  # encoder: pos_embedding
     assert registered_layers_everywhere(batched, nn.Conv2d) == 1
     assert_equivalent(make, B, torch.randn(B, N, 3, 16, 16, dtype=torch.float64), steps=2, **DOUBLE)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.models import LayerScaleBlock, check_like_seeded_plain_models
+from support.models import LayerScaleBlock, check_like_seeded_plain_models, conversion_paths
 from support.torchvision_ops import import_torchvision
 from torch import Tensor, nn
 
@@ -119,9 +119,6 @@ class _FixedRows(nn.Module):
         return self.fc(x) + self.rows.expand(3, -1)
 
 
-def _paths(batched: BatchModule) -> dict[str, str]:
-    return {entry.name: entry.path for entry in batched.conversion_report()}
-
 
 def _matches_plain_models(make, x: Tensor, **kwargs) -> None:
     assert_equivalent(lambda: make().double(), B, x.double(), steps=2, lr=0.01, atol=1e-9, rtol=1e-7, **kwargs)
@@ -131,7 +128,7 @@ def _matches_plain_models(make, x: Tensor, **kwargs) -> None:
 def test_a_layer_scale_block_is_broadcast_per_model_like_plain_models(order: str) -> None:
     torch.manual_seed(0)
     batched = BatchModule.from_factory(LayerScaleBlock, B, seed=0, merged_order=order)
-    assert _paths(batched)[""] == "broadcast-own" and batched.generic_modules == []
+    assert conversion_paths(batched)[""] == "broadcast-own" and batched.generic_modules == []
     x = torch.randn(B, N, 4, 5, 5)
     out = batched(x)
     out.square().sum().backward()
@@ -146,7 +143,8 @@ def test_affines_and_timm_layer_scales_match_plain_models() -> None:
         return nn.Sequential(nn.Linear(4, 6), LayerScale(6, inplace=True), _Affine(6), LayerScale(6), nn.Linear(6, 2))
 
     batched = BatchModule(make(), B)
-    assert [path for name, path in _paths(batched).items() if name in ("1", "2", "3")] == ["broadcast-own"] * 3
+    paths = conversion_paths(batched)
+    assert [paths[name] for name in ("1", "2", "3")] == ["broadcast-own"] * 3
     _matches_plain_models(make, torch.randn(B, N, 4))
     _matches_plain_models(lambda: nn.Sequential(nn.Conv2d(3, 4, 1), LayerScale2d(4)), torch.randn(B, N, 3, 4, 4))
 
@@ -157,7 +155,7 @@ def test_keyword_operands_and_where_match_plain_models(order: str) -> None:
         return nn.Sequential(nn.Linear(4, 6), _KeywordOperands(6), nn.Linear(6, 2))
 
     batched = BatchModule.from_factory(make, B, seed=0, merged_order=order)
-    assert _paths(batched)["1"] == "broadcast-own" and batched.generic_modules == []
+    assert conversion_paths(batched)["1"] == "broadcast-own" and batched.generic_modules == []
     x = torch.randn(B, N, 4)
     out = batched(x)
     out.square().sum().backward()
@@ -177,7 +175,7 @@ def test_a_layer_scale_on_the_shared_input_gives_each_model_its_own_output() -> 
 def test_a_use_the_source_hides_runs_the_module_per_model_from_the_first_forward() -> None:
     torch.manual_seed(0)
     batched = BatchModule.from_factory(_HiddenMatmul, B, seed=0)
-    assert _paths(batched)[""] == "broadcast-own"
+    assert conversion_paths(batched)[""] == "broadcast-own"
     batched(torch.randn(B, N, 4))
     entry = batched.conversion_report()[0]
     assert entry.path == "generic-own" and "at the first forward" in entry.reason and "matmul" in entry.reason
@@ -195,7 +193,7 @@ def test_a_use_found_after_the_first_forward_is_refused() -> None:
 
 def test_a_parameter_used_otherwise_stays_a_per_model_region() -> None:
     batched = BatchModule(_Projection(), B)
-    assert _paths(batched)[""] == "generic-own"
+    assert conversion_paths(batched)[""] == "generic-own"
     _matches_plain_models(_Projection, torch.randn(B, N, 4))
 
 
@@ -237,7 +235,7 @@ def test_a_per_model_operand_answers_attribute_reads_as_one_models_parameter() -
 @pytest.mark.parametrize("order", ["models", "samples"])
 def test_a_class_token_expanded_to_the_datas_rows_is_broadcast_like_plain_models(order: str) -> None:
     batched = BatchModule.from_factory(_ClassToken, B, seed=0, merged_order=order)
-    assert _paths(batched)[""] == "broadcast-own" and batched.generic_modules == []
+    assert conversion_paths(batched)[""] == "broadcast-own" and batched.generic_modules == []
     x = torch.randn(B, N, 3, 4)
     out = batched(x)
     out.square().sum().backward()
@@ -247,10 +245,10 @@ def test_a_class_token_expanded_to_the_datas_rows_is_broadcast_like_plain_models
 
 
 def test_a_branch_the_flag_takes_decides_whether_the_source_is_element_wise() -> None:
-    assert _paths(BatchModule(_ClassToken(resample=True), B))[""] == "generic-own"
+    assert conversion_paths(BatchModule(_ClassToken(resample=True), B))[""] == "generic-own"
     _matches_plain_models(lambda: _ClassToken(resample=True), torch.randn(B, N, 3, 4))
 
 
 def test_an_expand_to_a_number_of_rows_in_the_code_stays_per_model() -> None:
-    assert _paths(BatchModule(_FixedRows(), B))[""] == "generic-own"
+    assert conversion_paths(BatchModule(_FixedRows(), B))[""] == "generic-own"
     _matches_plain_models(_FixedRows, torch.randn(B, 1, 4))

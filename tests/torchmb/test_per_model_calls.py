@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.models import conversion_paths
 from torch import Tensor, nn
 
 import batch_layers
@@ -15,9 +16,6 @@ from torchmb.testing import assert_equivalent, assert_isolated
 B, N, TOKENS, HEADS, D = 3, 2, 3, 2, 4
 DOUBLE = dict(atol=1e-9, rtol=1e-9)
 
-
-def paths(batched: BatchModule) -> dict[str, str]:
-    return {entry.name: entry.path for entry in batched.conversion_report()}
 
 
 def reasons(batched: BatchModule) -> dict[str, str]:
@@ -96,7 +94,7 @@ class ScoredAttention(Attention):
 def test_a_parent_calling_a_generic_childs_method_runs_per_model() -> None:
     torch.manual_seed(0)
     batched = BatchModule(Attention(TableBias), B)
-    assert paths(batched) == {
+    assert conversion_paths(batched) == {
         "": "generic-own",
         "qkv": "registered",
         "rel_pos": "generic-whole",
@@ -114,7 +112,7 @@ def test_a_registered_layer_on_a_constant_table_in_a_parameter_free_module(atten
     """Each model's MLP maps the one coordinate table to its own bias, added to that model's scores."""
     torch.manual_seed(0)
     batched = BatchModule(attention(CoordinateBias), B)
-    generic = {name for name, path in paths(batched).items() if path == "generic-own"}
+    generic = {name for name, path in conversion_paths(batched).items() if path == "generic-own"}
     # Calling the bias module's forward, the attention hands it the scores: it may stay on the merged axis.
     assert generic == ({"", "rel_pos"} if attention is Attention else {"rel_pos"})
     assert "get_bias calls self.mlp, a module with per-model state, on constants alone" in reasons(batched)["rel_pos"]
@@ -157,7 +155,7 @@ class Encoded(nn.Module):
 def test_sizes_of_the_data_are_constants() -> None:
     torch.manual_seed(0)
     batched = BatchModule(Encoded(), B)
-    assert paths(batched)[""] == "generic-own"
+    assert conversion_paths(batched)[""] == "generic-own"
     assert "calls self.positions, a module with per-model state, on constants alone" in reasons(batched)[""]
     assert_equivalent(lambda: Encoded().double(), B, tokens(), steps=2, **DOUBLE)
 
@@ -183,7 +181,7 @@ class Stages(nn.Module):
 def test_ordinary_code_stays_on_the_merged_axis() -> None:
     batched = BatchModule(Stages(), B)
     assert batched.generic_modules == []
-    assert paths(batched)[""] == "passthrough"
+    assert conversion_paths(batched)[""] == "passthrough"
 
 
 class Aliased(nn.Module):
@@ -202,7 +200,7 @@ class Aliased(nn.Module):
 
 def test_a_generic_modules_method_refuses_the_merged_axis() -> None:
     batched = BatchModule(Aliased(), B)
-    assert paths(batched)[""] == "passthrough"
+    assert conversion_paths(batched)[""] == "passthrough"
     with pytest.raises(
         RuntimeError,
         match=r"TableBias\.get_bias\(\) was called by Aliased\.forward \(.*test_per_model_calls\.py:\d+\) on the "
