@@ -144,6 +144,27 @@ def test_kernel_traces_under_compile_without_graph_breaks() -> None:
     _check(plain, batched, x, "models", atol=1e-4, rtol=1e-4, run=torch.compile(batched, fullgraph=True))
 
 
+def test_compiled_layer_takes_the_kernel_from_fewer_models_than_an_eager_one(monkeypatch) -> None:
+    """Under torch.compile a launch costs no Python, so the kernel runs from ``min_groups_compiled`` groups;
+    eager, the same layer stays on cuDNN. Both train as the plain convolutions do."""
+    monkeypatch.setitem(_kernel_table.TRITON_GROUPED.limits, "min_groups", MIN_GROUPS)
+    monkeypatch.setitem(_kernel_table.TRITON_GROUPED.limits, "min_groups_compiled", BATCH)
+    plain, batched = _models(SHAPES[0])
+    x = torch.randn(BATCH, SAMPLES, 6, 12, 12, device="cuda")
+    weight = batched.weight.reshape(-1, *batched.weight.shape[2:])
+    assert not runs_on_triton(x[0].repeat(1, BATCH, 1, 1), weight, BATCH, False)
+    traced = []
+
+    def recording_backend(graph_module, example_inputs):
+        traced.extend(str(node.target) for module in graph_module.modules() if isinstance(module, torch.fx.GraphModule)
+                      for node in module.graph.nodes)
+        return graph_module.forward
+
+    _check(plain, batched, x, "models", atol=1e-4, rtol=1e-4,
+           run=torch.compile(batched, backend=recording_backend, fullgraph=True))
+    assert traced.count("torchmb.grouped_conv2d.default") == 2, "the forward and the input gradient on the kernel"
+
+
 def test_channels_last_input_gives_channels_last_output_through_the_kernel() -> None:
     plain, batched = _models(SHAPES[0])
     x = torch.randn(BATCH * SAMPLES, 6, 12, 12, device="cuda").contiguous(memory_format=torch.channels_last)

@@ -107,6 +107,19 @@ def test_the_triton_switch_and_the_limits_are_read_at_each_choice(monkeypatch):
     assert choose("forward", lenet2, OPS).name == "aten"
 
 
+def test_compiled_convolutions_take_the_triton_kernel_from_fewer_groups(monkeypatch):
+    monkeypatch.setattr(_kernel_table, "TRITON_INSTALLED", True)
+    limits = _kernel_table.TRITON_GROUPED.limits
+    at_least = ConvCall(True, 4, torch.float32, 0, (limits["min_groups_compiled"] * 16, 6, 5, 5),
+                        limits["min_groups_compiled"])
+    fewer = at_least._replace(groups=at_least.groups // 2, weight_shape=(at_least.weight_shape[0] // 2, 6, 5, 5))
+    assert choose("forward", at_least, OPS).name == "aten"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert choose("forward", at_least, OPS).name == "triton-grouped"
+    assert choose("input grad", at_least, OPS).name == "triton-grouped"
+    assert choose("forward", fewer, OPS).name == "aten"
+
+
 def test_explain_names_the_kernel_and_every_unmet_condition(monkeypatch):
     monkeypatch.setattr(_kernel_table, "TRITON_INSTALLED", True)
     few_models = ConvCall(True, 4, torch.float32, 16 * 6, (16 * 16, 6, 5, 5), 16)
