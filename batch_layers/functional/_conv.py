@@ -23,7 +23,14 @@ from .._conv_matmul import matmul_conv2d, runs_as_matmul
 from .._conv_pointwise import pointwise_conv2d, runs_pointwise
 from .._conv_triton import grouped_conv2d, input_grad, runs_on_triton
 from .._depthwise_triton import depthwise_weight_grad
-from .._kernel_table import CHANNELS_LAST, TRITON_DEPTHWISE_GRAD, TRITON_GROUPED, TRITON_GROUPED_INPUT_GRAD, ConvCall
+from .._kernel_table import (
+    CHANNELS_LAST,
+    DEPTHWISE_CHANNELS_LAST,
+    TRITON_DEPTHWISE_GRAD,
+    TRITON_GROUPED,
+    TRITON_GROUPED_INPUT_GRAD,
+    ConvCall,
+)
 from .._layout import Layout, expand_shared, from_grouped, is_channels_last, to_grouped
 
 __all__ = [
@@ -163,6 +170,13 @@ def grouped_conv(
             return matmul_conv2d(x, weight, bias, Layout(batch, order), stride, padding, dilation, groups // batch)
         if runs_pointwise(call):
             return pointwise_conv2d(x, weight, bias, Layout(batch, order), stride, groups // batch)
+        if not is_channels_last(x) and DEPTHWISE_CHANNELS_LAST.applies(call):
+            # cuDNN's NHWC depthwise kernels, forward and both gradients (autograd's), as the plain model's
+            # compiled convolutions run; the result is laid out as the input was
+            weight, bias = _stacked(x, weight, bias)
+            grouped = to_grouped(x, batch, order).contiguous(memory_format=torch.channels_last)
+            y = F.conv2d(grouped, weight, bias, stride, padding, dilation, groups)
+            return from_grouped(y.contiguous(), batch, order, unread=True)
     weight, bias = _stacked(x, weight, bias)
     config = (stride, padding, dilation, groups, transposed, output_padding, order)
     if order == "samples" and x.is_contiguous() and autocast_dtype(x.device.type) is None:

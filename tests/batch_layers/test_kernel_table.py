@@ -83,7 +83,8 @@ def test_the_table_chooses_what_the_old_predicates_chose(monkeypatch, triton):
         want = ("triton-grouped" if old_runs_on_triton(call, triton) else "aten",
                 "triton-grouped" if old_input_grad_on_triton(call, triton) else "aten",
                 "triton-depthwise" if old_runs_depthwise_grad(call, triton) else "aten",
-                "channels-last" if old_keeps_channels_last(call) else "contiguous")
+                "channels-last" if old_keeps_channels_last(call) else "contiguous",
+                "contiguous")  # eager: the compiled depthwise layout does not apply
         if runs_as_matmul(call):
             want = ("matmul",) * 3 + want[3:]
         elif runs_pointwise(call):
@@ -93,8 +94,8 @@ def test_the_table_chooses_what_the_old_predicates_chose(monkeypatch, triton):
     if triton:  # the grid reaches every kernel, alone and together
         assert {s[0] for s in seen} == {"matmul", "pointwise-matmul", "triton-grouped", "aten"}
         assert {s[2] for s in seen} == {"matmul", "pointwise-matmul", "triton-depthwise", "aten"}
-        assert ("triton-grouped", "triton-grouped", "aten", "contiguous") in seen
-        assert ("matmul", "matmul", "matmul", "channels-last") in seen
+        assert ("triton-grouped", "triton-grouped", "aten", "contiguous", "contiguous") in seen
+        assert ("matmul", "matmul", "matmul", "channels-last", "contiguous") in seen
 
 
 def test_the_triton_switch_and_the_limits_are_read_at_each_choice(monkeypatch):
@@ -118,6 +119,20 @@ def test_compiled_convolutions_take_the_triton_kernel_from_fewer_groups(monkeypa
     assert choose("forward", at_least, OPS).name == "triton-grouped"
     assert choose("input grad", at_least, OPS).name == "triton-grouped"
     assert choose("forward", fewer, OPS).name == "aten"
+
+
+def test_compiled_depthwise_convolutions_of_16_pixels_or_more_run_channels_last(monkeypatch):
+    op = "layout of a depthwise convolution's contiguous input"
+    depthwise = ConvCall(True, 4, torch.float32, 64 * 32, (64 * 32, 1, 3, 3), 64 * 32, size=(4, 4), padding=(1, 1))
+    assert choose(op, depthwise, OPS).name == "contiguous"  # eager: its copies would cost more than they save
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert choose(op, depthwise, OPS).name == "channels-last"
+    assert choose(op, depthwise._replace(size=(2, 2)), OPS).name == "contiguous"
+    assert choose(op, depthwise._replace(cuda=False), OPS).name == "contiguous"
+    multiplier = depthwise._replace(weight_shape=(64 * 32 * 2, 1, 3, 3))  # two outputs per channel
+    assert choose(op, multiplier, OPS).name == "contiguous"
+    grouped = depthwise._replace(weight_shape=(64 * 32, 2, 3, 3), groups=64 * 16)
+    assert choose(op, grouped, OPS).name == "contiguous"
 
 
 def test_explain_names_the_kernel_and_every_unmet_condition(monkeypatch):
