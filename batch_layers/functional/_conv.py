@@ -170,7 +170,7 @@ def grouped_conv(
             return matmul_conv2d(x, weight, bias, Layout(batch, order), stride, padding, dilation, groups // batch)
         if runs_pointwise(call):
             return pointwise_conv2d(x, weight, bias, Layout(batch, order), stride, groups // batch)
-        if not is_channels_last(x) and DEPTHWISE_CHANNELS_LAST.applies(call):
+        if DEPTHWISE_CHANNELS_LAST.applies(call) and not is_channels_last(x):
             # cuDNN's NHWC depthwise kernels, forward and both gradients (autograd's), as the plain model's
             # compiled convolutions run; the result is laid out as the input was
             weight, bias = _stacked(x, weight, bias)
