@@ -21,11 +21,20 @@ make = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(make)
 
 
-def assert_snapshot(got: dict, want: dict) -> None:
-    assert torch.equal(got["weight"], want["weight"])
+def assert_snapshot(got: dict, want: dict, *, trained: bool = False) -> None:
+    """What loading gives, exactly; after training steps (``trained``), the tensors within a few float32
+    roundings: torch's CPU optimizers round by the vector width of the machine that runs them (Adam's weight
+    moved by one ulp on an AVX-512 machine against the one that wrote the fixture)."""
+
+    def same(got_tensor: torch.Tensor, want_tensor: torch.Tensor) -> bool:
+        if not trained:
+            return torch.equal(got_tensor, want_tensor)
+        return got_tensor.dtype == want_tensor.dtype and torch.allclose(got_tensor, want_tensor, rtol=1e-6, atol=1e-7)
+
+    assert same(got["weight"], want["weight"])
     assert sorted(got["state"]) == sorted(want["state"])
     for k, v in want["state"].items():
-        assert torch.equal(got["state"][k], v), k
+        assert same(got["state"][k], v), k
     assert sorted(got["scalars"]) == sorted(want["scalars"])
     for k, v in want["scalars"].items():
         g = got["scalars"][k]
@@ -41,7 +50,7 @@ def test_old_single_checkpoint_loads_and_resumes(mmap_mode):
     opt = offload.attach(torch.optim.Adam(emb.parameters(), lr=make.SINGLE["lr"]))
     assert_snapshot(make.snapshot(emb, opt), expected["loaded"])
     make.train(emb, opt, make.single_steps(2, seed=2))
-    assert_snapshot(make.snapshot(emb, opt), expected["resumed"])
+    assert_snapshot(make.snapshot(emb, opt), expected["resumed"], trained=True)
 
 
 def test_old_batched_checkpoint_loads_and_resumes():
@@ -52,7 +61,7 @@ def test_old_batched_checkpoint_loads_and_resumes():
     opt = offload.attach(torch.optim.SGD(emb.parameters(), lr=b["lr"], momentum=b["momentum"]))
     assert_snapshot(make.snapshot(emb.offloaded, opt), expected["loaded"])
     make.train(emb, opt, make.batched_steps(2, seed=4))
-    assert_snapshot(make.snapshot(emb.offloaded, opt), expected["resumed"])
+    assert_snapshot(make.snapshot(emb.offloaded, opt), expected["resumed"], trained=True)
 
 
 def test_old_batched_state_dict_loads():

@@ -37,7 +37,9 @@ def test_mro_fallback_only_when_forward_is_inherited() -> None:
     assert lookup_batch_module(ClampedLinear) is None
     torch.manual_seed(0)
     with pytest.warns(UserWarning, match="100% of the model's parameters are batched through torch.func"):
-        assert_equivalent(lambda: nn.Sequential(ClampedLinear(3, 4)), 3, torch.randn(3, 5, 3) * 10)
+        # float64: in float32, five steps on inputs of scale 10 drift past the default tolerance on some CPUs
+        assert_equivalent(lambda: nn.Sequential(ClampedLinear(3, 4)).double(), 3,
+                          torch.randn(3, 5, 3, dtype=torch.float64) * 10)
         assert BatchModule(nn.Sequential(ClampedLinear(3, 4)), 2).generic_modules == ["0"]
 
 
