@@ -6,6 +6,7 @@ Every parameter has shape ``(B, *torch_shape)``; inputs carry the model axis mer
 
 from ._activation import PReLU
 from ._attention import MultiheadAttention
+from ._attention_table import explain_attention_kernels, scaled_dot_product_attention
 from ._backend import get_backend, set_backend, use_backend, use_cupy, use_torch
 from ._base import (
     AbstractBatchModule,
@@ -13,6 +14,7 @@ from ._base import (
     SamplesOrderError,
     SamplesOrderProbe,
     check_merged_rows,
+    constant_under_compile,
     current_forward,
     forward_context,
     is_shared_input,
@@ -99,7 +101,9 @@ __all__ = [
     "check_indices",
     "check_merged_rows",
     "check_stacked_read",
+    "constant_under_compile",
     "current_forward",
+    "explain_attention_kernels",
     "explain_kernels",
     "explain_norm_kernels",
     "forward_context",
@@ -109,6 +113,7 @@ __all__ = [
     "mark_shared_parameter",
     "offload_embeddings",
     "recognise_shared_by",
+    "scaled_dot_product_attention",
     "set_backend",
     "stacked_reads_watched_elsewhere",
     "use_backend",

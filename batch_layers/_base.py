@@ -341,6 +341,14 @@ UNBATCHED = (
 )
 
 
+def constant_under_compile(function: Callable) -> Callable:
+    """``torch.compiler.assume_constant_result`` without importing the compiler with torchmb (``torch._dynamo``
+    and Inductor take about as long to import as torch itself): the mark dynamo reads when it traces a call,
+    set as that decorator sets it (tests/torchmb/test_import.py checks that the two agree)."""
+    function._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return function
+
+
 def autocast_dtype(device_type: str) -> torch.dtype | None:
     """The dtype autocast would compute in on ``device_type`` now, or None when autocast is off there."""
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None

@@ -18,10 +18,12 @@ from batch_layers import (
     OffloadedBatchEmbedding,
     SamplesOrderError,
     SamplesOrderProbe,
+    constant_under_compile,
     forward_context,
     recognise_shared_by,
 )
 
+from ._attention_choice import AttentionKernelChoice
 from ._convert import ConversionEntry, convert, run_per_model, stacked_state, warn_if_mostly_generic
 from ._generic import is_generic
 from ._inductor_fixes import keep_scatter_order_in_inductor
@@ -39,14 +41,6 @@ __all__ = ["BatchModule"]
 logger = logging.getLogger("torchmb")
 
 StateDict = Mapping[str, Any]
-
-
-def _constant_under_compile(method: Callable) -> Callable:
-    """``torch.compiler.assume_constant_result`` without importing the compiler with torchmb (``torch._dynamo``
-    and Inductor take about as long to import as torch itself): the mark dynamo reads when it traces a call,
-    set as that decorator sets it (tests/torchmb/test_import.py checks that the two agree)."""
-    method._dynamo_marked_constant = True  # type: ignore[attr-defined]
-    return method
 
 
 class BatchModule(SharedMarksKept, nn.Module):
@@ -131,6 +125,7 @@ class BatchModule(SharedMarksKept, nn.Module):
         # and the first shared-input one: code reading one model's sample count from the shared input
         self._shared_checked = False
         self._dry_run = False  # the first forward's eager run before torch.compile traces one
+        self._calls_attention = False  # its own code calls F.scaled_dot_product_attention (torchmb._attention_choice)
         # A pristine copy to build plain models from (unbatch), kept out of the module tree on purpose; it and
         # the batched module hold the shared parameters as one tensor each, so a backbone is held once.
         template, model_copy = copy_sharing(model, shared_names(model, shared))
@@ -242,7 +237,7 @@ class BatchModule(SharedMarksKept, nn.Module):
         else:
             logger.info("torchmb: keeping the models-major order, which samples-major cannot replace: %s", refusal)
 
-    @_constant_under_compile
+    @constant_under_compile
     def _settled_order(self, shared_input: bool, *args: Any, **kwargs: Any) -> str:
         """The merged order, settled by the first forward's checks first. Dynamo calls this while tracing,
         with the module and the real inputs (a method, and the tensors as arguments of their own: what every
@@ -318,6 +313,9 @@ class BatchModule(SharedMarksKept, nn.Module):
                 check_decisions = self._first_forward or checking_decisions() or self._shared_unchecked(shared_input)
                 if shared_input or check_decisions:
                     return self._run_tracked(shared_input, check_decisions, args, kwargs)
+            if self._calls_attention and torch.compiler.is_compiling():  # (eager, the table keeps torch's choice)
+                with AttentionKernelChoice():
+                    return self.module(*args, **kwargs), None
             return self.module(*args, **kwargs), None
 
     def _run_tracked(
@@ -334,6 +332,7 @@ class BatchModule(SharedMarksKept, nn.Module):
                 continue
             self._first_forward = False
             self._shared_checked = self._shared_checked or shared_input
+            self._calls_attention = self._calls_attention or tracker.calls_attention
             return out, tracker
 
     def _shared_unchecked(self, shared_input: bool) -> bool:

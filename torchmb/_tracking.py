@@ -33,6 +33,9 @@ It serves two purposes:
   pooled one (transformers' ``padding_mask.all()`` shortcut): each model's value is recomputed from the
   ops that reduced its rows (``torchmb._merged_ops``). A decision on a random draw made for all models
   (LayerDrop's ``torch.rand([]) < p``) is refused.
+- **Attention calls.** Whether the model's own code (not a batched layer's) calls
+  ``F.scaled_dot_product_attention``: ``BatchModule`` then traces its compiled forward under the mode that
+  routes those calls through the attention table (``torchmb._attention_choice``).
 - **Shared operands.** In a shared-input forward, the model's own code combining a shared tensor with a
   per-model one gets the shared one as B merged copies (``torchmb._shared_operands``); in a checked
   forward, its softmax or GLU over dim 0 of per-model data is refused (``torchmb._dim0_reductions``).
@@ -53,6 +56,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
@@ -118,6 +122,7 @@ _DECISIONS = frozenset(
 _TRUSTED_DIRS = tuple(
     os.path.dirname(package.__file__) + os.sep for package in (torch, batch_layers, offload, sys.modules[__package__])
 )
+_BATCH_LAYERS_DIR = os.path.dirname(batch_layers.__file__) + os.sep
 # torch's Python wrappers through which an op of the model's code reaches the tracker (F.layer_norm)
 _WRAPPERS = tuple(
     os.path.join(os.path.dirname(torch.__file__), *path)
@@ -181,6 +186,7 @@ class ModelDataTracker(TorchFunctionMode):
         self._stacked = stacked or {}
         self._running: list[nn.Module] = []  # the modules whose forward is in progress, innermost last
         self._recipes: Recipes | None = None
+        self.calls_attention = False  # code other than a batched layer's called F.scaled_dot_product_attention
 
     def mark(self, tensors: Iterable[Any], kind: Kind) -> None:
         """Label every tensor among ``tensors`` (other values are skipped)."""
@@ -287,6 +293,9 @@ class ModelDataTracker(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if kwargs is None:
             kwargs = {}
+        if func is F.scaled_dot_product_attention and not self.calls_attention:
+            frame = _caller()
+            self.calls_attention = frame is not None and not frame.f_code.co_filename.startswith(_BATCH_LAYERS_DIR)
         if self.check_decisions:
             self._check_mixing(func, args, kwargs)
             if func in _DECISIONS:

@@ -2,7 +2,8 @@
 
 Only the four projections (query, key, value, output) hold weights, so they run as ``bmm`` over the model
 axis; scaled dot-product attention itself is per sample and runs once on the merged ``B*N`` batch (with
-``F.scaled_dot_product_attention`` when the weights are not needed, so its fused kernels apply).
+``F.scaled_dot_product_attention`` when the weights are not needed, on the kernel the attention table
+chooses, ``batch_layers._attention_table``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._attention_table import scaled_dot_product_attention
 from .._layout import Layout
 
 __all__ = ["multi_head_attention_forward"]
@@ -263,7 +265,7 @@ def multi_head_attention_forward(
         attended = torch.matmul(weights, v)
     else:
         weights = None
-        attended = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal)
+        attended = scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal)
 
     attended = attended.transpose(1, 2).reshape(batch, per_model * tgt_len, embed_dim)
     out = _project(attended, out_proj_weight, out_proj_bias).view(batch, per_model, tgt_len, embed_dim)
