@@ -6,7 +6,9 @@ In a shared-input forward, the shared ``(n, ...)`` input and what the model comp
 keys), each model must meet its own copy of the shared one: ``(B*n, ...)`` in the merged order, which is
 what a plain model given the input computes. Batched layers combine the shared input with their weights on
 purpose (``Linear`` multiplies it once by all models' weights) and are left alone; so is code under
-``torch.func`` (the generic path), where ``vmap`` broadcasts an unmapped tensor itself.
+``torch.func`` (the generic path), where ``vmap`` broadcasts an unmapped tensor itself. A shared tensor
+indexed by the merged rows (an ``arange`` over a batch size read from a per-model activation) is indexed as
+B merged copies too (:func:`index_merged_rows`).
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from batch_layers import current_forward
 
 from ._merged_ops import operand_tensors
 
-__all__ = ["expand_shared_operands", "is_in_place"]
+__all__ = ["expand_shared_operands", "index_merged_rows", "is_in_place"]
 
 
 def is_in_place(func: Any) -> bool:
@@ -91,3 +94,35 @@ def _refuse_model_axis_elsewhere(func: Any, shared: Tensor, per_model: Tensor, b
                 f"is in dim {dim} (a sequence-first layout); torchmb's merged model axis stands in dim 0 at the "
                 "BatchModule boundary: give the model batch-first inputs (batch_first=True) and let it transpose"
             )
+
+
+def index_merged_rows(args: tuple, is_shared: Callable[[Tensor], bool]) -> tuple:
+    """The arguments of ``Tensor.__getitem__``, with a shared ``(n, ...)`` tensor replaced by B merged copies
+    where its integer index along dim 0 reaches past its n rows into the B*n merged ones: code that read the
+    batch size from a per-model activation and indexes the shared tensor with it (transformers' masks,
+    ``padding_mask[torch.arange(batch_size)[:, None], ...]``), which each model's plain copy does on its own
+    rows. An index past the merged rows is refused here rather than on the device (a CUDA kernel asserts).
+    Reading the index's range waits for the device: in shared-input forwards only, for such indexes only."""
+    context = current_forward()
+    shared, index = args if len(args) == 2 else (None, None)
+    if context is None or not isinstance(shared, Tensor) or not shared.dim() or not is_shared(shared):
+        return args
+    first = index[0] if isinstance(index, tuple) and index else index
+    if not isinstance(first, Tensor) or first.dtype not in _INDEX_DTYPES or not first.numel():
+        return args
+    rows, merged = shared.shape[0], context.batch * shared.shape[0]
+    if rows != context.samples:
+        return args
+    low, high = int(first.min()), int(first.max())
+    if high >= merged or low < -rows:
+        raise IndexError(
+            f"index {high if high >= merged else low} along dim 0 of a tensor computed from the shared input alone, "
+            f"shape {tuple(shared.shape)}: its {rows} rows are the samples every model sees, and the merged "
+            f"activations have B * n = {merged}"
+        )
+    if high < rows or low < 0:
+        return args
+    return (_merged_copies(shared, context.batch, context.order), index)
+
+
+_INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8)

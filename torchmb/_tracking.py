@@ -69,7 +69,7 @@ from batch_layers import AbstractBatchModule, current_forward, is_shared_paramet
 from ._dim0_reductions import refuse_reduction_over_models
 from ._generic import is_generic, looping_over_models, noting_merged_tensors
 from ._merged_ops import PooledSize, Recipes, random_draw, sample_axis_op, shared_metadata
-from ._shared_operands import expand_shared_operands
+from ._shared_operands import expand_shared_operands, index_merged_rows
 
 __all__ = [
     "Kind",
@@ -304,6 +304,8 @@ class ModelDataTracker(TorchFunctionMode):
                     return decided
             if not self._layer_depth and args and self._labelled_per_model(args[0]):
                 refuse_reduction_over_models(func, args, kwargs)
+        if self._shared_forward and not self._layer_depth and func is Tensor.__getitem__:
+            args = index_merged_rows(args, self.is_shared)
         if self._shared_forward and not self._layer_depth and self._mixes_shared_and_per_model(args, kwargs):
             args, kwargs = expand_shared_operands(func, args, kwargs, self.is_shared, self._labelled_per_model)
         out = func(*args, **kwargs)

@@ -157,3 +157,25 @@ def test_unbatched_recurrent_layers_with_a_shared_input_and_state(make) -> None:
     for i, model in enumerate(plain):
         for have, want in zip(got, model(x, state)):
             torch.testing.assert_close(have[i], want)
+
+
+class IndexesByMergedRows(nn.Module):
+    """Reads the batch size from an activation and indexes a second input with it (transformers' masks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return h + table[torch.arange(h.shape[0])]
+
+
+@pytest.mark.parametrize("order", ["models", "samples"])
+def test_a_shared_tensor_indexed_by_the_merged_rows_gives_each_model_its_rows(order: str) -> None:
+    torch.manual_seed(0)
+    batched = BatchModule(IndexesByMergedRows(), 3, merged_order=order)
+    x, table = torch.randn(5, 4), torch.randn(5, 4)
+    out = batched(x, table, shared_input=True)
+    for i in range(3):
+        torch.testing.assert_close(out[i], batched.unbatch(i)(x, table))

@@ -229,3 +229,47 @@ def test_a_loss_from_labels_is_refused_and_batch_loss_gives_each_models() -> Non
         plain = batched.unbatch(i)
         expected = plain(**{k: v[i] for k, v in inputs.items()}, labels=inputs["input_ids"][i]).loss
         torch.testing.assert_close(losses[i].to(expected.dtype), expected)  # transformers' loss is float32
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_shared_input_with_its_padding_mask_matches_plain_copies(name: str) -> None:
+    """transformers builds the attention mask by indexing the shared ``(n, seq)`` padding mask with
+    ``arange`` over the batch size it reads from the (merged, per-model) embeddings: the batched model indexes
+    B merged copies of it, as each plain copy indexes its own."""
+    make = CASES[name][0]
+    torch.manual_seed(0)
+    batched = BatchModule.from_factory(lambda: make().double(), B, seed=0)
+    inputs = {name: value[0] for name, value in padded().items()}  # (n, seq): one set that every model sees
+    inputs["attention_mask"][1, :3] = 0  # left padding on another row, so rows differ in both directions
+    for _ in range(2):  # the first forward, and a later one (every shared-input forward is tracked)
+        batched.zero_grad()
+        out = batched(**inputs, shared_input=True).logits
+        out.square().sum().backward()
+    gradients = dict(batched.module.named_parameters())
+    for i in range(B):
+        plain = batched.unbatch(i)
+        expected = plain(**inputs).logits
+        torch.testing.assert_close(out[i], expected, **DOUBLE)
+        expected.square().sum().backward()
+        for key, param in plain.named_parameters():
+            if param.grad is not None:
+                torch.testing.assert_close(gradients[key].grad[i], param.grad, **DOUBLE, msg=key)
+
+
+def test_a_shared_tensor_indexed_past_the_merged_rows_is_refused_before_any_kernel() -> None:
+    """An index beyond B*n rows is refused with the shapes, not handed to an indexing kernel (on CUDA a
+    device-side assert)."""
+
+    class IndexesTooFar(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: Tensor) -> Tensor:
+            rows = self.fc(x).shape[0]  # B*n merged rows
+            return self.fc(x) + x[torch.arange(rows + 1) % (rows + 1)][: rows]
+
+    batched = BatchModule(IndexesTooFar(), B)
+    with pytest.raises(IndexError, match=rf"index {B * N} along dim 0 of a tensor computed from the shared input.*"
+                                         rf"shape \({N}, 4\).*B \* n = {B * N}"):
+        batched(torch.randn(N, 4), shared_input=True)
