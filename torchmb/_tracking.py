@@ -247,6 +247,8 @@ class ModelDataTracker(TorchFunctionMode):
         does a call of a module holding per-model state on sizes alone (its result has no sample axis)."""
         if isinstance(module, AbstractBatchModule) or is_generic(module):
             self._layer_depth += 1
+            if self._shared_forward and not is_generic(module):
+                self._share_constant_rows(args)
         if not self.check_decisions:
             return None
         caller = self._running[-1] if self._running else None
@@ -267,6 +269,17 @@ class ModelDataTracker(TorchFunctionMode):
             return None  # a constant row already broadcast over the samples (BERT's token type ids)
         shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
         raise PerModelCodeFound(caller, f"calls {type(module).__name__} on constants alone (shapes {shapes})")
+
+    def _share_constant_rows(self, args: tuple) -> None:
+        """In a shared-input forward, constants of one row repeated over the n samples (BERT's token type ids,
+        its buffer expanded to the shared input's batch) handed to a batched layer are shared like the input:
+        every model sees them, as every plain model does."""
+        context = current_forward()
+        tensors = _tensors(args)
+        if context is not None and tensors and all(
+            self.kind(t) is None and t.dim() and t.shape[0] == context.samples and _rows_alike(t) for t in tensors
+        ):
+            self.mark(tensors, Kind.SHARED)
 
     def _after_module(self, module: nn.Module, args: Any, output: Any) -> None:
         """Label a batched layer's new outputs per-model (whatever ops made them, seen by this mode or

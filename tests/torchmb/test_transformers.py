@@ -231,11 +231,12 @@ def test_a_loss_from_labels_is_refused_and_batch_loss_gives_each_models() -> Non
         torch.testing.assert_close(losses[i].to(expected.dtype), expected)  # transformers' loss is float32
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama"])
 def test_a_shared_input_with_its_padding_mask_matches_plain_copies(name: str) -> None:
     """transformers builds the attention mask by indexing the shared ``(n, seq)`` padding mask with
     ``arange`` over the batch size it reads from the (merged, per-model) embeddings: the batched model indexes
-    B merged copies of it, as each plain copy indexes its own."""
+    B merged copies of it, as each plain copy indexes its own. BERT hands its embedding token type ids
+    expanded from a buffer to the shared input's n rows: shared like the input."""
     make = CASES[name][0]
     torch.manual_seed(0)
     batched = BatchModule.from_factory(lambda: make().double(), B, seed=0)
@@ -243,12 +244,12 @@ def test_a_shared_input_with_its_padding_mask_matches_plain_copies(name: str) ->
     inputs["attention_mask"][1, :3] = 0  # left padding on another row, so rows differ in both directions
     for _ in range(2):  # the first forward, and a later one (every shared-input forward is tracked)
         batched.zero_grad()
-        out = batched(**inputs, shared_input=True).logits
+        out = main_output(batched(**inputs, shared_input=True))
         out.square().sum().backward()
     gradients = dict(batched.module.named_parameters())
     for i in range(B):
         plain = batched.unbatch(i)
-        expected = plain(**inputs).logits
+        expected = main_output(plain(**inputs))
         torch.testing.assert_close(out[i], expected, **DOUBLE)
         expected.square().sum().backward()
         for key, param in plain.named_parameters():
