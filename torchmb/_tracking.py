@@ -247,7 +247,7 @@ class ModelDataTracker(TorchFunctionMode):
         does a call of a module holding per-model state on sizes alone (its result has no sample axis)."""
         if isinstance(module, AbstractBatchModule) or is_generic(module):
             self._layer_depth += 1
-            if self._shared_forward and not is_generic(module):
+            if self._shared_forward and not is_generic(module) and not _in_region():  # (vmap has no rule for equal)
                 self._share_constant_rows(args)
         if not self.check_decisions:
             return None
