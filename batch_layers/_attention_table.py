@@ -71,7 +71,8 @@ def _backends_unrestricted() -> bool:
 
 MATH_ATTENTION: Candidate[AttentionCall] = Candidate(
     "math",
-    # compiled first: every eager call asks, and fails there at once
+    # compiled first: every eager call fails there at once (reading the call before it, in AttentionCall.of,
+    # costs about 3 us on this VM: an eager attention call through the table 1-3 us over torch's own)
     (("under torch.compile (Inductor fuses the products' layout copies and the softmax into the kernels around "
       "them; eager, the copies ate the gain: timm's ViT-Tiny at B=16 165-175 against 172 model-steps/s)",
       lambda lim, c: c.compiling),
