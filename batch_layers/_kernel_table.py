@@ -178,18 +178,47 @@ POINTWISE: Candidate[ConvCall] = Candidate(
     "pointwise-matmul",
     (_CUDA, _TWO_D, _NOT_TRANSPOSED, _FLOAT,
      ("a 1x1 kernel without padding", lambda lim, c: tuple(c.weight_shape[2:]) == (1, 1) and set(c.padding) == {0}),
-     ("at least {min_channels} input and output channels per group",
-      lambda lim, c: min(c.weight_shape[1], c.weight_shape[0] // c.groups) >= lim["min_channels"]),
-     ("at most {max_pixels} pixels per image", lambda lim, c: len(c.size) == 2 and _prod(c.size) <= lim["max_pixels"])),
-    {"min_channels": 16, "max_pixels": 64},
+     ("at least {min_channels} input and output channels per group ({min_channels_compiled} under torch.compile)",
+      lambda lim, c: min(c.weight_shape[1], c.weight_shape[0] // c.groups)
+      >= lim["min_channels_compiled" if torch.compiler.is_compiling() else "min_channels"]),
+     ("at most {max_pixels} pixels per image ({max_pixels_compiled} under torch.compile, where Inductor fuses the "
+      "product's layout copies into the element-wise kernels around it)",
+      lambda lim, c: len(c.size) == 2
+      and _prod(c.size) <= lim["max_pixels_compiled" if torch.compiler.is_compiling() else "max_pixels"])),
+    {"min_channels": 16, "max_pixels": 64, "min_channels_compiled": 1, "max_pixels_compiled": 256},
     "H200, n=128, forward and backward (tests/benchmarks/bench_conv_choices.py), MobileNetV3's and "
     "EfficientNet-B0's pointwise layers and ResNet-18's downsampling on 32x32 images: 8x8 and smaller images "
     "1.3-4.6x faster than cuDNN's grouped convolution at B=64 (e.g. 240 -> 40 channels on 4x4 images 0.80 "
     "against 3.17 ms in fp32), at B=16 mostly faster too; 16 -> 96 channels on 16x16 images 3.8 against 3.3 ms "
     "(fp32, B=64). Whole models at B=64 (fp32): MobileNetV3-small 944 -> 1,978 model-steps/s, EfficientNet-B0 "
-    "473 -> 594, RegNetX-400MF 655 -> 925")
+    "473 -> 594, RegNetX-400MF 655 -> 925. Compiled (tests/benchmarks/bench_conv_compiled.py, H200, a "
+    "convolution, batch norm and SiLU, forward and backward): 0.65-0.86x the time of the grouped convolution "
+    "(cuDNN's, or Triton's from 64 groups) on EfficientNet-B0's and RegNetX-400MF's 1x1 layers of 16x16 images "
+    "(16-96 channels, stride 1 and 2) and on squeeze-excitation layers of 4 channels, at B=64 and 16")
 """A pointwise convolution as one batched matrix product of pixels (``_conv_pointwise.py``), forward and both
 gradients (autograd's)."""
+
+PATCHES: Candidate[ConvCall] = Candidate(
+    "patches-matmul",
+    # compiled first: every eager convolution no product takes asks, and fails there at once
+    (("under torch.compile (Inductor gathers the patches in one kernel, fused with the layout's copies)",
+      lambda lim, c: torch.compiler.is_compiling()),
+     _CUDA, _TWO_D, _NOT_TRANSPOSED, _FLOAT,
+     ("the image's size and padding known", lambda lim, c: len(c.size) == len(c.padding) == 2),
+     ("at most {max_in_per_group} input channels per group (a stem's image channels)",
+      lambda lim, c: c.weight_shape[1] <= lim["max_in_per_group"]),
+     ("patches of at most {max_patch_per_output} elements per output channel of a group (input channels x "
+      "kernel height x width: the gathered patches at most that many times the output)",
+      lambda lim, c: _prod(c.weight_shape[1:]) <= lim["max_patch_per_output"] * (c.weight_shape[0] // c.groups))),
+    {"max_in_per_group": 3, "max_patch_per_output": 2},
+    "H200, compiled, forward and backward of a convolution, batch norm and SiLU on 32x32 images, n=128 "
+    "(tests/benchmarks/bench_conv_compiled.py), against the grouped convolution the table chose before: "
+    "MobileNetV3's stem (3 -> 16 channels, 3x3, stride 2) 0.71x the time at B=64 (against Triton's grouped "
+    "kernel), a tie at B=16; EfficientNet-B0's (3 -> 32) a tie at B=64, 0.79x at B=16 (against cuDNN). Patches "
+    "larger than twice the output lost: ResNet-18's 7x7 stem (147 per pixel for 64 channels) 1.06x and 1.23x, "
+    "LeNet's first layer (25 for 6 channels, 28x28) 1.19x at B=64 against Triton's kernel")
+"""A convolution of few input channels (a network's stem) under ``torch.compile`` as one batched matrix
+product of each output pixel's patch (``_conv_patches.py``), forward and both gradients (autograd's)."""
 
 _ATEN: Candidate[ConvCall] = Candidate("aten", measured="cuDNN or ATen's kernels (torch.convolution and its backward)")
 
@@ -242,9 +271,9 @@ DEPTHWISE_CHANNELS_LAST: Candidate[ConvCall] = Candidate(
     "EfficientNet-B0 at B=64 compiled: 1,182 against 1,076 model-steps/s")
 
 OPS: dict[str, tuple[Candidate[ConvCall], ...]] = {
-    "forward": (MATMUL, POINTWISE, TRITON_GROUPED, _ATEN),
-    "input grad": (MATMUL, POINTWISE, TRITON_GROUPED_INPUT_GRAD, _ATEN),
-    "weight grad": (MATMUL, POINTWISE, TRITON_DEPTHWISE_GRAD, _ATEN),
+    "forward": (MATMUL, POINTWISE, PATCHES, TRITON_GROUPED, _ATEN),
+    "input grad": (MATMUL, POINTWISE, PATCHES, TRITON_GROUPED_INPUT_GRAD, _ATEN),
+    "weight grad": (MATMUL, POINTWISE, PATCHES, TRITON_DEPTHWISE_GRAD, _ATEN),
     "layout of a channels-last input": (CHANNELS_LAST, CONTIGUOUS),
     "layout of a depthwise convolution's contiguous input": (DEPTHWISE_CHANNELS_LAST, CONTIGUOUS),
 }

@@ -20,6 +20,7 @@ from torch.nn.modules.utils import _ntuple, _reverse_repeat_tuple
 from .. import _kernel_table
 from .._base import autocast_dtype
 from .._conv_matmul import matmul_conv2d, runs_as_matmul
+from .._conv_patches import patches_conv2d, runs_as_patches
 from .._conv_pointwise import pointwise_conv2d, runs_pointwise
 from .._conv_triton import grouped_conv2d, input_grad, runs_on_triton
 from .._depthwise_triton import depthwise_weight_grad
@@ -170,6 +171,8 @@ def grouped_conv(
             return matmul_conv2d(x, weight, bias, Layout(batch, order), stride, padding, dilation, groups // batch)
         if runs_pointwise(call):
             return pointwise_conv2d(x, weight, bias, Layout(batch, order), stride, groups // batch)
+        if runs_as_patches(call):
+            return patches_conv2d(x, weight, bias, Layout(batch, order), stride, padding, dilation, groups // batch)
         if DEPTHWISE_CHANNELS_LAST.applies(call) and not is_channels_last(x):
             # cuDNN's NHWC depthwise kernels, forward and both gradients (autograd's), as the plain model's
             # compiled convolutions run; the result is laid out as the input was

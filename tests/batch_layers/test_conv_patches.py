@@ -1,0 +1,163 @@
+"""Stems as one batched matrix product of patches (``batch_layers/_conv_patches.py``) against B plain
+convolutions: outputs and gradients (first and second order) in float64 on the CPU for every geometry; the
+kernel table's compiled conditions for it and for the compiled pointwise product; and compiled, on the CPU
+(the table's GPU condition lifted) and on a GPU, where the table chooses it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support.compiled import DYNAMO_WARNINGS, fresh_dynamo
+from support.conv_checks import check_against_plain_conv2d
+from support.functional_reference import assert_matches_plain
+from torch import nn
+
+from batch_layers import Layout, _kernel_table
+from batch_layers import functional as BF
+from batch_layers._conv_patches import patches_conv2d, runs_as_patches
+from torchmb import BatchModule
+
+pytestmark = DYNAMO_WARNINGS
+
+__all__ = ["fresh_dynamo"]  # a fixture the compiled tests use
+
+BATCH, SAMPLES = 3, 2
+GEOMETRIES = [  # in, out, kernel, stride, padding, dilation, groups, height, width
+    (3, 8, 3, 2, 1, 1, 1, 9, 7),  # an EfficientNet's stem: odd sizes, stride 2
+    (1, 6, 5, 1, 0, 1, 1, 8, 8),  # LeNet's first layer: one channel, no padding
+    (3, 5, 7, 2, 3, 1, 1, 11, 11),  # a ResNet's 7x7 stem
+    (4, 6, 3, 1, 2, 2, 2, 6, 5),  # dilated, two groups per model
+    (2, 4, (1, 3), (2, 1), (0, 1), 1, 1, 5, 6),  # an uneven kernel, stride and padding
+]
+
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "per-model"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("order", ["models", "samples"])
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: "x".join(map(str, g)))
+def test_the_product_is_b_plain_convolutions(geometry, order: str, channels_last: bool, bias: bool,
+                                             stacked: bool) -> None:
+    """With the stacked ``(B*O, ...)`` weight and ``(B*O,)`` bias, or B models' ``(B, O, ...)`` and ``(B, O)``
+    (a batched Conv2d hands its own); the result keeps the input's storage."""
+    cin, cout, k, stride, padding, dilation, groups, height, width = geometry
+    k, stride, padding, dilation = (v if isinstance(v, tuple) else (v, v) for v in (k, stride, padding, dilation))
+    torch.manual_seed(0)
+    layout = Layout(BATCH, order)
+    x = torch.randn(BATCH, SAMPLES, cin, height, width, dtype=torch.float64)
+    weight = torch.randn(BATCH, cout, cin // groups, *k, dtype=torch.float64, requires_grad=True)
+    biases = torch.randn(BATCH, cout, dtype=torch.float64, requires_grad=True) if bias else None
+
+    def run(merged, stacked_weight, stacked_bias):
+        if not stacked:
+            stacked_weight, stacked_bias = weight, biases
+        return patches_conv2d(merged, stacked_weight, stacked_bias, layout, stride, padding, dilation, groups)
+
+    check_against_plain_conv2d(run, x, weight, biases, layout, channels_last, stride, padding, dilation, groups)
+
+
+def stem(batch: int, cin: int, cout: int, kernel: int, cuda: bool = True) -> _kernel_table.ConvCall:
+    return _kernel_table.ConvCall(cuda, 4, torch.float32, batch * cin, (batch * cout, cin, kernel, kernel), batch,
+                                  False, (2, 2), (1, 1), (32, 32), (kernel // 2, kernel // 2))
+
+
+def test_the_table_takes_compiled_stems_whose_patches_are_at_most_twice_the_output(monkeypatch) -> None:
+    efficientnet = stem(64, 3, 32, 3)
+    assert not runs_as_patches(efficientnet), "eager: the gathered patches would be a copy of their own"
+    assert "under torch.compile" in _kernel_table.PATCHES.unmet(efficientnet)[0]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert runs_as_patches(efficientnet)
+    assert runs_as_patches(stem(16, 3, 16, 3)), "MobileNetV3's stem: 27 per pixel for 16 channels"
+    assert not runs_as_patches(stem(64, 3, 64, 7)), "ResNet-18's stem: 147 per pixel for 64 channels"
+    lenet = _kernel_table.ConvCall(True, 4, torch.float32, 64, (64 * 6, 1, 5, 5), 64, size=(28, 28), padding=(0, 0))
+    assert "elements per output channel" in _kernel_table.PATCHES.unmet(lenet)[0]
+    depthwise = _kernel_table.ConvCall(True, 4, torch.float32, 64 * 32, (64 * 32, 1, 3, 3), 64 * 32, size=(16, 16),
+                                       padding=(1, 1))
+    assert not runs_as_patches(depthwise), "a depthwise convolution's patches are nine times its output"
+    assert "input channels per group" in _kernel_table.PATCHES.unmet(stem(64, 16, 64, 3))[0]
+    assert not runs_as_patches(stem(64, 3, 32, 3, cuda=False)), "GPU only"
+    assert not runs_as_patches(efficientnet._replace(size=(), padding=())), "the image's size is needed"
+    op = "weight grad"
+    assert _kernel_table.choose(op, efficientnet, _kernel_table.OPS).name == "patches-matmul"
+
+
+def test_compiled_pointwise_products_take_larger_images_and_fewer_channels(monkeypatch) -> None:
+    def pointwise(cin: int, cout: int, size: int) -> _kernel_table.ConvCall:
+        return _kernel_table.ConvCall(True, 4, torch.float32, 64 * cin, (64 * cout, cin, 1, 1), 64, size=(size, size),
+                                      padding=(0, 0))
+
+    expand, squeeze = pointwise(16, 96, 16), pointwise(96, 4, 1)
+    assert not _kernel_table.POINTWISE.applies(expand) and not _kernel_table.POINTWISE.applies(squeeze)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert _kernel_table.POINTWISE.applies(expand), "a 16x16 image under torch.compile"
+    assert _kernel_table.POINTWISE.applies(squeeze), "4 output channels under torch.compile"
+    assert "pixels per image" in _kernel_table.POINTWISE.unmet(pointwise(16, 96, 32))[0]
+
+
+def _gpu_conditions_lifted(monkeypatch) -> None:
+    """The compiled products' conditions without "a CUDA tensor" and the GPU's float types: the CPU takes a GPU's
+    compiled paths in float64."""
+    lifted = ("a CUDA tensor", "float32, float16 or bfloat16")
+    for candidate in (_kernel_table.PATCHES, _kernel_table.POINTWISE):
+        kept = tuple(c for c in candidate.conditions if c[0] not in lifted)
+        monkeypatch.setattr(candidate, "conditions", kept)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_compiled_model_runs_its_stem_as_patches_and_trains_as_plain_copies(monkeypatch) -> None:
+    """A stem, batch norm, SiLU and a 1x1 layer compiled whole: the stem takes the product of patches and the 1x1
+    layer of an 8x8 image with 4 output channels the product of pixels (above their eager limits); outputs and
+    every parameter's gradient match B plain models in float64."""
+    _gpu_conditions_lifted(monkeypatch)
+    traced = []
+    for name in ("patches_conv2d", "pointwise_conv2d"):
+        product = getattr(BF._conv, name)
+        monkeypatch.setattr(BF._conv, name, lambda *args, name=name, product=product: traced.append(name)
+                            or product(*args))
+    torch.manual_seed(0)
+    plain = [nn.Sequential(nn.Conv2d(3, 16, 3, 2, 1), nn.BatchNorm2d(16), nn.SiLU(), nn.Conv2d(16, 4, 1)).double()
+             for _ in range(BATCH)]
+    models = iter(plain)
+    batched = BatchModule.from_factory(lambda: next(models), BATCH)
+    x = torch.randn(BATCH, SAMPLES, 3, 16, 16, dtype=torch.float64)
+    compiled = torch.compile(batched, dynamic=False)
+    for _ in range(2):  # a second step: the first forward checks the model's code
+        y = compiled(x)
+        y.square().sum().backward()
+    assert set(traced) == {"patches_conv2d", "pointwise_conv2d"}, traced
+    for b, model in enumerate(plain):
+        for _ in range(2):
+            expected = model(x[b])
+            expected.square().sum().backward()
+        torch.testing.assert_close(y[b], expected)
+        for (name, own), stacked in zip(model.named_parameters(), batched.parameters()):
+            torch.testing.assert_close(stacked.grad[b], own.grad, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("order", ["models", "samples"])
+# Inductor's advice, raised where the test turns TF32 off for an exact comparison
+@pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores for float32 matrix multiplication:UserWarning")
+def test_a_compiled_stem_takes_the_product_on_a_gpu_and_matches_plain(monkeypatch, order: str) -> None:
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    traced = []
+
+    def recording_backend(graph_module, example_inputs):
+        traced.extend(node.target for node in graph_module.graph.nodes)
+        return graph_module.forward
+
+    layout = Layout(BATCH, order)
+    torch.manual_seed(0)
+    inputs = [torch.randn(SAMPLES, 3, 17, 17, device="cuda") for _ in range(BATCH)]
+    params = [torch.randn(BATCH, 16, 3, 3, 3, device="cuda", requires_grad=True),
+              torch.randn(BATCH, 16, device="cuda", requires_grad=True)]
+    for backend in (recording_backend, "inductor"):
+        torch._dynamo.reset()
+        conv = torch.compile(lambda x, w, b: BF.conv2d(x, w, b, stride=2, padding=1, layout=layout),
+                             backend=backend, fullgraph=True)
+        y = assert_matches_plain(conv, lambda x, w, b: F.conv2d(x, w, b, stride=2, padding=1), inputs, params,
+                                 layout, atol=1e-4, rtol=1e-4)
+        assert y.is_contiguous()
+    assert "unfold" in traced and torch.baddbmm in traced, f"the product of patches did not run: {traced}"
