@@ -51,6 +51,33 @@ def wall_seconds(fn: Callable[[], object], iters: int = 10, warmup: int = 2, rep
     return statistics.median(means)
 
 
+def compiled_training_step(model: torch.nn.Module) -> Callable[[torch.Tensor], None]:
+    """One step of ``model`` under ``torch.compile``: the forward of an input, then the backward of its sum."""
+    compiled = torch.compile(model)
+
+    def step(x: torch.Tensor) -> None:
+        compiled(x).sum().backward()
+
+    return step
+
+
+def round_milliseconds(step: Callable[[torch.Tensor], None], x: torch.Tensor, steps: int = 20,
+                       rounds: int = 3) -> list[float]:
+    """Milliseconds per step of ``step(x)`` in each of ``rounds`` rounds of ``steps`` back-to-back steps, each
+    synchronised once at its end, after three untimed steps (the first compiles)."""
+    for _ in range(3):
+        step(x)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(steps):
+            step(x)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) / steps * 1e3)
+    return times
+
+
 def enqueue_seconds(fn: Callable[[], object], calls: int, runs: int = 1, warmup: int = 0) -> float:
     """The best over ``runs`` of the host seconds per call of ``calls`` back-to-back calls of ``fn``, each run's
     clock stopped before the device is synchronised: what the host takes to enqueue the work, with nothing

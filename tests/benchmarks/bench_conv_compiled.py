@@ -16,10 +16,9 @@ numbers.
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import torch
+from _timing import compiled_training_step, round_milliseconds
 from torch import nn
 
 from batch_layers import _kernel_table
@@ -56,30 +55,6 @@ def block(c_in: int, c_out: int, kernel: int, stride: int, padding: int) -> nn.M
                          nn.SiLU()).cuda()
 
 
-def compiled_step(model: nn.Module) -> Callable[[torch.Tensor], None]:
-    compiled = torch.compile(model)
-
-    def step(x: torch.Tensor) -> None:
-        compiled(x).sum().backward()
-
-    return step
-
-
-def milliseconds(step: Callable[[torch.Tensor], None], x: torch.Tensor, steps: int = 20) -> tuple[float, float]:
-    """The fastest and slowest of three rounds, milliseconds per step (after three steps, the first compiling)."""
-    for _ in range(3):
-        step(x)
-    torch.cuda.synchronize()
-    rounds = []
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(steps):
-            step(x)
-        torch.cuda.synchronize()
-        rounds.append((time.perf_counter() - start) / steps * 1e3)
-    return min(rounds), max(rounds)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", default="16,64")
@@ -100,13 +75,13 @@ def main() -> None:
                         candidate.limits.update(values)
                     torch._dynamo.reset()
                     batched = BatchModule(block(c_in, c_out, kernel, stride, padding), batch)
-                    times[state] = milliseconds(compiled_step(batched), x)
+                    times[state] = round_milliseconds(compiled_training_step(batched), x)
                 torch._dynamo.reset()
-                times["limit"] = milliseconds(compiled_step(block(c_in, c_out, kernel, stride, padding)),
-                                              x.detach().flatten(0, 1).requires_grad_(c_in > 4))
-                print(f"B={batch} {name}: " + " | ".join(f"{state} {low:.3f}-{high:.3f}"
-                                                          for state, (low, high) in times.items())
-                      + f" | on/off {times['on'][0] / times['off'][0]:.2f}", flush=True)
+                limit = compiled_training_step(block(c_in, c_out, kernel, stride, padding))
+                times["limit"] = round_milliseconds(limit, x.detach().flatten(0, 1).requires_grad_(c_in > 4))
+                print(f"B={batch} {name}: " + " | ".join(f"{state} {min(t):.3f}-{max(t):.3f}"
+                                                          for state, t in times.items())
+                      + f" | on/off {min(times['on']) / min(times['off']):.2f}", flush=True)
                 torch.cuda.empty_cache()
     finally:
         for candidate, values in defaults:

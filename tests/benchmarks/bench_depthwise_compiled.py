@@ -12,10 +12,9 @@ repeat shows the noise), limit. fp32 with TF32, as ``bench`` runs it. Needs CUDA
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import torch
+from _timing import compiled_training_step, round_milliseconds
 from torch import nn
 
 from batch_layers import _kernel_table
@@ -31,29 +30,6 @@ def block(channels: int, kernel: int, stride: int) -> nn.Module:
         nn.Conv2d(channels, channels, kernel, stride, kernel // 2, groups=channels, bias=False),
         nn.BatchNorm2d(channels), nn.SiLU(),
     ).cuda()  # fmt: skip
-
-
-def compiled_step(model: nn.Module) -> Callable[[torch.Tensor], None]:
-    compiled = torch.compile(model)
-
-    def step(x: torch.Tensor) -> None:
-        compiled(x).sum().backward()
-
-    return step
-
-
-def milliseconds(step: Callable[[torch.Tensor], None], x: torch.Tensor, steps: int = 20) -> float:
-    for _ in range(3):  # the first compiles
-        step(x)
-    torch.cuda.synchronize()
-    rounds = []
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(steps):
-            step(x)
-        torch.cuda.synchronize()
-        rounds.append((time.perf_counter() - start) / steps * 1e3)
-    return min(rounds)
 
 
 def main() -> None:
@@ -73,10 +49,11 @@ def main() -> None:
                 limits["min_pixels"] = 1 if on else 1 << 30
                 torch._dynamo.reset()
                 batched = BatchModule(block(channels, kernel, stride), batch)
-                row.append(f"{'on' if on else 'off'} {milliseconds(compiled_step(batched), x):.3f}")
+                row.append(f"{'on' if on else 'off'} {min(round_milliseconds(compiled_training_step(batched), x)):.3f}")
             limits["min_pixels"] = default_pixels
             torch._dynamo.reset()
-            row.append(f"limit {milliseconds(compiled_step(block(channels, kernel, stride)), x.flatten(0, 1)):.3f}")
+            limit = compiled_training_step(block(channels, kernel, stride))
+            row.append(f"limit {min(round_milliseconds(limit, x.flatten(0, 1))):.3f}")
             print(" | ".join(row), flush=True)
 
 
