@@ -8,10 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from functorch.compile import make_boxed_func
 from support.compiled import DYNAMO_WARNINGS, fresh_dynamo
 from support.conv_checks import check_against_plain_conv2d
 from support.functional_reference import assert_matches_plain
+from support.torchvision_ops import import_torchvision
 from torch import nn
+from torch._functorch.aot_autograd import aot_module_simplified
 
 from batch_layers import Layout, _kernel_table
 from batch_layers import functional as BF
@@ -161,3 +164,35 @@ def test_a_compiled_stem_takes_the_product_on_a_gpu_and_matches_plain(monkeypatc
                                  layout, atol=1e-4, rtol=1e-4)
         assert y.is_contiguous()
     assert "unfold" in traced and torch.baddbmm in traced, f"the product of patches did not run: {traced}"
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_compiled_efficientnet_keeps_no_grouped_convolution_that_turns_off_channels_last(monkeypatch) -> None:
+    """Inductor lays a training graph out channels-last only where no convolution is grouped with more than one
+    input channel per group (``GraphLowering.decide_layout_opt``). With the products on the GPU's compiled
+    paths, torchvision's EfficientNet-B0 keeps none: its stem takes the product of patches, its 1x1 layers
+    (16x16 images, 4-channel squeeze-excitation) the product of pixels; only depthwise convolutions stay."""
+    import_torchvision()
+    from torchvision.models import efficientnet_b0
+
+    _gpu_conditions_lifted(monkeypatch)
+    blocking, depthwise = [], []
+
+    def counting_backend(graph_module, example_inputs):
+        def forward_compiler(graph, inputs):
+            for node in graph.graph.nodes:
+                if node.target == torch.ops.aten.convolution.default and node.args[-1] > 1:
+                    weight = node.args[1].meta["val"]
+                    (blocking if weight.shape[1] > 1 else depthwise).append(tuple(weight.shape))
+            return make_boxed_func(graph.forward)
+
+        return aot_module_simplified(graph_module, example_inputs, fw_compiler=forward_compiler)
+
+    torch.manual_seed(0)
+    batched = BatchModule(efficientnet_b0(num_classes=10), 2)
+    compiled = torch.compile(batched, backend=counting_backend)
+    x = torch.randn(2, 2, 3, 32, 32)
+    for _ in range(2):  # a second step: the first forward checks the model's code
+        compiled(x).sum().backward()
+    assert depthwise, "the graph holds the depthwise convolutions (the check sees convolutions)"
+    assert not blocking, f"grouped convolutions of more than one input channel per group: {blocking}"
