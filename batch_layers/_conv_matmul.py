@@ -29,7 +29,7 @@ from torch import Tensor
 from ._kernel_table import MATMUL, ConvCall, read_window
 from ._layout import Layout, is_channels_last
 
-__all__ = ["batched_product", "matmul_conv2d", "runs_as_matmul"]
+__all__ = ["batched_product", "matmul_conv2d", "merged_from_rows", "pixel_rows", "runs_as_matmul"]
 
 
 def runs_as_matmul(call: ConvCall) -> bool:
@@ -82,6 +82,23 @@ def _to_device(values: Tensor, device: torch.device) -> Tensor:
 def batched_product(start: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
     """``a @ b`` for every matrix of the batch, plus ``start`` where given (``torch.baddbmm``, else ``torch.bmm``)."""
     return torch.bmm(a, b) if start is None else torch.baddbmm(start, a, b)
+
+
+def pixel_rows(x: Tensor, layout: Layout, groups: int, in_per_group: int) -> Tensor:
+    """The merged ``(B*n, C, h, w, *patch)`` ``x`` as each model's (and group's) pixels in rows,
+    ``(B*g, n*h*w, C/g * patch)``, each row in the filters' order: a strided view where the storage allows it
+    (channels-last pixels), else one copy."""
+    rows = layout.split(x).unflatten(2, (groups, in_per_group))
+    rows = rows.permute(0, 2, 1, 4, 5, 3, *range(6, rows.dim()))  # (B, g, n, h, w, C/g, *patch)
+    return rows.reshape(rows.shape[0] * groups, rows.shape[2] * rows.shape[3] * rows.shape[4], -1)
+
+
+def merged_from_rows(y: Tensor, layout: Layout, groups: int, height: int, width: int) -> Tensor:
+    """A product's ``(B*g, n*h*w, O/g)`` rows (of :func:`pixel_rows`) as the merged ``(B*n, O, h, w)``, stored
+    channels-last, in at most one copy (the merged order's)."""
+    # (B, n, h, w, O): each model's pixels with all its groups' channels
+    y = y.view(layout.batch, groups, -1, height, width, y.shape[-1]).permute(0, 2, 3, 4, 1, 5).flatten(4)
+    return layout.merge(y, unread=True).permute(0, 3, 1, 2)  # bmm reads no output
 
 
 def _one_pixel(x: Tensor, filters: Tensor, bias: Tensor | None, layout: Layout, rows_plan: _DimPlan,

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._conv_matmul import batched_product
+from ._conv_matmul import batched_product, merged_from_rows, pixel_rows
 from ._kernel_table import PATCHES, ConvCall
 from ._layout import Layout, is_channels_last
 
@@ -40,9 +40,8 @@ def patches_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Layou
     ``(B*O, C/groups, kh, kw)`` ``weight`` and ``(B*O,)`` ``bias`` (or the per-model ``(B, O, C/groups, kh, kw)``
     and ``(B, O)``, read without stacking them first; ``groups`` per model), zero ``padding`` on each side; the
     merged result keeps ``x``'s order and storage (channels-last or contiguous)."""
-    batch, n = layout.batch, x.shape[0] // layout.batch
     in_per_group, (kh, kw) = weight.shape[-3], weight.shape[-2:]
-    models = batch * groups
+    models = layout.batch * groups
     per_group = weight.numel() // (models * in_per_group * kh * kw)
     channels_last = is_channels_last(x)
     if any(padding):
@@ -52,11 +51,8 @@ def patches_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Layou
     windows = windows[..., :: dilation[0], :: dilation[1]]
     out_h, out_w = windows.shape[2:4]
     # (B*g, n*OH*OW, C/g * kh * kw): each model's (and group's) patches as rows, in the filters' order
-    rows = layout.split(windows).unflatten(2, (groups, in_per_group)).permute(0, 2, 1, 4, 5, 3, 6, 7)
-    rows = rows.reshape(models, n * out_h * out_w, in_per_group * kh * kw)
+    rows = pixel_rows(windows, layout, groups, in_per_group)
     filters = weight.reshape(models, per_group, in_per_group * kh * kw)
     y = batched_product(None if bias is None else bias.reshape(models, 1, per_group), rows, filters.transpose(1, 2))
-    # (B, n, OH, OW, O): each model's pixels with all its groups' channels
-    y = y.view(batch, groups, n, out_h, out_w, per_group).permute(0, 2, 3, 4, 1, 5).flatten(4)
-    y = layout.merge(y, unread=True).permute(0, 3, 1, 2)  # bmm reads no output
+    y = merged_from_rows(y, layout, groups, out_h, out_w)
     return y if channels_last else y.contiguous()

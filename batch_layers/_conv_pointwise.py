@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from ._conv_matmul import batched_product
+from ._conv_matmul import batched_product, merged_from_rows, pixel_rows
 from ._kernel_table import POINTWISE, ConvCall
 from ._layout import Layout, is_channels_last
 
@@ -54,9 +54,6 @@ def pointwise_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Lay
         y = y.view(batch, groups * per_group, n, height, width).transpose(1, 2)
         return layout.merge(y).contiguous()
     # (B*g, n*h*w, C/g): each model's (and group's) pixels as rows, read where they lie (channels-last)
-    rows = layout.split(pixels).unflatten(2, (groups, in_per_group)).permute(0, 2, 1, 4, 5, 3)
-    rows = rows.reshape(models, n * height * width, in_per_group)
+    rows = pixel_rows(pixels, layout, groups, in_per_group)
     y = batched_product(None if bias is None else bias.reshape(models, 1, per_group), rows, filters.transpose(1, 2))
-    # (B, n, h, w, O): each model's pixels with all its groups' channels
-    y = y.view(batch, groups, n, height, width, per_group).permute(0, 2, 3, 4, 1, 5).flatten(4)
-    return layout.merge(y, unread=True).permute(0, 3, 1, 2)  # bmm reads no output
+    return merged_from_rows(y, layout, groups, height, width)
