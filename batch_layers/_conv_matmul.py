@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from ._kernel_table import MATMUL, ConvCall, read_window
-from ._layout import Layout, is_channels_last
+from ._layout import Layout, is_channels_last, split_dim
 
 __all__ = ["batched_product", "matmul_conv2d", "merged_from_rows", "pixel_rows", "runs_as_matmul"]
 
@@ -88,7 +88,7 @@ def pixel_rows(x: Tensor, layout: Layout, groups: int, in_per_group: int) -> Ten
     """The merged ``(B*n, C, h, w, *patch)`` ``x`` as each model's (and group's) pixels in rows,
     ``(B*g, n*h*w, C/g * patch)``, each row in the filters' order: a strided view where the storage allows it
     (channels-last pixels), else one copy."""
-    rows = layout.split(x).unflatten(2, (groups, in_per_group))
+    rows = split_dim(layout.split(x), 2, (groups, in_per_group))
     rows = rows.permute(0, 2, 1, 4, 5, 3, *range(6, rows.dim()))  # (B, g, n, h, w, C/g, *patch)
     return rows.reshape(rows.shape[0] * groups, rows.shape[2] * rows.shape[3] * rows.shape[4], -1)
 
@@ -160,7 +160,7 @@ def matmul_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Layout
     toeplitz = filters.reshape(models, per_group * pixels_out, pixels_read * in_per_group).transpose(1, 2)
     crop = x[:, :, rows_plan.first : rows_plan.first + rows_plan.count,
              cols_plan.first : cols_plan.first + cols_plan.count]
-    rows = layout.split(crop).unflatten(2, (groups, in_per_group)).permute(0, 2, 1, 4, 5, 3)
+    rows = split_dim(layout.split(crop), 2, (groups, in_per_group)).permute(0, 2, 1, 4, 5, 3)
     rows = rows.reshape(models, n, pixels_read * in_per_group)
     # each output channel's bias at each of its output pixels, the columns' order
     start = None if bias is None else bias.reshape(models, 1, per_group, 1).expand(-1, -1, -1, pixels_out).flatten(2)

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ._conv_matmul import batched_product, merged_from_rows, pixel_rows
 from ._kernel_table import POINTWISE, ConvCall
-from ._layout import Layout, is_channels_last
+from ._layout import Layout, is_channels_last, split_dim
 
 __all__ = ["pointwise_conv2d", "runs_pointwise"]
 
@@ -47,7 +47,7 @@ def pointwise_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Lay
     if not is_channels_last(x):
         # filters first, (B*g, O/g, C/g) @ (B*g, C/g, n*h*w): the weight's gradient then comes back in the
         # weight's own layout (pixels first, it came back transposed: a copy of B models' filters per backward)
-        columns = layout.split(pixels).unflatten(2, (groups, in_per_group)).permute(0, 2, 3, 1, 4, 5)
+        columns = split_dim(layout.split(pixels), 2, (groups, in_per_group)).permute(0, 2, 3, 1, 4, 5)
         columns = columns.reshape(models, in_per_group, n * height * width)
         y = batched_product(None if bias is None else bias.reshape(models, per_group, 1), filters, columns)
         # (B, n, O, h, w): each model's pixels with all its groups' channels

@@ -68,6 +68,13 @@ def reshape_unread(y: Tensor, shape: Sequence[int]) -> Tensor:
     return torch.ops.aten._unsafe_view(y, shape) if y.is_contiguous() else y.reshape(shape)
 
 
+def split_dim(x: Tensor, dim: int, sizes: Sequence[int]) -> Tensor:
+    """``x.unflatten(dim, sizes)`` as a view of its own: ``Tensor.unflatten`` is Python that calls ``super()``,
+    which dynamo (torch 2.11) cannot trace while a torch-function mode is active (timm's ViT under torchmb's
+    attention choice broke its compiled graph there)."""
+    return x.view(*x.shape[:dim], *sizes, *x.shape[dim + 1 :])
+
+
 def is_channels_last(x: Tensor) -> bool:
     """Whether a 4-D tensor is stored channels-last (and not also plainly contiguous, as when C == 1)."""
     return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
@@ -117,7 +124,7 @@ def from_grouped(
     if is_channels_last(y) or (channels_last and y.dim() == 4):
         height, width = y.shape[2:]
         channels = y.shape[1] // batch
-        rows = y.permute(0, 2, 3, 1).unflatten(3, (batch, channels))
+        rows = split_dim(y.permute(0, 2, 3, 1), 3, (batch, channels))
         if order == "models":
             merged = rows.permute(3, 0, 1, 2, 4).contiguous()
         else:

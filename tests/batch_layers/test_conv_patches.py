@@ -196,3 +196,21 @@ def test_compiled_efficientnet_keeps_no_grouped_convolution_that_turns_off_chann
         compiled(x).sum().backward()
     assert depthwise, "the graph holds the depthwise convolutions (the check sees convolutions)"
     assert not blocking, f"grouped convolutions of more than one input channel per group: {blocking}"
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_compiled_vit_takes_its_patch_embedding_as_patches_in_one_graph(monkeypatch) -> None:
+    """timm's ViT (8x8 patches of 3 channels for 192: a stem the product takes) runs its compiled forward under
+    torchmb's attention choice, a torch-function mode; ``Tensor.unflatten`` there broke the graph on torch 2.11."""
+    import_torchvision()  # timm imports torchvision
+    import timm
+
+    _gpu_conditions_lifted(monkeypatch)
+    traced = []
+    product = BF._conv.patches_conv2d
+    monkeypatch.setattr(BF._conv, "patches_conv2d", lambda *args: traced.append(args) or product(*args))
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=1, num_classes=10)
+    explained = torch._dynamo.explain(BatchModule(model, 2))(torch.randn(2, 2, 3, 32, 32))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    assert traced, "the patch embedding did not take the product of patches"
