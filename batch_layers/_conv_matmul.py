@@ -75,8 +75,11 @@ def _plan(size: int, out: int, kernel: int, stride: int, pad: int, dilation: int
 
 
 def _to_device(values: Tensor, device: torch.device) -> Tensor:
-    """A small index made on the host, on ``device`` without waiting for the GPU's queue (pinned, asynchronous)."""
-    return values.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else values
+    """A small index made on the host, on ``device`` without waiting for the GPU's queue (pinned, asynchronous);
+    under ``torch.compile`` a constant of the graph (its fake tensors cannot be pinned)."""
+    if device.type != "cuda":
+        return values
+    return values.to(device) if torch.compiler.is_compiling() else values.pin_memory().to(device, non_blocking=True)
 
 
 def batched_product(start: Tensor | None, a: Tensor, b: Tensor) -> Tensor:

@@ -1,4 +1,5 @@
-"""Convolutions of few input channels (a network's stem) for B models, as one batched matrix product of patches.
+"""Convolutions of few input channels (a network's stem), and strided ones of many, for B models, as one batched
+matrix product of patches.
 
 A stem reads the image's 1-3 channels. cuDNN runs B models' stems as a grouped convolution whose weight
 gradient launches one kernel per model (``docs/performance.md``: 64 launches a layer at B=64, compiled or
@@ -7,7 +8,9 @@ Inductor from laying the whole graph out channels-last. Here every output pixel'
 times the kernel's taps, a few dozen values) becomes a row, and each model's rows are multiplied by its
 filters in one ``torch.baddbmm``. The patches are views of the (padded) input (``Tensor.unfold``), gathered in
 one copy: under ``torch.compile`` Inductor generates that copy as one kernel fused with the merged layout's
-transpose, where ATen's ``im2col`` launches one kernel per image. Autograd differentiates it (double backward
+transpose, where ATen's ``im2col`` launches one kernel per image. A strided 3x3 layer of many channels per
+model (a ResNet's downsampling) gathers 2.25x its input this way, and cuDNN's grouped kernels run it 2-5x slower
+than the plain model's dense layer, in either layout. Autograd differentiates it (double backward
 included), autocast casts it as it casts matrix products, and fp32 products run in TF32 where
 ``torch.backends.cuda.matmul.allow_tf32`` allows. The kernel table's
 :data:`~batch_layers._kernel_table.PATCHES` says which convolutions take it.

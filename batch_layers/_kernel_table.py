@@ -162,15 +162,18 @@ MATMUL: Candidate[ConvCall] = Candidate(
      ("the image's size and padding known", lambda lim, c: len(c.size) == len(c.padding) == 2),
      ("at least {min_channels} input and output channels per group",
       lambda lim, c: min(c.weight_shape[1], c.weight_shape[0] // c.groups) >= lim["min_channels"]),
-     ("at most {max_pairs} pixel pairs (output pixels x input pixels read)",
-      lambda lim, c: _prod(_pixels(c)) <= lim["max_pairs"])),
-    {"min_channels": 16, "max_pairs": 9},
+     ("at most {max_pairs} pixel pairs (output pixels x input pixels read; {max_pairs_compiled} under "
+      "torch.compile)",
+      lambda lim, c: _prod(_pixels(c)) <= lim["max_pairs_compiled" if torch.compiler.is_compiling() else "max_pairs"])),
+    {"min_channels": 16, "max_pairs": 9, "max_pairs_compiled": 16},
     "H200, B=64, n=128, forward and backward (tests/benchmarks/bench_conv_choices.py --max-pairs 1100): a 3x3 "
     "convolution of a 1x1 image (1 pair) 2.1 against cuDNN's grouped 5.7 ms in fp32 (TF32) and 2.0 against 5.8 in "
     "bf16; 2x2 to 1x1 with stride 2 (4 pairs) 2.0 against 4.5 and 1.7 against 5.2. Above 9 pairs it lost or "
     "won by little: 2x2 images with stride 1 (16 pairs) 2.3 against 3.1 ms in fp32 but 2.4 against 1.8 in bf16, "
     "4x4 to 2x2 with stride 2 (64 pairs) 5.1 against 4.2, larger images 6-12x cuDNN's time; the whole "
-    "ResNet-18 at B=64 ran at 0.80 of the limit with 64 pairs against 0.87 with one output pixel")
+    "ResNet-18 at B=64 ran at 0.80 of the limit with 64 pairs against 0.87 with one output pixel. Compiled, "
+    "ResNet-18's 2x2 layers of stride 1 (16 pairs) join its strided layers as products and its wide stride-1 "
+    "layers channels-last (PATCHES, WIDE_CHANNELS_LAST): 2,158 against 1,578 model-steps/s at B=64 (H200)")
 """A convolution of a few pixels as one batched matrix product (``_conv_matmul.py``), forward and both
 gradients (autograd's), so it heads all three ops."""
 
@@ -198,6 +201,13 @@ POINTWISE: Candidate[ConvCall] = Candidate(
 """A pointwise convolution as one batched matrix product of pixels (``_conv_pointwise.py``), forward and both
 gradients (autograd's)."""
 
+def _stem_or_wide_strided(lim: dict[str, int], c: ConvCall) -> bool:
+    in_per_group = c.weight_shape[1]
+    stem = (in_per_group <= lim["max_in_per_group"]
+            and _prod(c.weight_shape[1:]) <= lim["max_patch_per_output"] * (c.weight_shape[0] // c.groups))
+    return stem or (in_per_group >= lim["min_in_per_group_strided"] and max(c.stride) > 1)
+
+
 PATCHES: Candidate[ConvCall] = Candidate(
     "patches-matmul",
     # compiled first: every eager convolution no product takes asks, and fails there at once
@@ -205,20 +215,27 @@ PATCHES: Candidate[ConvCall] = Candidate(
       lambda lim, c: torch.compiler.is_compiling()),
      _CUDA, _TWO_D, _NOT_TRANSPOSED, _FLOAT,
      ("the image's size and padding known", lambda lim, c: len(c.size) == len(c.padding) == 2),
-     ("at most {max_in_per_group} input channels per group (a stem's image channels)",
-      lambda lim, c: c.weight_shape[1] <= lim["max_in_per_group"]),
-     ("patches of at most {max_patch_per_output} elements per output channel of a group (input channels x "
-      "kernel height x width: the gathered patches at most that many times the output)",
-      lambda lim, c: _prod(c.weight_shape[1:]) <= lim["max_patch_per_output"] * (c.weight_shape[0] // c.groups))),
-    {"max_in_per_group": 3, "max_patch_per_output": 2},
+     ("a stem (at most {max_in_per_group} input channels per group, and patches of at most "
+      "{max_patch_per_output} elements per output channel of a group: input channels x kernel height x width, the "
+      "gathered patches at most that many times the output) or a strided layer of at least "
+      "{min_in_per_group_strided} input channels per group (whose 3x3 patches are 2.25x its input)",
+      _stem_or_wide_strided)),
+    {"max_in_per_group": 3, "max_patch_per_output": 3, "min_in_per_group_strided": 64},
     "H200, compiled, forward and backward of a convolution, batch norm and SiLU on 32x32 images, n=128 "
     "(tests/benchmarks/bench_conv_compiled.py), against the grouped convolution the table chose before: "
     "MobileNetV3's stem (3 -> 16 channels, 3x3, stride 2) 0.71x the time at B=64 (against Triton's grouped "
-    "kernel), a tie at B=16; EfficientNet-B0's (3 -> 32) a tie at B=64, 0.79x at B=16 (against cuDNN). Patches "
-    "larger than twice the output lost: ResNet-18's 7x7 stem (147 per pixel for 64 channels) 1.06x and 1.23x, "
-    "LeNet's first layer (25 for 6 channels, 28x28) 1.19x at B=64 against Triton's kernel")
-"""A convolution of few input channels (a network's stem) under ``torch.compile`` as one batched matrix
-product of each output pixel's patch (``_conv_patches.py``), forward and both gradients (autograd's)."""
+    "kernel), a tie at B=16; EfficientNet-B0's (3 -> 32) a tie at B=64, 0.79x at B=16 (against cuDNN); "
+    "ResNet-18's 7x7 stem (147 per pixel for 64 channels) 1.06x and 1.23x alone, but in the whole model, which it "
+    "then leaves without a grouped kernel launched once per model, no slower (below). LeNet's first layer (25 for 6 "
+    "channels, 28x28) lost, 1.19x at B=64 against Triton's kernel. Whole ResNet-18 compiled (H200, n=128, fp32 with "
+    "TF32; python -m torchmb bench --zoo --workloads tv-resnet18 --impls torchmb+compile), with its strided layers "
+    "as products, its stride-1 layers of 64 and 128 channels channels-last (WIDE_CHANNELS_LAST) and its 2x2 layers "
+    "as MATMUL's products: 2,158 model-steps/s at B=64 with its stem a product too (318 launches a step), 2,132 "
+    "with the stem grouped (439), 1,578 before (2,272); every 3x3 layer as a product of patches lost (1,414): the "
+    "patches of a stride-1 3x3 layer are 9x its input")
+"""A convolution of few input channels (a network's stem), or a strided one of many, under ``torch.compile`` as
+one batched matrix product of each output pixel's patch (``_conv_patches.py``), forward and both gradients
+(autograd's)."""
 
 _ATEN: Candidate[ConvCall] = Candidate("aten", measured="cuDNN or ATen's kernels (torch.convolution and its backward)")
 
@@ -270,12 +287,32 @@ DEPTHWISE_CHANNELS_LAST: Candidate[ConvCall] = Candidate(
     "grouped layout from 4x4 images up at B=16 and 64; on 2x2 images 24% slower at B=64 (672 channels). timm's "
     "EfficientNet-B0 at B=64 compiled: 1,182 against 1,076 model-steps/s")
 
+WIDE_CHANNELS_LAST: Candidate[ConvCall] = Candidate(
+    "channels-last (wide groups)",
+    # compiled first: every eager convolution a product does not take asks, and fails there at once
+    (("under torch.compile (Inductor fuses the layout's copies into the element-wise kernels around it)",
+      lambda lim, c: torch.compiler.is_compiling()),
+     _CUDA, _TWO_D, _NOT_TRANSPOSED, _FLOAT,
+     ("at least {min_in_per_group} input channels per group",
+      lambda lim, c: c.weight_shape[1] >= lim["min_in_per_group"]),
+     ("stride 1 (cuDNN's grouped NHWC kernels lose on strided layers; PATCHES takes those)",
+      lambda lim, c: set(c.stride) == {1}),
+     ("at least {min_pixels} pixels per input image",
+      lambda lim, c: len(c.size) == 2 and _prod(c.size) >= lim["min_pixels"])),
+    {"min_in_per_group": 64, "min_pixels": 16},
+    "H100, eager layers of ResNet-18 on 32x32 images (tests/benchmarks/bench_grouped_layouts.py, B=64): stride-1 "
+    "grouped convolutions of 64 channels on 8x8 images 1.08 ms forward and backward channels-last against 1.68 "
+    "contiguous (cuDNN converts each group's slice of a contiguous input; the dense limit 0.98), 128 channels on "
+    "4x4 images 0.33 against 0.77 (bf16); strided ones lost channels-last (3.46 against 2.81). Eager, the copies "
+    "into the layout cost more than that. Compiled, with PATCHES's strided layers, ResNet-18 at B=64: 2,158 against "
+    "1,578 model-steps/s (H200)")
+
 OPS: dict[str, tuple[Candidate[ConvCall], ...]] = {
     "forward": (MATMUL, POINTWISE, PATCHES, TRITON_GROUPED, _ATEN),
     "input grad": (MATMUL, POINTWISE, PATCHES, TRITON_GROUPED_INPUT_GRAD, _ATEN),
     "weight grad": (MATMUL, POINTWISE, PATCHES, TRITON_DEPTHWISE_GRAD, _ATEN),
     "layout of a channels-last input": (CHANNELS_LAST, CONTIGUOUS),
-    "layout of a depthwise convolution's contiguous input": (DEPTHWISE_CHANNELS_LAST, CONTIGUOUS),
+    "layout of a compiled convolution's contiguous input": (DEPTHWISE_CHANNELS_LAST, WIDE_CHANNELS_LAST, CONTIGUOUS),
 }
 """op -> its candidates in order of preference (the last always applies)."""
 

@@ -26,7 +26,7 @@ from .._conv_triton import grouped_conv2d, input_grad, runs_on_triton
 from .._depthwise_triton import depthwise_weight_grad
 from .._kernel_table import (
     CHANNELS_LAST,
-    DEPTHWISE_CHANNELS_LAST,
+    CONTIGUOUS,
     TRITON_DEPTHWISE_GRAD,
     TRITON_GROUPED,
     TRITON_GROUPED_INPUT_GRAD,
@@ -47,6 +47,7 @@ __all__ = [
 ]
 
 _Size = int | Sequence[int]
+_COMPILED_LAYOUT = "layout of a compiled convolution's contiguous input"
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
@@ -173,9 +174,10 @@ def grouped_conv(
             return pointwise_conv2d(x, weight, bias, Layout(batch, order), stride, groups // batch)
         if runs_as_patches(call):
             return patches_conv2d(x, weight, bias, Layout(batch, order), stride, padding, dilation, groups // batch)
-        if DEPTHWISE_CHANNELS_LAST.applies(call) and not is_channels_last(x):
-            # cuDNN's NHWC depthwise kernels, forward and both gradients (autograd's), as the plain model's
-            # compiled convolutions run; the result is laid out as the input was
+        compiled_layout = _kernel_table.choose(_COMPILED_LAYOUT, call, _kernel_table.OPS)
+        if compiled_layout is not CONTIGUOUS and not is_channels_last(x):
+            # cuDNN's NHWC kernels (depthwise, or grouped of wide groups), forward and both gradients (autograd's),
+            # as the plain model's compiled convolutions run; the result is laid out as the input was
             weight, bias = _stacked(x, weight, bias)
             grouped = to_grouped(x, batch, order).contiguous(memory_format=torch.channels_last)
             y = F.conv2d(grouped, weight, bias, stride, padding, dilation, groups)

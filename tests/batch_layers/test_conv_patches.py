@@ -65,14 +65,15 @@ def stem(batch: int, cin: int, cout: int, kernel: int, cuda: bool = True) -> _ke
                                   False, (2, 2), (1, 1), (32, 32), (kernel // 2, kernel // 2))
 
 
-def test_the_table_takes_compiled_stems_whose_patches_are_at_most_twice_the_output(monkeypatch) -> None:
+def test_the_table_takes_compiled_stems_whose_patches_are_at_most_thrice_the_output_and_wide_strided_layers(
+        monkeypatch) -> None:
     efficientnet = stem(64, 3, 32, 3)
     assert not runs_as_patches(efficientnet), "eager: the gathered patches would be a copy of their own"
     assert "under torch.compile" in _kernel_table.PATCHES.unmet(efficientnet)[0]
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert runs_as_patches(efficientnet)
     assert runs_as_patches(stem(16, 3, 16, 3)), "MobileNetV3's stem: 27 per pixel for 16 channels"
-    assert not runs_as_patches(stem(64, 3, 64, 7)), "ResNet-18's stem: 147 per pixel for 64 channels"
+    assert runs_as_patches(stem(64, 3, 64, 7)), "ResNet-18's stem: 147 per pixel for 64 channels"
     lenet = _kernel_table.ConvCall(True, 4, torch.float32, 64, (64 * 6, 1, 5, 5), 64, size=(28, 28), padding=(0, 0))
     assert "elements per output channel" in _kernel_table.PATCHES.unmet(lenet)[0]
     depthwise = _kernel_table.ConvCall(True, 4, torch.float32, 64 * 32, (64 * 32, 1, 3, 3), 64 * 32, size=(16, 16),
@@ -80,6 +81,9 @@ def test_the_table_takes_compiled_stems_whose_patches_are_at_most_twice_the_outp
     assert not runs_as_patches(depthwise), "a depthwise convolution's patches are nine times its output"
     assert "input channels per group" in _kernel_table.PATCHES.unmet(stem(64, 16, 64, 3))[0]
     assert not runs_as_patches(stem(64, 3, 32, 3, cuda=False)), "GPU only"
+    assert runs_as_patches(stem(64, 64, 128, 3)), "a strided layer of 64 channels per model (ResNet-18's)"
+    assert not runs_as_patches(stem(64, 16, 16, 3)), "RegNet's strided groups of 16 channels"
+    assert not runs_as_patches(stem(64, 64, 64, 3)._replace(stride=(1, 1))), "stride 1: 9x its input"
     assert not runs_as_patches(efficientnet._replace(size=(), padding=())), "the image's size is needed"
     op = "weight grad"
     assert _kernel_table.choose(op, efficientnet, _kernel_table.OPS).name == "patches-matmul"

@@ -122,7 +122,7 @@ def test_compiled_convolutions_take_the_triton_kernel_from_fewer_groups(monkeypa
 
 
 def test_compiled_depthwise_convolutions_of_16_pixels_or_more_run_channels_last(monkeypatch):
-    op = "layout of a depthwise convolution's contiguous input"
+    op = "layout of a compiled convolution's contiguous input"
     depthwise = ConvCall(True, 4, torch.float32, 64 * 32, (64 * 32, 1, 3, 3), 64 * 32, size=(4, 4), padding=(1, 1))
     assert choose(op, depthwise, OPS).name == "contiguous"  # eager: its copies would cost more than they save
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
@@ -133,6 +133,32 @@ def test_compiled_depthwise_convolutions_of_16_pixels_or_more_run_channels_last(
     assert choose(op, multiplier, OPS).name == "contiguous"
     grouped = depthwise._replace(weight_shape=(64 * 32, 2, 3, 3), groups=64 * 16)
     assert choose(op, grouped, OPS).name == "contiguous"
+
+
+def test_compiled_wide_stride_1_convolutions_of_16_pixels_or_more_run_channels_last(monkeypatch):
+    """ResNet-18's 3x3 layers of 64 and 128 channels per model (cuDNN converts each group's slice of a contiguous
+    input); not its strided layers, its 2x2 images, narrower groups or eager calls."""
+    op = "layout of a compiled convolution's contiguous input"
+    layer1 = ConvCall(True, 4, torch.float32, 64 * 64, (64 * 64, 64, 3, 3), 64, size=(8, 8), padding=(1, 1))
+    assert choose(op, layer1, OPS).name == "contiguous"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert choose(op, layer1, OPS).name == "channels-last (wide groups)"
+    assert choose(op, layer1._replace(size=(4, 4), weight_shape=(64 * 128, 128, 3, 3)), OPS).name != "contiguous"
+    assert "stride 1" in _kernel_table.WIDE_CHANNELS_LAST.unmet(layer1._replace(stride=(2, 2)))[0]
+    assert choose(op, layer1._replace(size=(2, 2)), OPS).name == "contiguous"
+    regnet = layer1._replace(weight_shape=(64 * 64, 16, 3, 3), groups=64 * 4)  # 16 channels per group
+    assert choose(op, regnet, OPS).name == "contiguous"
+    assert choose(op, layer1._replace(cuda=False), OPS).name == "contiguous"
+    assert choose(op, layer1._replace(dtype=torch.float64), OPS).name == "contiguous"
+
+
+def test_compiled_products_take_16_pixel_pairs(monkeypatch):
+    """A 3x3 convolution of a 2x2 image with stride 1 (ResNet-18's third stage on 32x32 inputs): 16 pairs."""
+    two_by_two = ConvCall(True, 4, torch.float32, 64 * 256, (64 * 256, 256, 3, 3), 64, size=(2, 2), padding=(1, 1))
+    assert not _kernel_table.MATMUL.applies(two_by_two)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert _kernel_table.MATMUL.applies(two_by_two)
+    assert "pixel pairs" in _kernel_table.MATMUL.unmet(two_by_two._replace(size=(3, 3)))[0]
 
 
 def test_explain_names_the_kernel_and_every_unmet_condition(monkeypatch):
