@@ -44,7 +44,7 @@ OPEN = (
     (_kernel_table.POINTWISE, {"min_channels_compiled": 1, "max_pixels_compiled": 1 << 30}),
 )
 CLOSED = (
-    (_kernel_table.PATCHES, {"max_in_per_group": 0}),
+    (_kernel_table.PATCHES, {"max_in_per_group": 0, "min_in_per_group_strided": 1 << 30}),
     (_kernel_table.POINTWISE, {"min_channels_compiled": _kernel_table.POINTWISE.limits["min_channels"],
                                "max_pixels_compiled": _kernel_table.POINTWISE.limits["max_pixels"]}),
 )
