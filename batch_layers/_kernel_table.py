@@ -270,17 +270,19 @@ CHANNELS_LAST: Candidate[ConvCall] = Candidate(
     "backward) and depthwise ones in its NHWC engine instead of ATen's depthwise kernels: 1.3-2x slower than "
     "NCHW for LeNet's 1-16 channels per model; from 64 on NHWC was 4% faster (tests/benchmarks/"
     "bench_conv_forms.py)")
+# the compiled layouts' conditions; compiled first: every eager convolution a product does not take asks, and
+# fails there at once
+_LAYOUT_COMPILED = ("under torch.compile (Inductor fuses the layout's copies into the element-wise kernels around it)",
+                    lambda lim, c: torch.compiler.is_compiling())
+_MIN_PIXELS = ("at least {min_pixels} pixels per input image",
+               lambda lim, c: len(c.size) == 2 and _prod(c.size) >= lim["min_pixels"])
 CONTIGUOUS: Candidate[ConvCall] = Candidate("contiguous", measured="the grouped layout in memory order (NCHW)")
 DEPTHWISE_CHANNELS_LAST: Candidate[ConvCall] = Candidate(
     "channels-last",
-    # compiled first: every eager convolution a product does not take asks, and fails there at once
-    (("under torch.compile (Inductor fuses the layout's copies into the element-wise kernels around it)",
-      lambda lim, c: torch.compiler.is_compiling()),
-     _CUDA, _TWO_D, _NOT_TRANSPOSED, _FLOAT,
+    (_LAYOUT_COMPILED, _CUDA, _TWO_D, _NOT_TRANSPOSED, _FLOAT,
      ("one input and one output channel per group: a depthwise convolution",
       lambda lim, c: c.weight_shape[1] == 1 and c.weight_shape[0] == c.groups == c.channels),
-     ("at least {min_pixels} pixels per input image",
-      lambda lim, c: len(c.size) == 2 and _prod(c.size) >= lim["min_pixels"])),
+     _MIN_PIXELS),
     {"min_pixels": 16},
     "H200, compiled, forward and backward of a batch norm, SiLU, depthwise convolution, batch norm, SiLU block "
     "(tests/benchmarks/bench_depthwise_compiled.py), n=128: 9-20% faster than the contiguous "
@@ -289,16 +291,12 @@ DEPTHWISE_CHANNELS_LAST: Candidate[ConvCall] = Candidate(
 
 WIDE_CHANNELS_LAST: Candidate[ConvCall] = Candidate(
     "channels-last (wide groups)",
-    # compiled first: every eager convolution a product does not take asks, and fails there at once
-    (("under torch.compile (Inductor fuses the layout's copies into the element-wise kernels around it)",
-      lambda lim, c: torch.compiler.is_compiling()),
-     _CUDA, _TWO_D, _NOT_TRANSPOSED, _FLOAT,
+    (_LAYOUT_COMPILED, _CUDA, _TWO_D, _NOT_TRANSPOSED, _FLOAT,
      ("at least {min_in_per_group} input channels per group",
       lambda lim, c: c.weight_shape[1] >= lim["min_in_per_group"]),
      ("stride 1 (cuDNN's grouped NHWC kernels lose on strided layers; PATCHES takes those)",
       lambda lim, c: set(c.stride) == {1}),
-     ("at least {min_pixels} pixels per input image",
-      lambda lim, c: len(c.size) == 2 and _prod(c.size) >= lim["min_pixels"])),
+     _MIN_PIXELS),
     {"min_in_per_group": 64, "min_pixels": 16},
     "H100, eager layers of ResNet-18 on 32x32 images (tests/benchmarks/bench_grouped_layouts.py, B=64): stride-1 "
     "grouped convolutions of 64 channels on 8x8 images 1.08 ms forward and backward channels-last against 1.68 "

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from functorch.compile import make_boxed_func
-from support.compiled import DYNAMO_WARNINGS, fresh_dynamo
+from support.compiled import DYNAMO_WARNINGS, assert_two_steps_match_plain, fresh_dynamo
 from support.conv_checks import check_against_plain_conv2d
 from support.functional_reference import assert_matches_plain
 from support.torchvision_ops import import_torchvision
@@ -129,17 +129,8 @@ def test_a_compiled_model_runs_its_stem_as_patches_and_trains_as_plain_copies(mo
     batched = BatchModule.from_factory(lambda: next(models), BATCH)
     x = torch.randn(BATCH, SAMPLES, 3, 16, 16, dtype=torch.float64)
     compiled = torch.compile(batched, dynamic=False)
-    for _ in range(2):  # a second step: the first forward checks the model's code
-        y = compiled(x)
-        y.square().sum().backward()
+    assert_two_steps_match_plain(compiled, batched, plain, x)
     assert set(traced) == {"patches_conv2d", "pointwise_conv2d"}, traced
-    for b, model in enumerate(plain):
-        for _ in range(2):
-            expected = model(x[b])
-            expected.square().sum().backward()
-        torch.testing.assert_close(y[b], expected)
-        for (name, own), stacked in zip(model.named_parameters(), batched.parameters()):
-            torch.testing.assert_close(stacked.grad[b], own.grad, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.cuda
