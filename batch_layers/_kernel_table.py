@@ -141,6 +141,11 @@ _GROUPED_MEASURED = (
 )
 
 
+def _limit(lim: dict[str, int], name: str) -> int:
+    """The threshold ``name`` of a candidate's limits, or its ``<name>_compiled`` under torch.compile."""
+    return lim[name + "_compiled" if torch.compiler.is_compiling() else name]
+
+
 def read_window(size: int, out: int, kernel: int, stride: int, pad: int, dilation: int) -> tuple[int, int]:
     """Along one spatial dim of a convolution: the input rows ``[first, stop)`` that some output row reads."""
     return max(0, -pad), min(size, (out - 1) * stride - pad + (kernel - 1) * dilation + 1)
@@ -164,7 +169,7 @@ MATMUL: Candidate[ConvCall] = Candidate(
       lambda lim, c: min(c.weight_shape[1], c.weight_shape[0] // c.groups) >= lim["min_channels"]),
      ("at most {max_pairs} pixel pairs (output pixels x input pixels read; {max_pairs_compiled} under "
       "torch.compile)",
-      lambda lim, c: _prod(_pixels(c)) <= lim["max_pairs_compiled" if torch.compiler.is_compiling() else "max_pairs"])),
+      lambda lim, c: _prod(_pixels(c)) <= _limit(lim, "max_pairs"))),
     {"min_channels": 16, "max_pairs": 9, "max_pairs_compiled": 16},
     "H200, B=64, n=128, forward and backward (tests/benchmarks/bench_conv_choices.py --max-pairs 1100): a 3x3 "
     "convolution of a 1x1 image (1 pair) 2.1 against cuDNN's grouped 5.7 ms in fp32 (TF32) and 2.0 against 5.8 in "
@@ -182,12 +187,10 @@ POINTWISE: Candidate[ConvCall] = Candidate(
     (_CUDA, _TWO_D, _NOT_TRANSPOSED, _FLOAT,
      ("a 1x1 kernel without padding", lambda lim, c: tuple(c.weight_shape[2:]) == (1, 1) and set(c.padding) == {0}),
      ("at least {min_channels} input and output channels per group ({min_channels_compiled} under torch.compile)",
-      lambda lim, c: min(c.weight_shape[1], c.weight_shape[0] // c.groups)
-      >= lim["min_channels_compiled" if torch.compiler.is_compiling() else "min_channels"]),
+      lambda lim, c: min(c.weight_shape[1], c.weight_shape[0] // c.groups) >= _limit(lim, "min_channels")),
      ("at most {max_pixels} pixels per image ({max_pixels_compiled} under torch.compile, where Inductor fuses the "
       "product's layout copies into the element-wise kernels around it)",
-      lambda lim, c: len(c.size) == 2
-      and _prod(c.size) <= lim["max_pixels_compiled" if torch.compiler.is_compiling() else "max_pixels"])),
+      lambda lim, c: len(c.size) == 2 and _prod(c.size) <= _limit(lim, "max_pixels"))),
     {"min_channels": 16, "max_pixels": 64, "min_channels_compiled": 1, "max_pixels_compiled": 256},
     "H200, n=128, forward and backward (tests/benchmarks/bench_conv_choices.py), MobileNetV3's and "
     "EfficientNet-B0's pointwise layers and ResNet-18's downsampling on 32x32 images: 8x8 and smaller images "
