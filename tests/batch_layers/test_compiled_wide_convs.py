@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from functorch.compile import make_boxed_func
 from support.compiled import DYNAMO_WARNINGS, assert_two_steps_match_plain, fresh_dynamo
-from support.functional_reference import assert_matches_plain
+from support.conv_checks import compiled_conv2d_against_plain
 from support.torchvision_ops import import_torchvision
 from torch import nn
 from torch._functorch.aot_autograd import aot_module_simplified
@@ -136,22 +135,10 @@ def test_a_compiled_wide_convolution_takes_its_path_on_a_gpu_and_matches_plain(
         monkeypatch, order: str, channels: int, size: int, stride: int, path: str) -> None:
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    traced = []
-
-    def recording_backend(graph_module, example_inputs):
-        traced.extend(graph_module.graph.nodes)
-        return graph_module.forward
-
-    layout = Layout(BATCH, order)
     torch.manual_seed(0)
     inputs = [torch.randn(SAMPLES, channels, size, size, device="cuda") for _ in range(BATCH)]
     params = [torch.randn(BATCH, channels, channels, 3, 3, device="cuda", requires_grad=True),
               torch.randn(BATCH, channels, device="cuda", requires_grad=True)]
-    for backend in (recording_backend, "inductor"):
-        torch._dynamo.reset()
-        conv = torch.compile(lambda x, w, b: BF.conv2d(x, w, b, stride=stride, padding=1, layout=layout),
-                             backend=backend, fullgraph=True)
-        y = assert_matches_plain(conv, lambda x, w, b: F.conv2d(x, w, b, stride=stride, padding=1), inputs, params,
-                                 layout, atol=1e-4, rtol=1e-4)
-        assert y.is_contiguous()
+    traced = compiled_conv2d_against_plain(inputs, params, Layout(BATCH, order), atol=1e-4, rtol=1e-4, stride=stride,
+                                           padding=1)
     assert any(map(TAKEN[path], traced)), f"the {path} path was not taken: {[n.target for n in traced]}"

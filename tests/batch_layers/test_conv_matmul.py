@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from support.conv_checks import check_against_plain_conv2d, check_conv_on_gpu
+from support.conv_checks import check_conv_on_gpu, check_product_against_plain_conv2d
 from support.launches import CopySizes
 from torch import nn
 
@@ -36,22 +36,7 @@ GEOMETRIES = [  # in, out, kernel, stride, padding, dilation, groups, height, wi
 @pytest.mark.parametrize("order", ["models", "samples"])
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: "x".join(map(str, g)))
 def test_the_product_is_b_plain_convolutions(geometry, order: str, channels_last: bool, stacked: bool) -> None:
-    """With the stacked ``(B*O, ...)`` weight and ``(B*O,)`` bias, or B models' ``(B, O, ...)`` and ``(B, O)``
-    (a batched Conv2d hands its own)."""
-    cin, cout, k, stride, padding, dilation, groups, height, width = geometry
-    k, stride, padding, dilation = (v if isinstance(v, tuple) else (v, v) for v in (k, stride, padding, dilation))
-    torch.manual_seed(0)
-    layout = Layout(BATCH, order)
-    x = torch.randn(BATCH, SAMPLES, cin, height, width, dtype=torch.float64)
-    weight = torch.randn(BATCH, cout, cin // groups, *k, dtype=torch.float64, requires_grad=True)
-    bias = torch.randn(BATCH, cout, dtype=torch.float64, requires_grad=True)
-
-    def run(merged, stacked_weight, stacked_bias):
-        if not stacked:
-            stacked_weight, stacked_bias = weight, bias
-        return matmul_conv2d(merged, stacked_weight, stacked_bias, layout, stride, padding, dilation, groups)
-
-    check_against_plain_conv2d(run, x, weight, bias, layout, channels_last, stride, padding, dilation, groups)
+    check_product_against_plain_conv2d(matmul_conv2d, geometry, order, channels_last, True, stacked, BATCH, SAMPLES)
 
 
 def test_without_bias_and_under_bf16_autocast_as_plain_autocast() -> None:

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from functorch.compile import make_boxed_func
 from support.compiled import DYNAMO_WARNINGS, assert_two_steps_match_plain, fresh_dynamo
-from support.conv_checks import check_against_plain_conv2d
-from support.functional_reference import assert_matches_plain
+from support.conv_checks import check_product_against_plain_conv2d, compiled_conv2d_against_plain
 from support.torchvision_ops import import_torchvision
 from torch import nn
 from torch._functorch.aot_autograd import aot_module_simplified
@@ -42,22 +40,8 @@ GEOMETRIES = [  # in, out, kernel, stride, padding, dilation, groups, height, wi
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: "x".join(map(str, g)))
 def test_the_product_is_b_plain_convolutions(geometry, order: str, channels_last: bool, bias: bool,
                                              stacked: bool) -> None:
-    """With the stacked ``(B*O, ...)`` weight and ``(B*O,)`` bias, or B models' ``(B, O, ...)`` and ``(B, O)``
-    (a batched Conv2d hands its own); the result keeps the input's storage."""
-    cin, cout, k, stride, padding, dilation, groups, height, width = geometry
-    k, stride, padding, dilation = (v if isinstance(v, tuple) else (v, v) for v in (k, stride, padding, dilation))
-    torch.manual_seed(0)
-    layout = Layout(BATCH, order)
-    x = torch.randn(BATCH, SAMPLES, cin, height, width, dtype=torch.float64)
-    weight = torch.randn(BATCH, cout, cin // groups, *k, dtype=torch.float64, requires_grad=True)
-    biases = torch.randn(BATCH, cout, dtype=torch.float64, requires_grad=True) if bias else None
-
-    def run(merged, stacked_weight, stacked_bias):
-        if not stacked:
-            stacked_weight, stacked_bias = weight, biases
-        return patches_conv2d(merged, stacked_weight, stacked_bias, layout, stride, padding, dilation, groups)
-
-    check_against_plain_conv2d(run, x, weight, biases, layout, channels_last, stride, padding, dilation, groups)
+    """The result keeps the input's storage."""
+    check_product_against_plain_conv2d(patches_conv2d, geometry, order, channels_last, bias, stacked, BATCH, SAMPLES)
 
 
 def stem(batch: int, cin: int, cout: int, kernel: int, cuda: bool = True) -> _kernel_table.ConvCall:
@@ -140,24 +124,12 @@ def test_a_compiled_model_runs_its_stem_as_patches_and_trains_as_plain_copies(mo
 @pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores for float32 matrix multiplication:UserWarning")
 def test_a_compiled_stem_takes_the_product_on_a_gpu_and_matches_plain(monkeypatch, order: str) -> None:
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    traced = []
-
-    def recording_backend(graph_module, example_inputs):
-        traced.extend(node.target for node in graph_module.graph.nodes)
-        return graph_module.forward
-
-    layout = Layout(BATCH, order)
     torch.manual_seed(0)
     inputs = [torch.randn(SAMPLES, 3, 17, 17, device="cuda") for _ in range(BATCH)]
     params = [torch.randn(BATCH, 16, 3, 3, 3, device="cuda", requires_grad=True),
               torch.randn(BATCH, 16, device="cuda", requires_grad=True)]
-    for backend in (recording_backend, "inductor"):
-        torch._dynamo.reset()
-        conv = torch.compile(lambda x, w, b: BF.conv2d(x, w, b, stride=2, padding=1, layout=layout),
-                             backend=backend, fullgraph=True)
-        y = assert_matches_plain(conv, lambda x, w, b: F.conv2d(x, w, b, stride=2, padding=1), inputs, params,
-                                 layout, atol=1e-4, rtol=1e-4)
-        assert y.is_contiguous()
+    traced = [node.target for node in compiled_conv2d_against_plain(inputs, params, Layout(BATCH, order), atol=1e-4,
+                                                                    rtol=1e-4, stride=2, padding=1)]
     assert "unfold" in traced and torch.baddbmm in traced, f"the product of patches did not run: {traced}"
 
 

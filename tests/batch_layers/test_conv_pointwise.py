@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.conv_checks import check_against_plain_conv2d, check_conv_on_gpu
+from support.conv_checks import check_conv_on_gpu, check_product_against_plain_conv2d
 from support.launches import CopySizes
 from torch import nn
 
@@ -29,22 +29,13 @@ GEOMETRIES = [  # in, out, stride, groups, height, width
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: "x".join(map(str, g)))
 def test_the_product_is_b_plain_convolutions(geometry, order: str, channels_last: bool, bias: bool,
                                              stacked: bool) -> None:
-    """With the stacked ``(B*O, ...)`` weight and ``(B*O,)`` bias, or B models' ``(B, O, ...)`` and ``(B, O)``
-    (a batched Conv2d hands its own)."""
     cin, cout, stride, groups, height, width = geometry
-    stride = stride if isinstance(stride, tuple) else (stride, stride)
-    torch.manual_seed(0)
-    layout = Layout(BATCH, order)
-    x = torch.randn(BATCH, SAMPLES, cin, height, width, dtype=torch.float64)
-    weight = torch.randn(BATCH, cout, cin // groups, 1, 1, dtype=torch.float64, requires_grad=True)
-    biases = torch.randn(BATCH, cout, dtype=torch.float64, requires_grad=True) if bias else None
 
-    def run(merged, stacked_weight, stacked_bias):
-        if not stacked:
-            stacked_weight, stacked_bias = weight, biases
-        return pointwise_conv2d(merged, stacked_weight, stacked_bias, layout, stride, groups)
+    def product(x, weight, bias, layout, stride, padding, dilation, groups):
+        return pointwise_conv2d(x, weight, bias, layout, stride, groups)
 
-    check_against_plain_conv2d(run, x, weight, biases, layout, channels_last, stride, 0, 1, groups)
+    check_product_against_plain_conv2d(product, (cin, cout, 1, stride, 0, 1, groups, height, width), order,
+                                       channels_last, bias, stacked, BATCH, SAMPLES)
 
 
 def test_the_table_takes_unpadded_1x1_kernels_only() -> None:

@@ -8,6 +8,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from support.conv_checks import compiled_conv2d_against_plain
 from support.functional_reference import assert_matches_plain
 
 import batch_layers
@@ -224,22 +225,11 @@ def test_a_compiled_depthwise_convolution_runs_channels_last_and_matches_plain(m
     """Under torch.compile a depthwise convolution of 16 pixels or more runs on a channels-last grouped input (the
     kernel table's ``DEPTHWISE_CHANNELS_LAST``); its result keeps the input's layout and matches B plain calls."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    traced = []
-
-    def recording_backend(graph_module, example_inputs):
-        traced.extend(node for node in graph_module.graph.nodes if node.target == "contiguous")
-        return graph_module.forward
-
-    layout = Layout(B, order)
     torch.manual_seed(0)
     inputs = [torch.randn(N, 6, 5, 5, device="cuda") for _ in range(B)]
     params = [torch.randn(B, 6, 1, 3, 3, device="cuda", requires_grad=True),
               torch.randn(B, 6, device="cuda", requires_grad=True)]
-    for backend in (recording_backend, "inductor"):
-        torch._dynamo.reset()
-        conv = torch.compile(lambda x, w, b: BF.conv2d(x, w, b, stride=2, padding=1, groups=6, layout=layout),
-                             backend=backend, fullgraph=True)
-        y = assert_matches_plain(conv, lambda x, w, b: F.conv2d(x, w, b, stride=2, padding=1, groups=6), inputs,
-                                 params, layout, atol=1e-5, rtol=1e-5)
-        assert y.is_contiguous()
-    assert any(node.kwargs.get("memory_format") == torch.channels_last for node in traced), "the layout was not taken"
+    traced = compiled_conv2d_against_plain(inputs, params, Layout(B, order), atol=1e-5, rtol=1e-5, stride=2, padding=1,
+                                           groups=6)
+    assert any(node.target == "contiguous" and node.kwargs.get("memory_format") == torch.channels_last
+               for node in traced), "the layout was not taken"

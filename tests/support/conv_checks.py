@@ -1,7 +1,9 @@
 """Batched convolutions against B plain ones, for the kernel-table tests of ``batch_layers``:
 :func:`check_against_plain_conv2d` (a functional form in float64, outputs and first and second order
-gradients) and :func:`check_conv_on_gpu` (a batched ``Conv2d`` on a GPU with TF32 off, optionally under bf16
-autocast, after asserting that the shape takes the kernel under test)."""
+gradients), :func:`check_product_against_plain_conv2d` (the same for a product of the kernel table, on inputs
+it makes), :func:`compiled_conv2d_against_plain` (the functional convolution compiled whole) and
+:func:`check_conv_on_gpu` (a batched ``Conv2d`` on a GPU with TF32 off, optionally under bf16 autocast, after
+asserting that the shape takes the kernel under test)."""
 
 from __future__ import annotations
 
@@ -10,12 +12,23 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from support.functional_reference import assert_matches_plain
+from torch import fx, nn
 
 import batch_layers
 from batch_layers import ForwardContext, Layout, forward_context
+from batch_layers import functional as BF
 
-__all__ = ["check_against_plain_conv2d", "check_conv_on_gpu"]
+__all__ = [
+    "check_against_plain_conv2d",
+    "check_conv_on_gpu",
+    "check_product_against_plain_conv2d",
+    "compiled_conv2d_against_plain",
+]
+
+Product = Callable[..., torch.Tensor]
+"""A batched convolution of the kernel table, ``product(merged input, weight, bias, layout, stride, padding,
+dilation, groups)``."""
 
 
 def check_against_plain_conv2d(run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
@@ -54,6 +67,51 @@ def check_against_plain_conv2d(run: Callable[[torch.Tensor, torch.Tensor, torch.
         assert y.is_contiguous(memory_format=torch.channels_last), "a channels-last input keeps its storage"
     else:
         assert y.is_contiguous()
+
+
+def check_product_against_plain_conv2d(product: Product, geometry: tuple, order: str, channels_last: bool,
+                                      bias: bool, stacked: bool, batch: int = 3, samples: int = 2) -> None:
+    """:func:`check_against_plain_conv2d` of ``product`` on float64 inputs of ``geometry`` (input and output
+    channels, kernel, stride, padding, dilation, groups per model, height, width; an int for a square size) in the
+    merged ``order``: with the stacked ``(B*O, ...)`` weight and ``(B*O,)`` bias, or, not ``stacked``, B models'
+    ``(B, O, ...)`` and ``(B, O)`` (a batched Conv2d hands its own)."""
+    cin, cout, kernel, stride, padding, dilation, groups, height, width = geometry
+    kernel, stride, padding, dilation = (v if isinstance(v, tuple) else (v, v)
+                                         for v in (kernel, stride, padding, dilation))
+    torch.manual_seed(0)
+    layout = Layout(batch, order)
+    x = torch.randn(batch, samples, cin, height, width, dtype=torch.float64)
+    weight = torch.randn(batch, cout, cin // groups, *kernel, dtype=torch.float64, requires_grad=True)
+    biases = torch.randn(batch, cout, dtype=torch.float64, requires_grad=True) if bias else None
+
+    def run(merged, stacked_weight, stacked_bias):
+        if not stacked:
+            stacked_weight, stacked_bias = weight, biases
+        return product(merged, stacked_weight, stacked_bias, layout, stride, padding, dilation, groups)
+
+    check_against_plain_conv2d(run, x, weight, biases, layout, channels_last, stride, padding, dilation, groups)
+
+
+def compiled_conv2d_against_plain(inputs: list[torch.Tensor], params: list[torch.Tensor], layout: Layout, *,
+                                  atol: float, rtol: float, **conv: int) -> list[fx.Node]:
+    """``batch_layers.functional.conv2d`` with the keywords ``conv`` (stride, padding, groups) compiled whole
+    (``fullgraph``), by a backend that records its graph and then by Inductor, each against B plain ``F.conv2d``
+    calls (:func:`~support.functional_reference.assert_matches_plain`), its result contiguous. Returns the
+    recorded graph's nodes: what the kernel table chose."""
+    traced = []
+
+    def recording_backend(graph_module, example_inputs):
+        traced.extend(graph_module.graph.nodes)
+        return graph_module.forward
+
+    for backend in (recording_backend, "inductor"):
+        torch._dynamo.reset()
+        batched = torch.compile(lambda x, w, b: BF.conv2d(x, w, b, layout=layout, **conv), backend=backend,
+                                fullgraph=True)
+        y = assert_matches_plain(batched, lambda x, w, b: F.conv2d(x, w, b, **conv), inputs, params, layout,
+                                 atol=atol, rtol=rtol)
+        assert y.is_contiguous()
+    return traced
 
 
 def check_conv_on_gpu(conv: nn.Conv2d, batch: int, samples: int, size: int, order: str, amp: bool,
