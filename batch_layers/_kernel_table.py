@@ -169,7 +169,10 @@ MATMUL: Candidate[ConvCall] = Candidate(
       lambda lim, c: min(c.weight_shape[1], c.weight_shape[0] // c.groups) >= lim["min_channels"]),
      ("at most {max_pairs} pixel pairs (output pixels x input pixels read; {max_pairs_compiled} under "
       "torch.compile)",
-      lambda lim, c: _prod(_pixels(c)) <= _limit(lim, "max_pairs"))),
+      lambda lim, c: _prod(_pixels(c)) <= _limit(lim, "max_pairs")),
+     # its filters hold a block per pixel pair, most of them zeros for a 1x1 kernel
+     ("a kernel of several taps, or one output pixel (POINTWISE multiplies 1x1 kernels without a block per pair)",
+      lambda lim, c: _prod(c.weight_shape[2:]) > 1 or _pixels(c)[0] == 1)),
     {"min_channels": 16, "max_pairs": 9, "max_pairs_compiled": 16},
     "H200, B=64, n=128, forward and backward (tests/benchmarks/bench_conv_choices.py --max-pairs 1100): a 3x3 "
     "convolution of a 1x1 image (1 pair) 2.1 against cuDNN's grouped 5.7 ms in fp32 (TF32) and 2.0 against 5.8 in "
@@ -178,7 +181,9 @@ MATMUL: Candidate[ConvCall] = Candidate(
     "4x4 to 2x2 with stride 2 (64 pairs) 5.1 against 4.2, larger images 6-12x cuDNN's time; the whole "
     "ResNet-18 at B=64 ran at 0.80 of the limit with 64 pairs against 0.87 with one output pixel. Compiled, "
     "ResNet-18's 2x2 layers of stride 1 (16 pairs) join its strided layers as products and its wide stride-1 "
-    "layers channels-last (PATCHES, WIDE_CHANNELS_LAST): 2,158 against 1,578 model-steps/s at B=64 (H200)")
+    "layers channels-last (PATCHES, WIDE_CHANNELS_LAST): 2,158 against 1,578 model-steps/s at B=64 (H200). 1x1 "
+    "kernels of several output pixels are left to POINTWISE: compiled ConvNeXt-atto at B=16, whose MLP layers on "
+    "2x2 images this product took with 16 pairs, peaked at 1,728 MiB against 4,210 (H200), at the same speed")
 """A convolution of a few pixels as one batched matrix product (``_conv_matmul.py``), forward and both
 gradients (autograd's), so it heads all three ops."""
 

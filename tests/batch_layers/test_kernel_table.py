@@ -161,6 +161,20 @@ def test_compiled_products_take_16_pixel_pairs(monkeypatch):
     assert "pixel pairs" in _kernel_table.MATMUL.unmet(two_by_two._replace(size=(3, 3)))[0]
 
 
+def test_compiled_1x1_kernels_of_several_pixels_take_the_pointwise_product(monkeypatch):
+    """ConvNeXt-atto's MLP on 2x2 images (160 -> 640 channels per model) has 16 pixel pairs, but as the Toeplitz
+    product its filters would hold a block per pair, 12 of 16 zeros (16x the models' weights, kept for the
+    backward). The pointwise product multiplies the filters themselves. On a 1x1 image (one pair) the Toeplitz
+    product stays first."""
+    mlp = ConvCall(True, 4, torch.float32, 16 * 160, (16 * 640, 160, 1, 1), 16, size=(2, 2), padding=(0, 0))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert [choose(op, mlp, OPS).name for op in ("forward", "input grad", "weight grad")] == ["pointwise-matmul"] * 3
+    assert _kernel_table.MATMUL.unmet(mlp) == [
+        "a kernel of several taps, or one output pixel (POINTWISE multiplies 1x1 kernels without a block per pair)"]
+    assert choose("forward", mlp._replace(size=(1, 1)), OPS).name == "matmul"
+    assert choose("forward", mlp._replace(weight_shape=(16 * 640, 160, 3, 3), padding=(1, 1)), OPS).name == "matmul"
+
+
 def test_explain_names_the_kernel_and_every_unmet_condition(monkeypatch):
     monkeypatch.setattr(_kernel_table, "TRITON_INSTALLED", True)
     few_models = ConvCall(True, 4, torch.float32, 16 * 6, (16 * 16, 6, 5, 5), 16)
