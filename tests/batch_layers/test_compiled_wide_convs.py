@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from functorch.compile import make_boxed_func
-from support.compiled import DYNAMO_WARNINGS, assert_two_steps_match_plain, fresh_dynamo
+from support.compiled import DYNAMO_WARNINGS, assert_two_steps_match_plain, fresh_dynamo, gpu_conditions_lifted
 from support.conv_checks import compiled_conv2d_against_plain
 from support.torchvision_ops import import_torchvision
 from torch import nn
@@ -29,11 +29,7 @@ COMPILED_CANDIDATES = (_kernel_table.MATMUL, _kernel_table.POINTWISE, _kernel_ta
 
 
 def _gpu_conditions_lifted(monkeypatch) -> None:
-    """The compiled candidates' conditions without "a CUDA tensor" and the GPU's float types: the CPU takes a
-    GPU's compiled paths in float64."""
-    lifted = ("a CUDA tensor", "float32, float16 or bfloat16")
-    for candidate in COMPILED_CANDIDATES:
-        monkeypatch.setattr(candidate, "conditions", tuple(c for c in candidate.conditions if c[0] not in lifted))
+    gpu_conditions_lifted(monkeypatch, COMPILED_CANDIDATES)
 
 
 def _resnet_stages() -> nn.Module:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from functorch.compile import make_boxed_func
-from support.compiled import DYNAMO_WARNINGS, assert_two_steps_match_plain, fresh_dynamo
+from support.compiled import DYNAMO_WARNINGS, assert_two_steps_match_plain, fresh_dynamo, gpu_conditions_lifted
 from support.conv_checks import check_product_against_plain_conv2d, compiled_conv2d_against_plain
 from support.torchvision_ops import import_torchvision
 from torch import nn
@@ -87,12 +87,7 @@ def test_compiled_pointwise_products_take_larger_images_and_fewer_channels(monke
 
 
 def _gpu_conditions_lifted(monkeypatch) -> None:
-    """The compiled products' conditions without "a CUDA tensor" and the GPU's float types: the CPU takes a GPU's
-    compiled paths in float64."""
-    lifted = ("a CUDA tensor", "float32, float16 or bfloat16")
-    for candidate in (_kernel_table.PATCHES, _kernel_table.POINTWISE):
-        kept = tuple(c for c in candidate.conditions if c[0] not in lifted)
-        monkeypatch.setattr(candidate, "conditions", kept)
+    gpu_conditions_lifted(monkeypatch, (_kernel_table.PATCHES, _kernel_table.POINTWISE))
 
 
 @pytest.mark.usefixtures("fresh_dynamo")

@@ -1,5 +1,6 @@
 """What the compiled-model tests share: the warnings torch raises about its own code while dynamo and Inductor
-run, and a dynamo reset around each test (so one test's graphs and recompile counts do not reach the next)."""
+run, a dynamo reset around each test (so one test's graphs and recompile counts do not reach the next), and the
+kernel table's compiled choices made on the CPU as on a GPU."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 import torch._dynamo
 from torch import Tensor, nn
+
+from batch_layers import _kernel_table
 
 # dynamo instantiates the custom autograd Functions it traces and reads .grad of the non-leaf tensors it resumes
 # with after a graph break; Inductor's start-up uses torch.jit.script_method
@@ -24,6 +27,14 @@ def fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+def gpu_conditions_lifted(monkeypatch: pytest.MonkeyPatch, candidates: Sequence[_kernel_table.Candidate]) -> None:
+    """The ``candidates``' conditions without "a CUDA tensor" and the GPU's float types: the CPU takes a GPU's
+    compiled paths, in float64 too."""
+    lifted = ("a CUDA tensor", "float32, float16 or bfloat16")
+    for candidate in candidates:
+        monkeypatch.setattr(candidate, "conditions", tuple(c for c in candidate.conditions if c[0] not in lifted))
 
 
 def assert_two_steps_match_plain(compiled: Callable[[Tensor], Tensor], batched: nn.Module, plain: Sequence[nn.Module],
