@@ -16,6 +16,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from batch_layers import _kernel_table
 from torchmb import BatchModule
+from torchmb.cli.bench_zoo import ZOO_MODELS
 
 pytestmark = DYNAMO_WARNINGS
 
@@ -48,16 +49,6 @@ def saved_for_backward(model: nn.Module, x: torch.Tensor) -> list[int]:
     return saved
 
 
-def _model(name: str) -> nn.Module:
-    import_torchvision()  # timm imports torchvision
-    import timm
-    import torchvision.models as tv
-
-    if name == "timm-convnext_atto":
-        return timm.create_model("convnext_atto", num_classes=10)
-    return getattr(tv, name.removeprefix("tv-"))(num_classes=10)
-
-
 @pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("name", ["timm-convnext_atto", "tv-efficientnet_b0", "tv-regnet_x_400mf", "tv-resnet18"])
 def test_a_compiled_model_keeps_what_b_plain_models_keep(monkeypatch, name: str) -> None:
@@ -67,8 +58,9 @@ def test_a_compiled_model_keeps_what_b_plain_models_keep(monkeypatch, name: str)
     plain step's plus B - 1 more copies of the weights, and a tenth for the products' layout copies (some
     filters kept transposed as well: 1.01-1.09x at this size)."""
     gpu_conditions_lifted(monkeypatch, COMPILED_CANDIDATES)
+    import_torchvision()  # timm imports torchvision
     torch.manual_seed(0)
-    model = _model(name)
+    model = ZOO_MODELS[name][0]()
     weights = sum(p.numel() for p in model.parameters())
     largest_weight = max(p.numel() for p in model.parameters())
     x = torch.randn(BATCH, SAMPLES, 3, 32, 32)
