@@ -21,9 +21,9 @@ import torch
 from torch import Tensor
 
 from ._kernel_table import TRITON_GROUPED, ConvCall
+from ._triton_op import launchable, triton_custom_op
 
 __all__ = ["grouped_conv2d", "input_grad", "runs_on_triton"]
-
 
 
 @functools.cache
@@ -104,7 +104,7 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, stride, padding, dil
     weight = weight.contiguous()
     precision = "tf32" if torch.backends.cudnn.allow_tf32 and x.dtype == torch.float32 else "ieee"
     with torch.cuda.device(x.device):
-        _kernel()[grid](
+        launchable(_kernel())[grid](
             x, weight, weight if bias is None else bias, y,
             n, height, width, out_h, out_w,
             *x.stride(), *y.stride(),
@@ -115,7 +115,11 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, stride, padding, dil
     return y
 
 
-@torch.library.custom_op("torchmb::grouped_conv2d", mutates_args=())
+def _output_shaped(x, weight, bias, stride, padding, dilation, groups):
+    return x.new_empty(x.shape[0], weight.shape[0], *_output_size(x, weight, stride, padding, dilation))
+
+
+@triton_custom_op("torchmb::grouped_conv2d", fake=_output_shaped)
 def grouped_conv2d(
     x: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int], padding: list[int], dilation: list[int],
     groups: int,
@@ -123,11 +127,6 @@ def grouped_conv2d(
     """``F.conv2d(x, weight, bias, stride, padding, dilation, groups)`` on the Triton kernel (no autograd:
     ``_conv._GroupedConv`` differentiates it)."""
     return _launch(x, weight, bias, stride, padding, dilation, groups)
-
-
-@grouped_conv2d.register_fake
-def _(x, weight, bias, stride, padding, dilation, groups):
-    return x.new_empty(x.shape[0], weight.shape[0], *_output_size(x, weight, stride, padding, dilation))
 
 
 def input_grad(grad: Tensor, weight: Tensor, input_shape: torch.Size, padding, groups: int) -> Tensor | None:

@@ -15,9 +15,9 @@ import torch
 from torch import Tensor
 
 from ._kernel_table import TRITON_DEPTHWISE_GRAD, ConvCall
+from ._triton_op import launchable, triton_custom_op
 
 __all__ = ["depthwise_weight_grad", "runs_depthwise_grad"]
-
 
 
 @functools.cache
@@ -66,7 +66,16 @@ def runs_depthwise_grad(x: Tensor, weight: Tensor, groups: int) -> bool:
     return TRITON_DEPTHWISE_GRAD.applies(ConvCall.of(x, weight, groups))
 
 
-@torch.library.custom_op("torchmb::depthwise_weight_grad", mutates_args=())
+def _weight_shaped(grad, x, weight_shape, stride, padding, dilation):
+    return x.new_empty(weight_shape)
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@triton_custom_op("torchmb::depthwise_weight_grad", fake=_weight_shaped)
 def depthwise_weight_grad(
     grad: Tensor, x: Tensor, weight_shape: list[int], stride: list[int], padding: list[int], dilation: list[int]
 ) -> Tensor:
@@ -78,13 +87,12 @@ def depthwise_weight_grad(
     n, _, out_h, out_w = grad.shape
     positions = n * out_h * out_w
     block_p = 64 if kh * kw > 16 else 128
-    programs = 4 * torch.cuda.get_device_properties(grad.device).multi_processor_count
-    splits = max(1, min(triton.cdiv(positions, 8 * block_p), triton.cdiv(programs, channels)))
+    splits = max(1, min(triton.cdiv(positions, 8 * block_p), triton.cdiv(4 * _multiprocessors(grad.device), channels)))
     chunk = triton.cdiv(triton.cdiv(positions, splits), block_p) * block_p
     splits = triton.cdiv(positions, chunk)
     partial = grad.new_empty(splits, channels, kh * kw, dtype=torch.float32)
     with torch.cuda.device(grad.device):
-        _kernel()[(channels, splits)](
+        launchable(_kernel())[(channels, splits)](
             x, grad, partial,
             positions, out_h, out_w, x.shape[2], x.shape[3],
             *x.stride(), *grad.stride(),
@@ -93,8 +101,3 @@ def depthwise_weight_grad(
             BLOCK_P=block_p, BLOCK_T=triton.next_power_of_2(kh * kw),
         )  # fmt: skip
     return partial.sum(0).view(channels, 1, kh, kw).to(x.dtype)
-
-
-@depthwise_weight_grad.register_fake
-def _(grad, x, weight_shape, stride, padding, dilation):
-    return x.new_empty(weight_shape)

@@ -144,6 +144,31 @@ def test_kernel_traces_under_compile_without_graph_breaks() -> None:
     _check(plain, batched, x, "models", atol=1e-4, rtol=1e-4, run=torch.compile(batched, fullgraph=True))
 
 
+@pytest.mark.parametrize(
+    "shape, kernel",
+    [(SHAPES[0], "conv2d_groups"), (DEPTHWISE_SHAPES[1], "depthwise_grad_weight")],
+    ids=["grouped", "depthwise-weight-grad"],
+)
+def test_compiled_step_launches_the_kernels_from_inductors_code(shape, kernel: str) -> None:
+    """Inductor sees into the kernels' operators (torch >= 2.6's ``triton_op``): its generated code launches
+    the Triton kernel itself, with no call back into the operator's Python body, and the step trains as the
+    plain convolutions do. The input is channels-last, as in timm's ConvNeXt (a contiguous one takes cuDNN's
+    NHWC depthwise kernels under torch.compile)."""
+    if not hasattr(torch.library, "triton_op"):
+        pytest.skip("torch < 2.6 has no triton_op: the kernels are opaque custom operators there")
+    from torch._inductor.utils import run_and_get_code
+
+    plain, batched = _models(shape)
+    size = shape[-1]
+    x = torch.randn(BATCH, SAMPLES, shape[0], size, size, device="cuda")
+    channels_last = torch.channels_last
+    compiled = torch.compile(lambda merged: batched(merged.contiguous(memory_format=channels_last)), fullgraph=True)
+    _, code = run_and_get_code(_check, plain, batched, x, "models", 1e-4, 1e-4, run=compiled)
+    code = "\n".join(code)
+    assert f"def {kernel}(" in code, f"the step should launch {kernel} from Inductor's code"
+    assert "torchmb.grouped_conv2d" not in code and "torchmb.depthwise_weight_grad" not in code
+
+
 def test_compiled_layer_takes_the_kernel_from_fewer_models_than_an_eager_one(monkeypatch) -> None:
     """Under torch.compile a launch costs no Python, so the kernel runs from ``min_groups_compiled`` groups;
     eager, the same layer stays on cuDNN. Both train as the plain convolutions do."""
