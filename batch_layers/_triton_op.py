@@ -3,41 +3,62 @@
 An operator made with ``torch.library.custom_op`` is opaque to Inductor: every call in a compiled step goes
 back through the dispatcher into the Python body, which computes the launch grid and launches through
 Triton's Python launcher again (a compiled timm ConvNeXt-atto step at B=16 spent more host time in its 12
-depthwise weight gradients than in any other operator). ``torch.library.triton_op`` (torch >= 2.6) makes the
-body traceable: Inductor computes the grid once, at compile time, and launches the kernel from its generated
-code like its own kernels. torch 2.5 has no ``triton_op``; there, and without Triton (the operators cannot run
-then), they are plain custom operators.
+depthwise weight gradients than in any other operator). Here the operator also decomposes under AOTAutograd's
+functionalisation into its body, whose launches are recorded as Triton kernel calls: Inductor computes the
+grid once, at compile time, and launches the kernel from its generated code like its own kernels (this is
+what ``torch.library.triton_op`` does; that one imports Triton when it registers, here at ``import torchmb``).
+Eager calls run the body and launch the kernel directly. torch 2.5 has no ``wrap_triton``; there the
+operators stay opaque.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
-
-from ._kernel_table import TRITON_INSTALLED
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
 __all__ = ["launchable", "triton_custom_op"]
+
+_tracing = threading.local()  # .body: whether this thread runs an operator's body to record its launches
 
 
 def triton_custom_op(name: str, fake: Callable[..., Any]) -> Callable[[Callable[..., Any]], Any]:
     """A decorator that makes a function whose only launches are ``launchable(kernel)[grid](...)`` calls
-    the custom operator ``name`` (no argument mutated), traceable by Inductor where torch supports it. ``fake``
-    gives the output's shape, dtype and device for torch 2.5 (later versions trace the body for them)."""
-    if TRITON_INSTALLED and hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton"):
-        return torch.library.triton_op(name, mutates_args=())
+    the custom operator ``name`` (no argument mutated) that Inductor sees into; ``fake`` gives its output's
+    shape, dtype and device without computing it."""
 
     def register(body: Callable[..., Any]) -> Any:
         op = torch.library.custom_op(name, mutates_args=())(body)
         op.register_fake(fake)
+        if hasattr(torch.library, "wrap_triton"):
+            op.register_torch_dispatch(FunctionalTensorMode, functools.partial(_decomposed, body))
         return op
 
     return register
 
 
 def launchable(kernel: Any) -> Any:
-    """``kernel`` (a ``triton.jit`` function) as a body of :func:`triton_custom_op` launches it: wrapped so
-    that tracing records the launch, and itself when the operator runs eagerly."""
-    wrap = getattr(torch.library, "wrap_triton", None)
-    return kernel if wrap is None else wrap(kernel)
+    """``kernel`` (a ``triton.jit`` function) as a body of :func:`triton_custom_op` launches it: itself when
+    the operator runs, wrapped so that the launch is recorded while the body is traced."""
+    return torch.library.wrap_triton(kernel) if getattr(_tracing, "body", False) else kernel
+
+
+def _decomposed(body, mode, op, types, args, kwargs):
+    """The operator under functionalisation: its body traced, the launches recorded (kept whole for
+    ``torch.export``, whose programs should not hold Triton source, and for tensor subclasses other than
+    the tracing's own)."""
+    if torch.compiler.is_exporting():
+        return mode.__torch_dispatch__(op, types, args, kwargs)
+    if any(t not in (torch.Tensor, FunctionalTensor) and not issubclass(t, FakeTensor) for t in types):
+        return NotImplemented
+    outer, _tracing.body = getattr(_tracing, "body", False), True
+    try:
+        with mode:
+            return body(*args, **kwargs)
+    finally:
+        _tracing.body = outer

@@ -1,0 +1,85 @@
+"""The registration of torchmb's Triton-backed operators (``batch_layers/_triton_op.py``): whole in eager calls
+and where a graph is kept for export, decomposed into their bodies when AOTAutograd functionalises a compiled
+graph (so that Inductor sees the kernels' launches). The CUDA side, Inductor launching the real kernels, is
+``test_conv_triton.py``'s."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from functorch.compile import make_boxed_func
+from support.compiled import DYNAMO_WARNINGS, fresh_dynamo
+from torch import Tensor
+from torch._functorch.aot_autograd import aot_module_simplified
+
+from batch_layers._triton_op import launchable, triton_custom_op
+
+pytestmark = [*DYNAMO_WARNINGS, pytest.mark.usefixtures("fresh_dynamo")]
+
+__all__ = ["fresh_dynamo"]  # a fixture the tests use
+
+if not hasattr(torch.library, "wrap_triton"):
+    pytest.skip("torch < 2.6 has no wrap_triton: the operators stay opaque there", allow_module_level=True)
+
+
+def _affine_shaped(x: Tensor, scale: float) -> Tensor:
+    return torch.empty_like(x)
+
+
+BODY_RUNS: list[str] = []
+
+
+@triton_custom_op("torchmb_test::scaled_plus_one", fake=_affine_shaped)
+def scaled_plus_one(x: Tensor, scale: float) -> Tensor:
+    """A stand-in body of ATen operators only (a real one launches a Triton kernel, which needs a GPU)."""
+    BODY_RUNS.append(type(x).__name__)
+    return x * scale + 1
+
+
+def _post_aot_targets(fn, *args) -> tuple[Tensor, list[str]]:
+    """``fn(*args)`` compiled, and the operators of the forward graph AOTAutograd hands the backend."""
+    targets: list[str] = []
+
+    def recording_backend(graph_module, example_inputs):
+        def forward_compiler(graph, _):
+            targets.extend(str(node.target) for node in graph.graph.nodes if node.op == "call_function")
+            return make_boxed_func(graph.forward)
+
+        return aot_module_simplified(graph_module, example_inputs, fw_compiler=forward_compiler)
+
+    return torch.compile(fn, backend=recording_backend, fullgraph=True)(*args), targets
+
+
+def test_eager_call_runs_the_body_once_and_matches_it() -> None:
+    x = torch.randn(5)
+    BODY_RUNS.clear()
+    torch.testing.assert_close(scaled_plus_one(x, 3.0), x * 3 + 1)
+    assert BODY_RUNS == ["Tensor"]
+
+
+def test_compiled_graph_holds_the_body_in_place_of_the_operator() -> None:
+    x = torch.randn(5)
+    y, targets = _post_aot_targets(lambda t: scaled_plus_one(t.sin(), 2.0), x)
+    torch.testing.assert_close(y, x.sin() * 2 + 1)
+    assert "aten.mul.Tensor" in targets and "aten.add.Tensor" in targets, targets
+    assert not [t for t in targets if "torchmb_test" in t], f"the operator should be decomposed: {targets}"
+
+
+# torch's own export code, on torch 2.13
+@pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning")
+def test_exported_program_keeps_the_operator_whole_through_its_decompositions() -> None:
+    """An exported program is meant to be serialised: it holds the operator, not a Triton kernel's source."""
+
+    class Scaled(torch.nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return scaled_plus_one(x, 2.0)
+
+    exported = torch.export.export(Scaled(), (torch.randn(5),))
+    for program in (exported, exported.run_decompositions()):
+        targets = [str(node.target) for node in program.graph.nodes if node.op == "call_function"]
+        assert targets == ["torchmb_test.scaled_plus_one.default"], targets
+
+
+def test_launchable_is_the_kernel_itself_outside_a_traced_body() -> None:
+    kernel = object()  # eager, no wrapping: a real kernel is launched as it is
+    assert launchable(kernel) is kernel
