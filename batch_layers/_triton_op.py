@@ -7,8 +7,8 @@ depthwise weight gradients than in any other operator). Here the operator also d
 functionalisation into its body, whose launches are recorded as Triton kernel calls: Inductor computes the
 grid once, at compile time, and launches the kernel from its generated code like its own kernels (this is
 what ``torch.library.triton_op`` does; that one imports Triton when it registers, here at ``import torchmb``).
-Eager calls run the body and launch the kernel directly. torch 2.5 has no ``wrap_triton``; there the
-operators stay opaque.
+Eager calls run the body and launch the kernel directly. Where torch lacks ``torch.library.wrap_triton`` or
+``torch.compiler.is_exporting`` (2.5, and releases before ``is_exporting``), the operators stay opaque.
 """
 
 from __future__ import annotations
@@ -22,7 +22,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
-__all__ = ["launchable", "triton_custom_op"]
+__all__ = ["DECOMPOSED", "launchable", "triton_custom_op"]
+
+DECOMPOSED = hasattr(torch.library, "wrap_triton") and hasattr(torch.compiler, "is_exporting")
+"""Whether this torch lets the operators decompose into their bodies under ``torch.compile``."""
 
 _tracing = threading.local()  # .body: whether this thread runs an operator's body to record its launches
 
@@ -35,7 +38,7 @@ def triton_custom_op(name: str, fake: Callable[..., Any]) -> Callable[[Callable[
     def register(body: Callable[..., Any]) -> Any:
         op = torch.library.custom_op(name, mutates_args=())(body)
         op.register_fake(fake)
-        if hasattr(torch.library, "wrap_triton"):
+        if DECOMPOSED:
             op.register_torch_dispatch(FunctionalTensorMode, functools.partial(_decomposed, body))
         return op
 
