@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from functorch.compile import make_boxed_func
-from support.compiled import DYNAMO_WARNINGS, assert_two_steps_match_plain, fresh_dynamo, gpu_conditions_lifted
+from support.compiled import (
+    DYNAMO_WARNINGS,
+    assert_two_steps_match_plain,
+    forward_graph_backend,
+    fresh_dynamo,
+    gpu_conditions_lifted,
+)
 from support.conv_checks import compiled_conv2d_against_plain
 from support.torchvision_ops import import_torchvision
 from torch import nn
-from torch._functorch.aot_autograd import aot_module_simplified
 
 from batch_layers import Layout, _kernel_table
 from batch_layers import functional as BF
@@ -88,20 +92,16 @@ def test_compiled_resnet18_keeps_grouped_convolutions_only_of_stride_1_on_channe
     _gpu_conditions_lifted(monkeypatch)
     grouped = []
 
-    def counting_backend(graph_module, example_inputs):
-        def forward_compiler(graph, inputs):
-            for node in graph.graph.nodes:
-                if node.target == torch.ops.aten.convolution.default and node.args[-1] > 1:
-                    x, weight = (arg.meta["val"] for arg in node.args[:2])
-                    channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
-                    grouped.append((tuple(weight.shape[1:]), tuple(node.args[3]), channels_last))
-            return make_boxed_func(graph.forward)
-
-        return aot_module_simplified(graph_module, example_inputs, fw_compiler=forward_compiler)
+    def count(graph) -> None:
+        for node in graph.graph.nodes:
+            if node.target == torch.ops.aten.convolution.default and node.args[-1] > 1:
+                x, weight = (arg.meta["val"] for arg in node.args[:2])
+                channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+                grouped.append((tuple(weight.shape[1:]), tuple(node.args[3]), channels_last))
 
     torch.manual_seed(0)
     batched = BatchModule(resnet18(num_classes=10), BATCH)
-    compiled = torch.compile(batched, backend=counting_backend)
+    compiled = torch.compile(batched, backend=forward_graph_backend(count))
     x = torch.randn(BATCH, SAMPLES, 3, 32, 32)
     for _ in range(2):
         compiled(x).sum().backward()

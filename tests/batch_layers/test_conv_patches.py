@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from functorch.compile import make_boxed_func
-from support.compiled import DYNAMO_WARNINGS, assert_two_steps_match_plain, fresh_dynamo, gpu_conditions_lifted
+from support.compiled import (
+    DYNAMO_WARNINGS,
+    assert_two_steps_match_plain,
+    forward_graph_backend,
+    fresh_dynamo,
+    gpu_conditions_lifted,
+)
 from support.conv_checks import check_product_against_plain_conv2d, compiled_conv2d_against_plain
 from support.torchvision_ops import import_torchvision
 from torch import nn
-from torch._functorch.aot_autograd import aot_module_simplified
 
 from batch_layers import Layout, _kernel_table
 from batch_layers import functional as BF
@@ -140,19 +144,15 @@ def test_compiled_efficientnet_keeps_no_grouped_convolution_that_turns_off_chann
     _gpu_conditions_lifted(monkeypatch)
     blocking, depthwise = [], []
 
-    def counting_backend(graph_module, example_inputs):
-        def forward_compiler(graph, inputs):
-            for node in graph.graph.nodes:
-                if node.target == torch.ops.aten.convolution.default and node.args[-1] > 1:
-                    weight = node.args[1].meta["val"]
-                    (blocking if weight.shape[1] > 1 else depthwise).append(tuple(weight.shape))
-            return make_boxed_func(graph.forward)
-
-        return aot_module_simplified(graph_module, example_inputs, fw_compiler=forward_compiler)
+    def count(graph) -> None:
+        for node in graph.graph.nodes:
+            if node.target == torch.ops.aten.convolution.default and node.args[-1] > 1:
+                weight = node.args[1].meta["val"]
+                (blocking if weight.shape[1] > 1 else depthwise).append(tuple(weight.shape))
 
     torch.manual_seed(0)
     batched = BatchModule(efficientnet_b0(num_classes=10), 2)
-    compiled = torch.compile(batched, backend=counting_backend)
+    compiled = torch.compile(batched, backend=forward_graph_backend(count))
     x = torch.randn(2, 2, 3, 32, 32)
     for _ in range(2):  # a second step: the first forward checks the model's code
         compiled(x).sum().backward()

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from functorch.compile import make_boxed_func
-from support.compiled import DYNAMO_WARNINGS, fresh_dynamo
+from support.compiled import DYNAMO_WARNINGS, forward_graph_backend, fresh_dynamo
 from torch import Tensor
-from torch._functorch.aot_autograd import aot_module_simplified
 
 from batch_layers._triton_op import DECOMPOSED, launchable, triton_custom_op
 
@@ -40,14 +38,10 @@ def _post_aot_targets(fn, *args) -> tuple[Tensor, list[str]]:
     """``fn(*args)`` compiled, and the operators of the forward graph AOTAutograd hands the backend."""
     targets: list[str] = []
 
-    def recording_backend(graph_module, example_inputs):
-        def forward_compiler(graph, _):
-            targets.extend(str(node.target) for node in graph.graph.nodes if node.op == "call_function")
-            return make_boxed_func(graph.forward)
+    def record(graph) -> None:
+        targets.extend(str(node.target) for node in graph.graph.nodes if node.op == "call_function")
 
-        return aot_module_simplified(graph_module, example_inputs, fw_compiler=forward_compiler)
-
-    return torch.compile(fn, backend=recording_backend, fullgraph=True)(*args), targets
+    return torch.compile(fn, backend=forward_graph_backend(record), fullgraph=True)(*args), targets
 
 
 def test_eager_call_runs_the_body_once_and_matches_it() -> None:

@@ -8,7 +8,9 @@ from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 import torch._dynamo
-from torch import Tensor, nn
+from functorch.compile import make_boxed_func
+from torch import Tensor, fx, nn
+from torch._functorch.aot_autograd import aot_module_simplified
 
 from batch_layers import _kernel_table
 
@@ -35,6 +37,20 @@ def gpu_conditions_lifted(monkeypatch: pytest.MonkeyPatch, candidates: Sequence[
     lifted = ("a CUDA tensor", "float32, float16 or bfloat16")
     for candidate in candidates:
         monkeypatch.setattr(candidate, "conditions", tuple(c for c in candidate.conditions if c[0] not in lifted))
+
+
+def forward_graph_backend(inspect: Callable[[fx.GraphModule], None]) -> Callable:
+    """A ``torch.compile`` backend that hands each forward graph AOTAutograd makes (ATen operators, after
+    functionalisation and decompositions) to ``inspect``, then runs it eagerly."""
+
+    def backend(graph_module, example_inputs):
+        def forward_compiler(graph, _):
+            inspect(graph)
+            return make_boxed_func(graph.forward)
+
+        return aot_module_simplified(graph_module, example_inputs, fw_compiler=forward_compiler)
+
+    return backend
 
 
 def assert_two_steps_match_plain(compiled: Callable[[Tensor], Tensor], batched: nn.Module, plain: Sequence[nn.Module],
