@@ -77,3 +77,17 @@ def test_exported_program_keeps_the_operator_whole_through_its_decompositions() 
 def test_launchable_is_the_kernel_itself_outside_a_traced_body() -> None:
     kernel = object()  # eager, no wrapping: a real kernel is launched as it is
     assert launchable(kernel) is kernel
+
+
+def test_compiled_tensor_subclass_reaches_the_body_as_its_inner_tensors() -> None:
+    """A subclass (here torch's test ``TwoTensor``) unwraps before the body is traced: a real body hands its
+    tensors to a Triton launch, which takes plain tensors only."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    first, second = torch.randn(5), torch.randn(5)
+    BODY_RUNS.clear()
+    y = torch.compile(lambda t: scaled_plus_one(t, 2.0), backend="aot_eager", fullgraph=True)(TwoTensor(first, second))
+    assert isinstance(y, TwoTensor)
+    torch.testing.assert_close(y.a, first * 2 + 1)
+    torch.testing.assert_close(y.b, second * 2 + 1)
+    assert BODY_RUNS and set(BODY_RUNS) == {"FunctionalTensor"}, BODY_RUNS
