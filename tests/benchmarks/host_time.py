@@ -26,8 +26,9 @@ gives those of ``bench --zoo``'s 32x32 images.
 
 It prints per model: microseconds per step (this thread's CPU time: the fastest of
 ``torch.utils.benchmark``'s blocked timings over rounds that take turns) for torchmb and the plain model
-and their ratio, and, with ``--counts``, the outermost ATen operators (``bench --launches``'s count) and
-the computing operators (:mod:`support.launches`) of each.
+and their ratio, and, with ``--counts``, the outermost ATen operators (``bench --launches``'s count), the
+computing operators (:mod:`support.launches`) and the nodes of the backward graph (:func:`autograd_nodes`) of
+each.
 ``--profile NAME`` prints where torchmb's step (``--impl limit``: the plain model's) spends its host time
 instead (cProfile, by own time).
 """
@@ -235,6 +236,9 @@ class CudaChoices:
             c.conditions = conditions
 
 
+LossOf = Callable[[], torch.Tensor]
+
+
 def workload(name: str, size: int) -> bench_steps.Workload:
     """``bench``'s workload ``name`` on ``size`` x ``size`` images (ViT built for that size)."""
     work = bench_steps.WORKLOADS[name]
@@ -252,6 +256,11 @@ def workload(name: str, size: int) -> bench_steps.Workload:
 
 def steps(name: str, batch: int, samples: int, size: int) -> dict[str, Callable[[], None]]:
     """The torchmb and plain ("limit") steps of ``bench``, with the foreach SGD a CUDA step runs."""
+    return {impl: _step(loss_of, model) for impl, (loss_of, model) in losses(name, batch, samples, size).items()}
+
+
+def losses(name: str, batch: int, samples: int, size: int) -> dict[str, tuple[LossOf, torch.nn.Module]]:
+    """The torchmb and plain ("limit") losses of ``bench``'s step, each with the model it trains."""
     work = workload(name, size)
     x = work.make_input((batch, samples), torch.device("cpu"))
     y = torch.randint(0, work.classes, (batch, samples))
@@ -267,7 +276,7 @@ def steps(name: str, batch: int, samples: int, size: int) -> dict[str, Callable[
     def plain_loss() -> torch.Tensor:
         return F.cross_entropy(plain(merged_x), merged_y)
 
-    return {"torchmb": _step(torchmb_loss, batched), "limit": _step(plain_loss, plain)}
+    return {"torchmb": (torchmb_loss, batched), "limit": (plain_loss, plain)}
 
 
 def _step(loss_of, model: torch.nn.Module):
@@ -295,6 +304,18 @@ def host_us(built: dict[str, Callable[[], None]], rounds: int, min_run_time: flo
     return {impl: min(times) * 1e6 for impl, times in blocks.items()}
 
 
+def autograd_nodes(loss: torch.Tensor) -> int:
+    """The nodes of ``loss``'s backward graph (its parameters' ``AccumulateGrad`` included): each costs the
+    engine host time, and a view node a reshape of its gradient."""
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            stack.extend(next_node for next_node, _ in node.next_functions)
+    return len(seen)
+
+
 def aten_ops(step) -> int:
     with profile(activities=[ProfilerActivity.CPU]) as profiler:
         step()
@@ -309,7 +330,8 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=8, help="image height and width (at least what a model needs)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of timing, taking turns between the steps")
     parser.add_argument("--min-run-time", type=float, default=0.2, help="seconds of each step's timing per round")
-    parser.add_argument("--counts", action="store_true", help="also count ATen and computing operators")
+    parser.add_argument("--counts", action="store_true",
+                        help="also count ATen and computing operators, and autograd nodes")
     parser.add_argument("--cuda-choices", action="store_true",
                         help="take the kernel tables' choices for CUDA tensors (the paths of a GPU step)")
     parser.add_argument("--profile", help="print where this workload's torchmb step spends its host time")
@@ -327,9 +349,10 @@ def main() -> None:
             pstats.Stats(profiler).sort_stats("tottime").print_stats(args.rows)
             return
         header = f"{'model':24} {'torchmb us':>10} {'plain us':>9} {'ratio':>6}"
-        print(header + ("  aten ops (torchmb/plain)  computing ops" if args.counts else ""), flush=True)
+        print(header + ("  aten ops (torchmb/plain)  computing ops  autograd nodes" if args.counts else ""), flush=True)
         for name in args.workloads.split(","):
-            built = steps(name, args.batch, args.samples, args.size)
+            built_losses = losses(name, args.batch, args.samples, args.size)
+            built = {impl: _step(loss_of, model) for impl, (loss_of, model) in built_losses.items()}
             times = host_us(built, args.rounds, args.min_run_time)
             line = f"{name:24} {times['torchmb']:10.0f} {times['limit']:9.0f} {times['torchmb'] / times['limit']:6.2f}"
             if args.counts:
@@ -338,6 +361,8 @@ def main() -> None:
                 line += (f"  {aten['torchmb']:5d}/{aten['limit']:<5d} {aten['torchmb'] / aten['limit']:.2f}x"
                          f"  {computing['torchmb']:5d}/{computing['limit']:<5d}"
                          f" {computing['torchmb'] / computing['limit']:.2f}x")
+                nodes = {impl: autograd_nodes(loss_of()) for impl, (loss_of, _) in built_losses.items()}
+                line += f"  {nodes['torchmb']:5d}/{nodes['limit']:<5d} {nodes['torchmb'] / nodes['limit']:.2f}x"
             print(line, flush=True)
 
 
