@@ -104,28 +104,44 @@ def merged_from_rows(y: Tensor, layout: Layout, groups: int, height: int, width:
     return layout.merge(y, unread=True).permute(0, 3, 1, 2)  # bmm reads no output
 
 
-def _one_pixel(x: Tensor, filters: Tensor, bias: Tensor | None, layout: Layout, rows_plan: _DimPlan,
+def _one_pixel(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Layout, rows_plan: _DimPlan,
                cols_plan: _DimPlan, groups: int) -> Tensor:
     """:func:`matmul_conv2d` of one output pixel whose pixels read meet the filter taps in order, one each (a
     1x1 image's centre taps): filters first, ``(B*g, O/g, C/g * taps) @ (B*g, C/g * taps, n)``, each filter's
     taps in its own layout (so autograd hands the weight's gradient back in it, where the pixels-first product
     handed it back transposed, a copy of B models' filters per backward) and each sample's pixels read where
-    they lie (a strided view where the pixels read are the whole contiguous image). ``filters`` are the
-    ``(B*g, O/g, C/g, kh, kw)`` view of the weight."""
+    they lie (a strided view where the pixels read are the whole contiguous image). ``weight`` is the stacked
+    ``(B*O, C/g, kh, kw)`` or per-model ``(B, O, C/g, kh, kw)`` weight."""
     batch, n = layout.batch, x.shape[0] // layout.batch
-    models, per_group, _, kh, kw = filters.shape
-    if (rows_plan.tap_count, cols_plan.tap_count) != (kh, kw):
-        filters = filters[..., rows_plan.tap_first : rows_plan.tap_first + rows_plan.tap_count,
-                          cols_plan.tap_first : cols_plan.tap_first + cols_plan.tap_count]
-    filters = filters.reshape(models, per_group, -1)
-    if (rows_plan.count, cols_plan.count) != tuple(x.shape[2:]):
+    models, (kh, kw) = batch * groups, weight.shape[-2:]
+    per_group = weight.numel() // (models * weight.shape[-3] * kh * kw)
+    if (rows_plan.tap_count, cols_plan.tap_count) == (kh, kw):
+        filters = weight.reshape(models, per_group, -1)
+    else:
+        filters = weight.reshape(models, per_group, -1, kh, kw)[
+            ..., rows_plan.tap_first : rows_plan.tap_first + rows_plan.tap_count,
+            cols_plan.tap_first : cols_plan.tap_first + cols_plan.tap_count].reshape(models, per_group, -1)
+    whole_image = (rows_plan.count, cols_plan.count) == tuple(x.shape[2:])
+    if not whole_image:
         x = x[:, :, rows_plan.first : rows_plan.first + rows_plan.count,
               cols_plan.first : cols_plan.first + cols_plan.count]
-    # (B*g, C/g * pixels read, n): each model's (and group's) samples as columns
-    columns = layout.split(x).reshape(batch, n, groups, -1).permute(0, 2, 3, 1).reshape(models, -1, n)
-    y = batched_product(None if bias is None else bias.reshape(models, per_group, 1), filters, columns)
+    y = batched_product(None if bias is None else bias.reshape(models, per_group, 1), filters,
+                        _sample_columns(x, layout, groups, contiguous_rows=whole_image and x.is_contiguous()))
     y = y.view(batch, groups * per_group, n, 1, 1).transpose(1, 2)
-    return layout.merge(y, unread=True)  # bmm reads no output
+    # bmm reads no output; one model's rows are a view, contiguous as F.conv2d's result only after a copy
+    return layout.merge(y, unread=True).contiguous()
+
+
+def _sample_columns(x: Tensor, layout: Layout, groups: int, contiguous_rows: bool) -> Tensor:
+    """The merged ``x``'s pixels read as each model's (and group's) samples in columns, ``(B*g, C/g * pixels, n)``:
+    a single view where its rows are contiguous and the order puts the models' groups side by side (samples-major,
+    or one group a model), which saves the autograd nodes of the general path's views."""
+    batch, n = layout.batch, x.shape[0] // layout.batch
+    if contiguous_rows and layout.order == "samples":
+        return x.view(n, batch * groups, -1).permute(1, 2, 0)
+    if contiguous_rows and groups == 1:
+        return x.view(batch, n, -1).transpose(1, 2)
+    return layout.split(x).reshape(batch, n, groups, -1).permute(0, 2, 3, 1).reshape(batch * groups, -1, n)
 
 
 def matmul_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Layout, stride: Sequence[int],
@@ -142,9 +158,9 @@ def matmul_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Layout
                     for size, k, s, p, d in zip((height, width), (kh, kw), stride, padding, dilation))
     rows_plan = _plan(height, out_h, kh, stride[0], padding[0], dilation[0])
     cols_plan = _plan(width, out_w, kw, stride[1], padding[1], dilation[1])
-    filters = weight.reshape(models, per_group, in_per_group, kh, kw)
     if rows_plan.in_tap_order and cols_plan.in_tap_order:
-        return _one_pixel(x, filters, bias, layout, rows_plan, cols_plan, groups)
+        return _one_pixel(x, weight, bias, layout, rows_plan, cols_plan, groups)
+    filters = weight.reshape(models, per_group, in_per_group, kh, kw)
     pixels_read, pixels_out = rows_plan.count * cols_plan.count, out_h * out_w
     # only the taps some pixel uses (a 1x1 image's centre), each filter's taps outside its input channels
     filters = filters[

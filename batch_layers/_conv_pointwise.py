@@ -41,19 +41,35 @@ def pointwise_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Lay
     batch, n = layout.batch, x.shape[0] // layout.batch
     models, in_per_group = batch * groups, weight.shape[-3]
     per_group = weight.numel() // (models * in_per_group)
-    pixels = x[:, :, :: stride[0], :: stride[1]]
+    # (a stride of 1 takes no view: each view is an autograd node, host time in a host-bound step)
+    pixels = x if tuple(stride) == (1, 1) else x[:, :, :: stride[0], :: stride[1]]
     height, width = pixels.shape[2:]
     filters = weight.reshape(models, per_group, in_per_group)
     if not is_channels_last(x):
         # filters first, (B*g, O/g, C/g) @ (B*g, C/g, n*h*w): the weight's gradient then comes back in the
         # weight's own layout (pixels first, it came back transposed: a copy of B models' filters per backward)
-        columns = split_dim(layout.split(pixels), 2, (groups, in_per_group)).permute(0, 2, 3, 1, 4, 5)
-        columns = columns.reshape(models, in_per_group, n * height * width)
-        y = batched_product(None if bias is None else bias.reshape(models, per_group, 1), filters, columns)
-        # (B, n, O, h, w): each model's pixels with all its groups' channels
-        y = y.view(batch, groups * per_group, n, height, width).transpose(1, 2)
-        return layout.merge(y).contiguous()
+        y = batched_product(None if bias is None else bias.reshape(models, per_group, 1), filters,
+                            _pixel_columns(pixels, layout, groups, in_per_group))
+        # (B, n, O, h, w) or samples-major (n, B, O, h, w): each model's pixels with all its groups' channels
+        y = y.view(batch, groups * per_group, n, height, width)
+        y = y.permute(2, 0, 1, 3, 4) if layout.order == "samples" else y.transpose(1, 2)
+        return y.reshape(-1, groups * per_group, height, width).contiguous()
     # (B*g, n*h*w, C/g): each model's (and group's) pixels as rows, read where they lie (channels-last)
     rows = pixel_rows(pixels, layout, groups, in_per_group)
     y = batched_product(None if bias is None else bias.reshape(models, 1, per_group), rows, filters.transpose(1, 2))
     return merged_from_rows(y, layout, groups, height, width)
+
+
+def _pixel_columns(pixels: Tensor, layout: Layout, groups: int, in_per_group: int) -> Tensor:
+    """The merged NCHW ``pixels`` as each model's (and group's) channels by its samples' pixels,
+    ``(B*g, C/g, n*h*w)``, in one copy: from one view of a contiguous input (the general path's views of a
+    strided one are autograd nodes, host time in a host-bound step)."""
+    batch, n = layout.batch, pixels.shape[0] // layout.batch
+    area = pixels.shape[2] * pixels.shape[3]
+    if not pixels.is_contiguous():
+        columns = split_dim(layout.split(pixels), 2, (groups, in_per_group)).permute(0, 2, 3, 1, 4, 5)
+    elif layout.order == "samples":
+        columns = pixels.view(n, batch * groups, in_per_group, area).permute(1, 2, 0, 3)
+    else:
+        columns = pixels.view(batch, n, groups, in_per_group, area).permute(0, 2, 3, 1, 4)
+    return columns.reshape(batch * groups, in_per_group, -1)

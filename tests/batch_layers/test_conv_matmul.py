@@ -96,3 +96,12 @@ def test_one_pixel_copies_nothing_of_the_filters(order: str, kernel: int, paddin
     assert weight.grad.is_contiguous() and weight.grad.shape == weight.shape
     assert weight.numel() not in copies.sizes, f"a copy of the filters ({weight.numel()} elements): {copies.sizes}"
     assert copies.sizes, "the output is laid out merged (the check sees copies)"
+
+
+@pytest.mark.parametrize(("batch", "samples"), [(1, 2), (3, 1)], ids=["one-model", "one-sample"])
+@pytest.mark.parametrize("order", ["models", "samples"])
+@pytest.mark.parametrize("geometry", [GEOMETRIES[0], GEOMETRIES[1], GEOMETRIES[3], GEOMETRIES[8]], ids=lambda g: "x".join(map(str, g)))
+def test_one_model_or_one_sample_is_b_plain_convolutions(geometry, order: str, batch: int, samples: int) -> None:
+    """A single model or sample makes views of the merged layout contiguous that are not otherwise: the result
+    is still laid out merged and contiguous."""
+    check_product_against_plain_conv2d(matmul_conv2d, geometry, order, False, True, True, batch, samples)

@@ -84,3 +84,18 @@ def test_a_contiguous_input_copies_nothing_of_the_filters(order: str) -> None:
     assert weight.grad.is_contiguous() and weight.grad.shape == weight.shape
     assert weight.numel() not in copies.sizes, f"a copy of the filters ({weight.numel()} elements): {copies.sizes}"
     assert copies.sizes, "the pixels are copied (the check sees copies)"
+
+
+@pytest.mark.parametrize(("batch", "samples"), [(1, 2), (3, 1)], ids=["one-model", "one-sample"])
+@pytest.mark.parametrize("order", ["models", "samples"])
+@pytest.mark.parametrize(("stride", "groups"), [(1, 1), (1, 2), (2, 1)], ids=["plain", "grouped", "strided"])
+def test_one_model_or_one_sample_is_b_plain_convolutions(stride: int, groups: int, order: str, batch: int,
+                                                         samples: int) -> None:
+    """A single model or sample makes views of the merged layout contiguous that are not otherwise: the result
+    is still laid out merged and contiguous."""
+
+    def product(x, weight, bias, layout, stride, padding, dilation, groups):
+        return pointwise_conv2d(x, weight, bias, layout, stride, groups)
+
+    check_product_against_plain_conv2d(product, (4, 6, 1, stride, 0, 1, groups, 3, 3), order, False, True, True,
+                                       batch, samples)
