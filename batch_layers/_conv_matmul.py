@@ -27,9 +27,11 @@ import torch
 from torch import Tensor
 
 from ._kernel_table import MATMUL, ConvCall, read_window
-from ._layout import Layout, is_channels_last, split_dim
+from ._layout import Layout, is_channels_last, reshape_unread, split_dim
 
-__all__ = ["batched_product", "matmul_conv2d", "merged_from_rows", "pixel_rows", "runs_as_matmul"]
+__all__ = [
+    "batched_product", "matmul_conv2d", "merged_from_columns", "merged_from_rows", "pixel_rows", "runs_as_matmul",
+]
 
 
 def runs_as_matmul(call: ConvCall) -> bool:
@@ -104,6 +106,16 @@ def merged_from_rows(y: Tensor, layout: Layout, groups: int, height: int, width:
     return layout.merge(y, unread=True).permute(0, 3, 1, 2)  # bmm reads no output
 
 
+def merged_from_columns(y: Tensor, layout: Layout, height: int, width: int) -> Tensor:
+    """A filters-first product's ``(B*g, O/g, n*h*w)`` result as the merged, contiguous ``(B*n, O, h, w)``, in one
+    copy (a permute of the models', samples' and channels' dims, then the merged layout's rows)."""
+    batch = layout.batch
+    y = y.view(batch, y.shape[0] // batch * y.shape[1], -1, height, width)  # (B, O, n, h, w)
+    y = y.permute(2, 0, 1, 3, 4) if layout.order == "samples" else y.transpose(1, 2)
+    # bmm reads no output; where the permute leaves it contiguous (one model or sample), still a tensor of its own
+    return reshape_unread(y, (-1, y.shape[2], height, width)).contiguous()
+
+
 def _one_pixel(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Layout, rows_plan: _DimPlan,
                cols_plan: _DimPlan, groups: int) -> Tensor:
     """:func:`matmul_conv2d` of one output pixel whose pixels read meet the filter taps in order, one each (a
@@ -112,8 +124,7 @@ def _one_pixel(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Layout, r
     handed it back transposed, a copy of B models' filters per backward) and each sample's pixels read where
     they lie (a strided view where the pixels read are the whole contiguous image). ``weight`` is the stacked
     ``(B*O, C/g, kh, kw)`` or per-model ``(B, O, C/g, kh, kw)`` weight."""
-    batch, n = layout.batch, x.shape[0] // layout.batch
-    models, (kh, kw) = batch * groups, weight.shape[-2:]
+    models, (kh, kw) = layout.batch * groups, weight.shape[-2:]
     per_group = weight.numel() // (models * weight.shape[-3] * kh * kw)
     if (rows_plan.tap_count, cols_plan.tap_count) == (kh, kw):
         filters = weight.reshape(models, per_group, -1)
@@ -127,9 +138,7 @@ def _one_pixel(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Layout, r
               cols_plan.first : cols_plan.first + cols_plan.count]
     y = batched_product(None if bias is None else bias.reshape(models, per_group, 1), filters,
                         _sample_columns(x, layout, groups, contiguous_rows=whole_image and x.is_contiguous()))
-    y = y.view(batch, groups * per_group, n, 1, 1).transpose(1, 2)
-    # bmm reads no output; one model's rows are a view, contiguous as F.conv2d's result only after a copy
-    return layout.merge(y, unread=True).contiguous()
+    return merged_from_columns(y, layout, 1, 1)
 
 
 def _sample_columns(x: Tensor, layout: Layout, groups: int, contiguous_rows: bool) -> Tensor:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from ._conv_matmul import batched_product, merged_from_rows, pixel_rows
+from ._conv_matmul import batched_product, merged_from_columns, merged_from_rows, pixel_rows
 from ._kernel_table import POINTWISE, ConvCall
 from ._layout import Layout, is_channels_last, split_dim
 
@@ -38,8 +38,7 @@ def pointwise_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Lay
     ``(B*O, C/groups, 1, 1)`` ``weight`` and ``(B*O,)`` ``bias`` (or the per-model ``(B, O, C/groups, 1, 1)`` and
     ``(B, O)``, which it reads without stacking them first; ``groups`` per model); the merged result keeps
     ``x``'s order and storage (channels-last or contiguous)."""
-    batch, n = layout.batch, x.shape[0] // layout.batch
-    models, in_per_group = batch * groups, weight.shape[-3]
+    models, in_per_group = layout.batch * groups, weight.shape[-3]
     per_group = weight.numel() // (models * in_per_group)
     # (a stride of 1 takes no view: each view is an autograd node, host time in a host-bound step)
     pixels = x if tuple(stride) == (1, 1) else x[:, :, :: stride[0], :: stride[1]]
@@ -50,10 +49,7 @@ def pointwise_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Lay
         # weight's own layout (pixels first, it came back transposed: a copy of B models' filters per backward)
         y = batched_product(None if bias is None else bias.reshape(models, per_group, 1), filters,
                             _pixel_columns(pixels, layout, groups, in_per_group))
-        # (B, n, O, h, w) or samples-major (n, B, O, h, w): each model's pixels with all its groups' channels
-        y = y.view(batch, groups * per_group, n, height, width)
-        y = y.permute(2, 0, 1, 3, 4) if layout.order == "samples" else y.transpose(1, 2)
-        return y.reshape(-1, groups * per_group, height, width).contiguous()
+        return merged_from_columns(y, layout, height, width)
     # (B*g, n*h*w, C/g): each model's (and group's) pixels as rows, read where they lie (channels-last)
     rows = pixel_rows(pixels, layout, groups, in_per_group)
     y = batched_product(None if bias is None else bias.reshape(models, 1, per_group), rows, filters.transpose(1, 2))
