@@ -100,7 +100,7 @@ def test_one_pixel_copies_nothing_of_the_filters(order: str, kernel: int, paddin
 
 @pytest.mark.parametrize(("batch", "samples"), [(1, 2), (3, 1)], ids=["one-model", "one-sample"])
 @pytest.mark.parametrize("order", ["models", "samples"])
-@pytest.mark.parametrize("geometry", [GEOMETRIES[0], GEOMETRIES[1], GEOMETRIES[3], GEOMETRIES[8]], ids=lambda g: "x".join(map(str, g)))
+@pytest.mark.parametrize("geometry", [GEOMETRIES[i] for i in (0, 1, 3, 8)], ids=lambda g: "x".join(map(str, g)))
 def test_one_model_or_one_sample_is_b_plain_convolutions(geometry, order: str, batch: int, samples: int) -> None:
     """A single model or sample makes views of the merged layout contiguous that are not otherwise: the result
     is still laid out merged and contiguous."""
