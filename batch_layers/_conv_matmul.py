@@ -132,23 +132,23 @@ def _one_pixel(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Layout, r
         filters = weight.reshape(models, per_group, -1, kh, kw)[
             ..., rows_plan.tap_first : rows_plan.tap_first + rows_plan.tap_count,
             cols_plan.tap_first : cols_plan.tap_first + cols_plan.tap_count].reshape(models, per_group, -1)
-    whole_image = (rows_plan.count, cols_plan.count) == tuple(x.shape[2:])
-    if not whole_image:
+    if (rows_plan.count, cols_plan.count) != tuple(x.shape[2:]):
         x = x[:, :, rows_plan.first : rows_plan.first + rows_plan.count,
               cols_plan.first : cols_plan.first + cols_plan.count]
     y = batched_product(None if bias is None else bias.reshape(models, per_group, 1), filters,
-                        _sample_columns(x, layout, groups, contiguous_rows=whole_image and x.is_contiguous()))
+                        _sample_columns(x, layout, groups))
     return merged_from_columns(y, layout, 1, 1)
 
 
-def _sample_columns(x: Tensor, layout: Layout, groups: int, contiguous_rows: bool) -> Tensor:
+def _sample_columns(x: Tensor, layout: Layout, groups: int) -> Tensor:
     """The merged ``x``'s pixels read as each model's (and group's) samples in columns, ``(B*g, C/g * pixels, n)``:
-    a single view where its rows are contiguous and the order puts the models' groups side by side (samples-major,
+    a single view where ``x`` is contiguous and the order puts the models' groups side by side (samples-major,
     or one group a model), which saves the autograd nodes of the general path's views."""
     batch, n = layout.batch, x.shape[0] // layout.batch
-    if contiguous_rows and layout.order == "samples":
+    contiguous = x.is_contiguous()
+    if contiguous and layout.order == "samples":
         return x.view(n, batch * groups, -1).permute(1, 2, 0)
-    if contiguous_rows and groups == 1:
+    if contiguous and groups == 1:
         return x.view(batch, n, -1).transpose(1, 2)
     return layout.split(x).reshape(batch, n, groups, -1).permute(0, 2, 3, 1).reshape(batch * groups, -1, n)
 

@@ -256,7 +256,12 @@ def workload(name: str, size: int) -> bench_steps.Workload:
 
 def steps(name: str, batch: int, samples: int, size: int) -> dict[str, Callable[[], None]]:
     """The torchmb and plain ("limit") steps of ``bench``, with the foreach SGD a CUDA step runs."""
-    return {impl: _step(loss_of, model) for impl, (loss_of, model) in losses(name, batch, samples, size).items()}
+    return steps_of(losses(name, batch, samples, size))
+
+
+def steps_of(built_losses: dict[str, tuple[LossOf, torch.nn.Module]]) -> dict[str, Callable[[], None]]:
+    """A training step of each of :func:`losses`'s losses."""
+    return {impl: _step(loss_of, model) for impl, (loss_of, model) in built_losses.items()}
 
 
 def losses(name: str, batch: int, samples: int, size: int) -> dict[str, tuple[LossOf, torch.nn.Module]]:
@@ -352,7 +357,7 @@ def main() -> None:
         print(header + ("  aten ops (torchmb/plain)  computing ops  autograd nodes" if args.counts else ""), flush=True)
         for name in args.workloads.split(","):
             built_losses = losses(name, args.batch, args.samples, args.size)
-            built = {impl: _step(loss_of, model) for impl, (loss_of, model) in built_losses.items()}
+            built = steps_of(built_losses)
             times = host_us(built, args.rounds, args.min_run_time)
             line = f"{name:24} {times['torchmb']:10.0f} {times['limit']:9.0f} {times['torchmb'] / times['limit']:6.2f}"
             if args.counts:
