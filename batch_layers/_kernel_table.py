@@ -266,7 +266,9 @@ TRITON_DEPTHWISE_GRAD: Candidate[ConvCall] = Candidate(
      _FLOAT, _TRITON),
     {"min_channels": 128, "max_taps": 64},
     "H100: a ConvNeXt 7x7 depthwise layer at B=64 2.7 against 3.8 ms forward and backward (ATen reads the "
-    "whole output gradient once per filter tap; fewer channels leave the GPU mostly idle either way)")
+    "whole output gradient once per filter tap; fewer channels leave the GPU mostly idle either way). H200, "
+    "whole steps at B=16, n=128: ConvNeXt-atto 12.4 against 28.0 GPU ms, MobileNetV3 7.0 against 17.0, timm's "
+    "EfficientNet-B0 27.1 against 59.1; ConvNeXt-atto at B=64 1,166 against 636 model-steps/s")
 
 CHANNELS_LAST: Candidate[ConvCall] = Candidate(
     "channels-last",
