@@ -99,3 +99,22 @@ def test_one_model_or_one_sample_is_b_plain_convolutions(stride: int, groups: in
 
     check_product_against_plain_conv2d(product, (4, 6, 1, stride, 0, 1, groups, 3, 3), order, False, True, True,
                                        batch, samples)
+
+
+def test_a_channels_last_models_major_input_makes_few_autograd_nodes() -> None:
+    """ConvNeXt's 1x1 layers (channels-last after its LayerNorm2d, models-major): each node is host time in a
+    host-bound step, and its pixels already lie as the rows of each model's matrix, so the product takes eight
+    nodes (the general path's views made thirteen)."""
+    layout = Layout(BATCH, "models")
+    x = torch.randn(BATCH * SAMPLES, 8, 3, 3).contiguous(memory_format=torch.channels_last).requires_grad_()
+    weight = torch.randn(BATCH, 16, 8, 1, 1, requires_grad=True)
+    bias = torch.randn(BATCH, 16, requires_grad=True)
+    y = pointwise_conv2d(x, weight, bias, layout, (1, 1), 1)
+    nodes, stack = [], [y.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and type(node).__name__ != "AccumulateGrad":
+            nodes.append(type(node).__name__)
+            stack.extend(parent for parent, _ in node.next_functions)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    assert len(nodes) <= 8, nodes
