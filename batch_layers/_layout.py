@@ -124,11 +124,11 @@ def from_grouped(
     if is_channels_last(y) or (channels_last and y.dim() == 4):
         height, width = y.shape[2:]
         channels = y.shape[1] // batch
-        rows = split_dim(y.permute(0, 2, 3, 1), 3, (batch, channels))
+        groups = split_dim(y, 1, (batch, channels))  # (n, B, C, H, W), whatever y's storage
         if order == "models":
-            merged = rows.permute(3, 0, 1, 2, 4).contiguous()
+            merged = groups.permute(1, 0, 3, 4, 2).contiguous()
         else:
-            merged = rows.permute(0, 3, 1, 2, 4).contiguous()
+            merged = groups.permute(0, 1, 3, 4, 2).contiguous()
         return merged.view(batch * n, height, width, channels).permute(0, 3, 1, 2)
     if order == "samples":
         shape = (n * batch, y.shape[1] // batch, *y.shape[2:])
