@@ -276,8 +276,6 @@ def _lift(tensor: Tensor, rank: int) -> Tensor:
     shape = tensor.shape[1:]
     if len(shape) > rank:
         raise NotElementwise("a per-model parameter with more dims than the data it meets")
-    if len(shape) == rank:
-        return tensor  # (a view would be one more autograd node per layer scale: host time)
     return tensor.view(tensor.shape[0], *[1] * (rank - len(shape)), *shape)
 
 
