@@ -135,6 +135,22 @@ def test_a_layer_scale_block_is_broadcast_per_model_like_plain_models(order: str
     check_like_seeded_plain_models(LayerScaleBlock, batched, x, out)
 
 
+@pytest.mark.parametrize("order", ["models", "samples"])
+def test_a_layer_scale_step_under_a_dispatch_mode_is_like_plain_models(order: str) -> None:
+    """A torch dispatch mode (FlopCounterMode here; profilers and debugging modes alike) calls every backward
+    op from Python, so a saved tensor that were the parameter's subclass would reach its torch function there:
+    what backward saves must be plain tensors."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    batched = BatchModule.from_factory(LayerScaleBlock, B, seed=0, merged_order=order)
+    x = torch.randn(B, N, 4, 5, 5)
+    with FlopCounterMode(display=False):
+        out = batched(x)
+        out.square().sum().backward()
+    check_like_seeded_plain_models(LayerScaleBlock, batched, x, out)
+
+
 def test_affines_and_timm_layer_scales_match_plain_models() -> None:
     import_torchvision()  # timm imports torchvision
     from timm.layers import LayerScale, LayerScale2d
