@@ -72,7 +72,8 @@ TRITON_NORM: Candidate[NormCall] = Candidate(
     "(batch_layers/_norm_triton.py), in place of torch's norm without affine plus six activation-sized "
     "operators (forward mul and add; backward three mul and two sum). H200, ViT-Tiny's norms (D=192, n=128): "
     "forward and backward 2.3x (B=16) to 3.5x (B=64) faster than that composite; ViT-Tiny 0.85 -> 0.97 of "
-    "the limit at B=64; ConvNeXt-atto (n=128) 1,166 against 1,086 model-steps/s at B=64, a tie at B=16")
+    "the limit at B=64; ConvNeXt-atto (n=128) 1,166 against 1,086 model-steps/s at B=64 (ranges overlapping), "
+    "a tie at B=16")
 """The fused kernels of ``_norm_triton.py``: forward, and input, weight and bias gradients."""
 
 _COMPOSITE: Candidate[NormCall] = Candidate(
