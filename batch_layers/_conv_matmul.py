@@ -93,6 +93,11 @@ def pixel_rows(x: Tensor, layout: Layout, groups: int, in_per_group: int) -> Ten
     """The merged ``(B*n, C, h, w, *patch)`` ``x`` as each model's (and group's) pixels in rows,
     ``(B*g, n*h*w, C/g * patch)``, each row in the filters' order: a strided view where the storage allows it
     (channels-last pixels), else one copy."""
+    if groups == 1 and layout.order == "models":
+        # each model's pixels are consecutive merged rows: one permute and one reshape (the general path's views
+        # are two autograd nodes more, host time in a host-bound step)
+        pixels = x.shape[0] // layout.batch * x.shape[2] * x.shape[3]
+        return x.permute(0, 2, 3, 1, *range(4, x.dim())).reshape(layout.batch, pixels, -1)
     rows = split_dim(layout.split(x), 2, (groups, in_per_group))
     rows = rows.permute(0, 2, 1, 4, 5, 3, *range(6, rows.dim()))  # (B, g, n, h, w, C/g, *patch)
     return rows.reshape(rows.shape[0] * groups, rows.shape[2] * rows.shape[3] * rows.shape[4], -1)
@@ -101,6 +106,9 @@ def pixel_rows(x: Tensor, layout: Layout, groups: int, in_per_group: int) -> Ten
 def merged_from_rows(y: Tensor, layout: Layout, groups: int, height: int, width: int) -> Tensor:
     """A product's ``(B*g, n*h*w, O/g)`` rows (of :func:`pixel_rows`) as the merged ``(B*n, O, h, w)``, stored
     channels-last, in at most one copy (the merged order's)."""
+    if groups == 1 and layout.order == "models":
+        # the rows already lie as the merged channels-last pixels (three autograd nodes fewer than the general path)
+        return reshape_unread(y, (-1, height, width, y.shape[-1])).permute(0, 3, 1, 2)  # bmm reads no output
     # (B, n, h, w, O): each model's pixels with all its groups' channels
     y = y.view(layout.batch, groups, -1, height, width, y.shape[-1]).permute(0, 2, 3, 4, 1, 5).flatten(4)
     return layout.merge(y, unread=True).permute(0, 3, 1, 2)  # bmm reads no output

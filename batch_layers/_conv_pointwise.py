@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ._conv_matmul import batched_product, merged_from_columns, merged_from_rows, pixel_rows
 from ._kernel_table import POINTWISE, ConvCall
-from ._layout import Layout, is_channels_last, reshape_unread, split_dim
+from ._layout import Layout, is_channels_last, split_dim
 
 __all__ = ["pointwise_conv2d", "runs_pointwise"]
 
@@ -50,17 +50,9 @@ def pointwise_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Lay
         y = batched_product(None if bias is None else bias.reshape(models, per_group, 1), filters,
                             _pixel_columns(pixels, layout, groups, in_per_group))
         return merged_from_columns(y, layout, height, width)
-    bias_row = None if bias is None else bias.reshape(models, 1, per_group)
-    if groups == 1 and layout.order == "models":
-        # channels-last, models-major: each model's pixels already lie as the rows of one (n*h*w, C) matrix, and
-        # its product's rows as its output's channels-last pixels (8 autograd nodes where the general path's
-        # views make 13: host time in a host-bound step)
-        rows = pixels.permute(0, 2, 3, 1).reshape(models, -1, in_per_group)
-        y = batched_product(bias_row, rows, filters.transpose(1, 2))
-        return reshape_unread(y, (pixels.shape[0], height, width, per_group)).permute(0, 3, 1, 2)
     # (B*g, n*h*w, C/g): each model's (and group's) pixels as rows, read where they lie (channels-last)
     rows = pixel_rows(pixels, layout, groups, in_per_group)
-    y = batched_product(bias_row, rows, filters.transpose(1, 2))
+    y = batched_product(None if bias is None else bias.reshape(models, 1, per_group), rows, filters.transpose(1, 2))
     return merged_from_rows(y, layout, groups, height, width)
 
 
