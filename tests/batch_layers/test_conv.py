@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from support.graph import grouped_conv_node
+from support.graph import autograd_nodes, grouped_conv_node
 from support.layer_cases import LayerCase, run_case
 from torch import nn
 
@@ -25,19 +25,6 @@ def test_backward_keeps_the_models_major_input_not_a_grouped_copy() -> None:
     assert saved_weight.data_ptr() == conv.weight.data_ptr()
 
 
-def _autograd_nodes(y: torch.Tensor) -> list[str]:
-    """The names of every node of the autograd graph behind ``y``."""
-    names, todo, seen = [], [y.grad_fn], set()
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.append(type(node).__name__)
-        todo += [next_node for next_node, _ in node.next_functions]
-    return names
-
-
 @pytest.mark.parametrize("transposed", [False, True], ids=["conv", "transposed"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_samples_major_runs_on_autograds_own_convolution_node_keeping_the_input(device: str, transposed: bool) -> None:
@@ -51,7 +38,7 @@ def test_samples_major_runs_on_autograds_own_convolution_node_keeping_the_input(
     conv.merged_order = "samples"
     x = torch.randn(2 * 5, 3, 6, 6, device=device, requires_grad=True)
     y = conv(x)
-    assert "_GroupedConvBackward" not in _autograd_nodes(y)
+    assert "_GroupedConvBackward" not in autograd_nodes(y)
     node = y.grad_fn.next_functions[0][0]
     assert type(node).__name__ == "ConvolutionBackward0"
     assert node._saved_input.data_ptr() == x.data_ptr(), "the layer's own input is kept, no layout copy of it"
@@ -63,7 +50,7 @@ def test_samples_major_runs_on_autograds_own_convolution_node_keeping_the_input(
     x_strided = torch.empty(2 * 5, 3, 6, 12, device=device).narrow(3, 0, 6).copy_(x.detach()).requires_grad_()
     conv.zero_grad(set_to_none=True)
     y_custom = conv(x_strided)
-    assert "_GroupedConvBackward" in _autograd_nodes(y_custom)
+    assert "_GroupedConvBackward" in autograd_nodes(y_custom)
     y_custom.backward(grad)
     tolerance = 0 if device == "cpu" else 1e-5
     torch.testing.assert_close(y_custom, y, rtol=tolerance, atol=tolerance)
@@ -77,9 +64,9 @@ def test_channels_last_and_autocast_keep_the_grouped_function() -> None:
     conv = batch_layers.Conv2d(3, 4, 3, padding=1, batch=2)
     conv.merged_order = "samples"
     x = torch.randn(2 * 5, 3, 6, 6, requires_grad=True)
-    assert "_GroupedConvBackward" in _autograd_nodes(conv(x.to(memory_format=torch.channels_last)))
+    assert "_GroupedConvBackward" in autograd_nodes(conv(x.to(memory_format=torch.channels_last)))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert "_GroupedConvBackward" in _autograd_nodes(conv(x))
+        assert "_GroupedConvBackward" in autograd_nodes(conv(x))
 
 
 class _Doubled(nn.Module):

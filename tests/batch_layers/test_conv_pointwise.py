@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from support.conv_checks import check_conv_on_gpu, check_product_against_plain_conv2d
+from support.graph import autograd_nodes
 from support.launches import CopySizes
 from torch import nn
 
@@ -110,11 +111,6 @@ def test_a_channels_last_models_major_input_makes_few_autograd_nodes() -> None:
     weight = torch.randn(BATCH, 16, 8, 1, 1, requires_grad=True)
     bias = torch.randn(BATCH, 16, requires_grad=True)
     y = pointwise_conv2d(x, weight, bias, layout, (1, 1), 1)
-    nodes, stack = [], [y.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is not None and type(node).__name__ != "AccumulateGrad":
-            nodes.append(type(node).__name__)
-            stack.extend(parent for parent, _ in node.next_functions)
+    nodes = [name for name in autograd_nodes(y) if name != "AccumulateGrad"]
     assert y.is_contiguous(memory_format=torch.channels_last)
     assert len(nodes) <= 8, nodes

@@ -27,8 +27,8 @@ gives those of ``bench --zoo``'s 32x32 images.
 It prints per model: microseconds per step (this thread's CPU time: the fastest of
 ``torch.utils.benchmark``'s blocked timings over rounds that take turns) for torchmb and the plain model
 and their ratio, and, with ``--counts``, the outermost ATen operators (``bench --launches``'s count), the
-computing operators (:mod:`support.launches`) and the nodes of the backward graph (:func:`autograd_nodes`) of
-each.
+computing operators (:mod:`support.launches`) and the nodes of the backward graph
+(:func:`support.graph.autograd_nodes`) of each.
 ``--profile NAME`` prints where torchmb's step (``--impl limit``: the plain model's) spends its host time
 instead (cProfile, by own time).
 """
@@ -46,6 +46,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from support.graph import autograd_nodes
 from support.launches import count_launches
 from support.torchvision_ops import import_torchvision
 from torch.profiler import ProfilerActivity, profile
@@ -309,18 +310,6 @@ def host_us(built: dict[str, Callable[[], None]], rounds: int, min_run_time: flo
     return {impl: min(times) * 1e6 for impl, times in blocks.items()}
 
 
-def autograd_nodes(loss: torch.Tensor) -> int:
-    """The nodes of ``loss``'s backward graph (its parameters' ``AccumulateGrad`` included): each costs the
-    engine host time, and a view node a reshape of its gradient."""
-    seen, stack = set(), [loss.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is not None and node not in seen:
-            seen.add(node)
-            stack.extend(next_node for next_node, _ in node.next_functions)
-    return len(seen)
-
-
 def aten_ops(step) -> int:
     with profile(activities=[ProfilerActivity.CPU]) as profiler:
         step()
@@ -366,7 +355,7 @@ def main() -> None:
                 line += (f"  {aten['torchmb']:5d}/{aten['limit']:<5d} {aten['torchmb'] / aten['limit']:.2f}x"
                          f"  {computing['torchmb']:5d}/{computing['limit']:<5d}"
                          f" {computing['torchmb'] / computing['limit']:.2f}x")
-                nodes = {impl: autograd_nodes(loss_of()) for impl, (loss_of, _) in built_losses.items()}
+                nodes = {impl: len(autograd_nodes(loss_of())) for impl, (loss_of, _) in built_losses.items()}
                 line += f"  {nodes['torchmb']:5d}/{nodes['limit']:<5d} {nodes['torchmb'] / nodes['limit']:.2f}x"
             print(line, flush=True)
 
