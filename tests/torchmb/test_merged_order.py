@@ -110,6 +110,33 @@ def test_training_matches_independent_models(order: str, shared: bool) -> None:
             torch.testing.assert_close(batched.state_dict_of(i)[key], value, atol=5e-5, rtol=1e-5, msg=key)
 
 
+@pytest.mark.parametrize("order", ORDERS)
+def test_channels_last_images_reach_the_layers_channels_last_only_models_major(order: str) -> None:
+    """Models-major, merging ``(B, n)`` is a view and the layers see the user's channels-last images; the
+    samples-major merge copies them to a contiguous tensor (docs/design.md says why that stays). Either way
+    the models are B plain channels-last models."""
+    torch.manual_seed(0)
+    plain = [ConvZoo().to(memory_format=torch.channels_last) for _ in range(B)]
+    batched = BatchModule(ConvZoo().to(memory_format=torch.channels_last), B, merged_order=order)
+    batched.load_state_dicts([m.state_dict() for m in plain])
+    stem_inputs = []
+    batched.module.stem.register_forward_pre_hook(lambda module, args: stem_inputs.append(args[0]))
+    images = torch.randn(B * N, 3, 8, 8).contiguous(memory_format=torch.channels_last).view(B, N, 3, 8, 8)
+    out = batched(images)
+    (stem_input,) = stem_inputs
+    assert stem_input.is_contiguous(memory_format=torch.channels_last) == (order == "models")
+    assert stem_input.is_contiguous() == (order == "samples")
+    out.square().sum().backward()
+    torch.optim.SGD(batched.parameters(), lr=0.1).step()
+    for i, model in enumerate(plain):
+        expected = model(images[i])
+        torch.testing.assert_close(out[i], expected, atol=5e-5, rtol=1e-5)
+        expected.square().sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+        for key, value in model.state_dict().items():
+            torch.testing.assert_close(batched.state_dict_of(i)[key], value, atol=5e-5, rtol=1e-5, msg=key)
+
+
 def test_both_orders_give_the_same_models() -> None:
     torch.manual_seed(0)
     by_order = {order: BatchModule(LeNet(), B, init="independent", seed=1, merged_order=order) for order in ORDERS}
