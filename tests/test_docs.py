@@ -11,6 +11,8 @@ from support.torchvision_ops import import_torchvision
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
 REFERENCE_WITH_CODE = [p for p in sorted((ROOT / "docs" / "reference").glob("*.md")) if BLOCK.search(p.read_text())]
+# Pages whose code takes another path where a GPU is (CapturedStep, the memory search on the device)
+GPU_PAGES = [ROOT / "docs" / "tutorials" / "speed.md"]
 PAGES = [*sorted((ROOT / "docs" / "tutorials").glob("*.md")), *REFERENCE_WITH_CODE, ROOT / "README.md"]
 # Pages that run torch.compile, where torch warns about its own code: Inductor's start-up imports
 # torch.utils.mkldnn, which uses torch.jit.script_method; dynamo instantiates the custom autograd Functions
@@ -63,3 +65,10 @@ def test_page_code_runs(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPa
     for number, block in enumerate(blocks, 1):
         code = compile(block, f"{page.name} block {number}", "exec")
         exec(code, namespace)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("page", GPU_PAGES, ids=lambda page: page.relative_to(ROOT).as_posix())
+def test_page_code_runs_on_a_gpu(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pages whose code branches on the device, run where their CUDA branch is taken (``pytest -m cuda``)."""
+    test_page_code_runs(page, tmp_path, monkeypatch)
