@@ -133,9 +133,9 @@ def from_grouped(
             merged = groups.permute(0, 1, 3, 4, 2).contiguous()
         return merged.view(batch * n, height, width, channels).permute(0, 3, 1, 2)
     if order == "samples":
-        shape = (n * batch, y.shape[1] // batch, *y.shape[2:])
         if torch.compiler.is_compiling() and y.is_contiguous():
             return _regrouped_for_inductor(y, batch)
+        shape = (n * batch, y.shape[1] // batch, *y.shape[2:])
         return reshape_unread(y, shape) if unread else y.reshape(shape)
     y = y.view(n, batch, y.shape[1] // batch, *y.shape[2:]).transpose(0, 1)
     return y.reshape(batch * n, *y.shape[2:])
