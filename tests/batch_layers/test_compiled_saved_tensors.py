@@ -8,13 +8,12 @@ import pytest
 import torch
 import torch._dynamo
 from functorch.compile import make_boxed_func
-from support.compiled import DYNAMO_WARNINGS, fresh_dynamo, gpu_conditions_lifted
+from support.compiled import COMPILED_PRODUCTS, DYNAMO_WARNINGS, fresh_dynamo, gpu_conditions_lifted
 from support.torchvision_ops import import_torchvision
 from torch import nn
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from batch_layers import _kernel_table
 from torchmb import BatchModule
 from torchmb.cli.bench_zoo import ZOO_MODELS
 
@@ -23,8 +22,6 @@ pytestmark = DYNAMO_WARNINGS
 __all__ = ["fresh_dynamo"]  # a fixture the compiled tests use
 
 BATCH, SAMPLES = 2, 2
-COMPILED_CANDIDATES = (_kernel_table.MATMUL, _kernel_table.POINTWISE, _kernel_table.PATCHES,
-                       _kernel_table.WIDE_CHANNELS_LAST, _kernel_table.DEPTHWISE_CHANNELS_LAST)
 
 
 def saved_for_backward(model: nn.Module, x: torch.Tensor) -> list[int]:
@@ -57,7 +54,7 @@ def test_a_compiled_model_keeps_what_b_plain_models_keep(monkeypatch, name: str)
     plain model's largest on all B*n samples or the B models' largest stacked weight; all together at most the
     plain step's plus B - 1 more copies of the weights, and a tenth for the products' layout copies (some
     filters kept transposed as well: 1.01-1.09x at this size)."""
-    gpu_conditions_lifted(monkeypatch, COMPILED_CANDIDATES)
+    gpu_conditions_lifted(monkeypatch, COMPILED_PRODUCTS)
     import_torchvision()  # timm imports torchvision
     torch.manual_seed(0)
     model = ZOO_MODELS[name][0]()

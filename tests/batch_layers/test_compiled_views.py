@@ -9,13 +9,18 @@ import math
 
 import pytest
 import torch
-from functorch.compile import make_boxed_func
-from support.compiled import DYNAMO_WARNINGS, assert_two_steps_match_plain, fresh_dynamo, gpu_conditions_lifted
+from support.compiled import (
+    COMPILED_PRODUCTS,
+    DYNAMO_WARNINGS,
+    aot_graphs_backend,
+    assert_two_steps_match_plain,
+    fresh_dynamo,
+    gpu_conditions_lifted,
+)
 from support.torchvision_ops import import_torchvision
-from torch import fx, nn
-from torch._functorch.aot_autograd import aot_module_simplified
+from support.zoo import without_randomness
+from torch import fx
 
-from batch_layers import _kernel_table
 from torchmb import BatchModule
 from torchmb.cli.bench_zoo import ZOO_MODELS
 
@@ -24,8 +29,6 @@ pytestmark = DYNAMO_WARNINGS
 __all__ = ["fresh_dynamo"]  # a fixture the compiled tests use
 
 BATCH, SAMPLES = 3, 4
-COMPILED_CANDIDATES = (_kernel_table.MATMUL, _kernel_table.POINTWISE, _kernel_table.PATCHES,
-                       _kernel_table.WIDE_CHANNELS_LAST, _kernel_table.DEPTHWISE_CHANNELS_LAST)
 
 
 def regrouping_views(graph: fx.GraphModule) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -43,42 +46,20 @@ def regrouping_views(graph: fx.GraphModule) -> list[tuple[tuple[int, ...], tuple
     return found
 
 
-def both_graphs_backend(graphs: list[fx.GraphModule]):
-    """A ``torch.compile`` backend that keeps AOTAutograd's forward and backward graphs in ``graphs`` and runs
-    them eagerly."""
-
-    def keep(graph, _):
-        graphs.append(graph)
-        return make_boxed_func(graph.forward)
-
-    def backend(graph_module, example_inputs):
-        return aot_module_simplified(graph_module, example_inputs, fw_compiler=keep, bw_compiler=keep)
-
-    return backend
-
-
-def without_randomness(model: nn.Module) -> nn.Module:
-    """``model`` with its dropout and stochastic depth at probability 0, so that B plain copies are a reference."""
-    for module in model.modules():
-        if isinstance(module, nn.Dropout) or type(module).__name__ == "StochasticDepth":
-            module.p = 0.0
-    return model
-
-
 @pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("name", ["tv-mobilenet_v3_small", "tv-efficientnet_b0", "tv-resnet18", "tv-regnet_x_400mf"])
 def test_a_compiled_samples_major_step_moves_the_model_axis_by_splits_and_merges(monkeypatch, name: str) -> None:
     """A zoo model on 64x64 images (its batch norms see at least 16 values a channel), samples-major, compiled
     with the GPU's choices: no view of its forward or backward graph regroups dims 0 and 1 at once, and two
     training steps match B plain copies'."""
-    gpu_conditions_lifted(monkeypatch, COMPILED_CANDIDATES)
+    gpu_conditions_lifted(monkeypatch, COMPILED_PRODUCTS)
     import_torchvision()
     torch.manual_seed(0)
     plain = [without_randomness(ZOO_MODELS[name][0]().double()) for _ in range(BATCH)]
     models = iter(plain)
     batched = BatchModule.from_factory(lambda: next(models), BATCH, merged_order="samples")
     graphs: list[fx.GraphModule] = []
-    compiled = torch.compile(batched, backend=both_graphs_backend(graphs), dynamic=False)
+    compiled = torch.compile(batched, backend=aot_graphs_backend(graphs.append), dynamic=False)
     x = torch.randn(BATCH, SAMPLES, 3, 64, 64, dtype=torch.float64)
     assert_two_steps_match_plain(compiled, batched, plain, x)
     assert len(graphs) == 2, "one forward and one backward graph"

@@ -10,8 +10,8 @@ import pytest
 import torch
 from support.compiled import (
     DYNAMO_WARNINGS,
+    aot_graphs_backend,
     assert_two_steps_match_plain,
-    forward_graph_backend,
     fresh_dynamo,
     gpu_conditions_lifted,
 )
@@ -101,7 +101,7 @@ def test_compiled_resnet18_keeps_grouped_convolutions_only_of_stride_1_on_channe
 
     torch.manual_seed(0)
     batched = BatchModule(resnet18(num_classes=10), BATCH)
-    compiled = torch.compile(batched, backend=forward_graph_backend(count))
+    compiled = torch.compile(batched, backend=aot_graphs_backend(count))
     x = torch.randn(BATCH, SAMPLES, 3, 32, 32)
     for _ in range(2):
         compiled(x).sum().backward()

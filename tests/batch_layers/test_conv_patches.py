@@ -9,8 +9,8 @@ import pytest
 import torch
 from support.compiled import (
     DYNAMO_WARNINGS,
+    aot_graphs_backend,
     assert_two_steps_match_plain,
-    forward_graph_backend,
     fresh_dynamo,
     gpu_conditions_lifted,
 )
@@ -152,7 +152,7 @@ def test_compiled_efficientnet_keeps_no_grouped_convolution_that_turns_off_chann
 
     torch.manual_seed(0)
     batched = BatchModule(efficientnet_b0(num_classes=10), 2)
-    compiled = torch.compile(batched, backend=forward_graph_backend(count))
+    compiled = torch.compile(batched, backend=aot_graphs_backend(count))
     x = torch.randn(2, 2, 3, 32, 32)
     for _ in range(2):  # a second step: the first forward checks the model's code
         compiled(x).sum().backward()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.compiled import DYNAMO_WARNINGS, forward_graph_backend, fresh_dynamo
+from support.compiled import DYNAMO_WARNINGS, aot_graphs_backend, fresh_dynamo
 from torch import Tensor
 
 from batch_layers._triton_op import DECOMPOSED, launchable, triton_custom_op
@@ -41,7 +41,7 @@ def _post_aot_targets(fn, *args) -> tuple[Tensor, list[str]]:
     def record(graph) -> None:
         targets.extend(str(node.target) for node in graph.graph.nodes if node.op == "call_function")
 
-    return torch.compile(fn, backend=forward_graph_backend(record), fullgraph=True)(*args), targets
+    return torch.compile(fn, backend=aot_graphs_backend(record), fullgraph=True)(*args), targets
 
 
 def test_eager_call_runs_the_body_once_and_matches_it() -> None:

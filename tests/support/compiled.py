@@ -31,6 +31,12 @@ def fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()
 
 
+# The kernel table's compiled products, whose conditions gpu_conditions_lifted lifts for a zoo model's compiled
+# graph on the CPU
+COMPILED_PRODUCTS = (_kernel_table.MATMUL, _kernel_table.POINTWISE, _kernel_table.PATCHES,
+                     _kernel_table.WIDE_CHANNELS_LAST, _kernel_table.DEPTHWISE_CHANNELS_LAST)
+
+
 def gpu_conditions_lifted(monkeypatch: pytest.MonkeyPatch, candidates: Sequence[_kernel_table.Candidate]) -> None:
     """The ``candidates``' conditions without "a CUDA tensor" and the GPU's float types: the CPU takes a GPU's
     compiled paths, in float64 too."""
@@ -39,16 +45,17 @@ def gpu_conditions_lifted(monkeypatch: pytest.MonkeyPatch, candidates: Sequence[
         monkeypatch.setattr(candidate, "conditions", tuple(c for c in candidate.conditions if c[0] not in lifted))
 
 
-def forward_graph_backend(inspect: Callable[[fx.GraphModule], None]) -> Callable:
-    """A ``torch.compile`` backend that hands each forward graph AOTAutograd makes (ATen operators, after
-    functionalisation and decompositions) to ``inspect``, then runs it eagerly."""
+def aot_graphs_backend(inspect: Callable[[fx.GraphModule], None]) -> Callable:
+    """A ``torch.compile`` backend that hands each graph AOTAutograd makes (ATen operators, after
+    functionalisation and decompositions) to ``inspect``, then runs it eagerly: the forward graph, and the
+    backward graph when a backward first runs."""
 
     def backend(graph_module, example_inputs):
-        def forward_compiler(graph, _):
+        def compiler(graph, _):
             inspect(graph)
             return make_boxed_func(graph.forward)
 
-        return aot_module_simplified(graph_module, example_inputs, fw_compiler=forward_compiler)
+        return aot_module_simplified(graph_module, example_inputs, fw_compiler=compiler, bw_compiler=compiler)
 
     return backend
 
