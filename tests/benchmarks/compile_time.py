@@ -19,13 +19,9 @@ import time
 import torch
 import torch._inductor.config as inductor_config
 import torch._inductor.metrics as inductor_metrics
-import torch.nn.functional as F
-from host_time import ZOO, workload
+from host_time import ZOO, losses
 from support.torchvision_ops import import_torchvision
 from torch._dynamo.utils import compile_times
-
-from torchmb import BatchModule
-from torchmb.cli import bench_steps
 
 PHASES = (
     "bytecode_tracing",
@@ -41,21 +37,7 @@ PHASES = (
 def first_step_seconds(name: str, batch: int, impl: str, samples: int, size: int, device: torch.device) -> float:
     """Seconds of one compiled training step of ``name`` (torchmb's ``BatchModule`` or the plain model), the
     compile included."""
-    work = workload(name, size)
-    x = work.make_input((batch, samples), device)
-    y = torch.randint(0, work.classes, (batch, samples), device=device)
-    if impl == "torchmb":
-        model = BatchModule(work.make().to(device), batch)
-
-        def loss_of():
-            return bench_steps.summed_cross_entropy(model(x), y, samples)
-    else:
-        plain = work.make().to(device)
-        merged_x, merged_y = x.flatten(0, 1), y.flatten()
-
-        def loss_of():
-            return F.cross_entropy(plain(merged_x), merged_y)
-
+    loss_of, _ = losses(name, batch, samples, size, device)[impl]
     compiled = torch.compile(loss_of)
     start = time.perf_counter()
     compiled().backward()

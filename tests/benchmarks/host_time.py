@@ -65,6 +65,7 @@ ZOO = (
     "timm-convnext_atto",
     "timm-vit_tiny",
 )
+CPU = torch.device("cpu")
 SMALLEST_SIZE = {"timm-convnext_atto": 32}  # its stages downsample by 32 without padding
 
 
@@ -265,14 +266,16 @@ def steps_of(built_losses: dict[str, tuple[LossOf, torch.nn.Module]]) -> dict[st
     return {impl: _step(loss_of, model) for impl, (loss_of, model) in built_losses.items()}
 
 
-def losses(name: str, batch: int, samples: int, size: int) -> dict[str, tuple[LossOf, torch.nn.Module]]:
+def losses(
+    name: str, batch: int, samples: int, size: int, device: torch.device = CPU
+) -> dict[str, tuple[LossOf, torch.nn.Module]]:
     """The torchmb and plain ("limit") losses of ``bench``'s step, each with the model it trains."""
     work = workload(name, size)
-    x = work.make_input((batch, samples), torch.device("cpu"))
-    y = torch.randint(0, work.classes, (batch, samples))
+    x = work.make_input((batch, samples), device)
+    y = torch.randint(0, work.classes, (batch, samples), device=device)
     torch.manual_seed(0)
-    batched = BatchModule(work.make(), batch)
-    plain = work.make()
+    batched = BatchModule(work.make().to(device), batch)
+    plain = work.make().to(device)
 
     def torchmb_loss() -> torch.Tensor:
         return bench_steps.summed_cross_entropy(batched(x), y, samples)
