@@ -97,7 +97,7 @@ def to_grouped(x: Tensor, batch: int, order: MergedOrder = "models", keep_channe
         return grouped.view(n, height, width, batch * channels).permute(0, 3, 1, 2)
     if order == "samples":
         if torch.compiler.is_compiling() and x.is_contiguous():
-            return x.view(n, batch, *x.shape[1:]).flatten(1, 2)  # see _regrouped_for_inductor
+            return split_dim(x, 0, (n, batch)).flatten(1, 2)  # see _regrouped_for_inductor
         return x.reshape(n, batch * x.shape[1], *x.shape[2:])
     return x.reshape(batch, n, *x.shape[1:]).transpose(0, 1).reshape(n, batch * x.shape[1], *x.shape[2:])
 
