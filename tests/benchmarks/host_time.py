@@ -30,15 +30,20 @@ and their ratio, and, with ``--counts``, the outermost ATen operators (``bench -
 computing operators (:mod:`support.launches`) and the nodes of the backward graph
 (:func:`support.graph.autograd_nodes`) of each.
 ``--profile NAME`` prints where torchmb's step (``--impl limit``: the plain model's) spends its host time
-instead (cProfile, by own time).
+instead (cProfile, by own time). ``--layers NAME`` prints, for torchmb and the plain model, the host time of a
+step's phases (forward with the loss, backward, the optimizer's step) and of the forward of each kind of leaf
+module, summed over the model's modules of that kind (timed between forward hooks, which add the same few
+microseconds to both models' layers).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import cProfile
 import dataclasses
+import math
 import pstats
 import time
 import warnings
@@ -313,6 +318,54 @@ def host_us(built: dict[str, Callable[[], None]], rounds: int, min_run_time: flo
     return {impl: min(times) * 1e6 for impl, times in blocks.items()}
 
 
+def phases_and_layers_ms(loss_of: LossOf, model: torch.nn.Module, steps: int = 25) -> dict[str, float]:
+    """Host milliseconds of a training step's phases (``"forward"`` with the loss, ``"backward"``,
+    ``"optimizer"``) and of the forward of each leaf module class (``"Conv2d (52)"``: its modules' sum), each the
+    fastest of ``steps`` steps after three (this thread's CPU time)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, foreach=True)
+    leaves = [m for m in model.modules() if m is not model and not any(True for _ in m.children())]
+    kinds = collections.Counter(type(m).__name__ for m in leaves)
+    started: dict[int, float] = {}
+    spent: collections.Counter[str] = collections.Counter()
+
+    def start(module, args):
+        started[id(module)] = time.thread_time()
+
+    def stop(module, args, output):
+        kind = type(module).__name__
+        spent[f"{kind} ({kinds[kind]})"] += time.thread_time() - started.pop(id(module))
+
+    handles = [h for m in leaves for h in (m.register_forward_pre_hook(start), m.register_forward_hook(stop))]
+    best: dict[str, float] = {}
+    try:
+        for i in range(steps + 3):
+            spent.clear()
+            optimizer.zero_grad(set_to_none=True)
+            t0 = time.thread_time()
+            loss = loss_of()
+            t1 = time.thread_time()
+            loss.backward()
+            t2 = time.thread_time()
+            optimizer.step()
+            t3 = time.thread_time()
+            if i >= 3:
+                for key, seconds in {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2, **spent}.items():
+                    best[key] = min(best.get(key, math.inf), seconds * 1e3)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return best
+
+
+def print_phases_and_layers(name: str, batch: int, samples: int, size: int) -> None:
+    times = {impl: phases_and_layers_ms(loss_of, model)
+             for impl, (loss_of, model) in losses(name, batch, samples, size).items()}
+    print(f"{name} B={batch}: host ms, torchmb against the plain model")
+    for key in sorted(times["torchmb"], key=lambda k: (k not in ("forward", "backward", "optimizer"),
+                                                      -times["torchmb"][k])):
+        print(f"  {key:32} {times['torchmb'][key]:8.2f} {times['limit'].get(key, math.nan):8.2f}")
+
+
 def aten_ops(step) -> int:
     with profile(activities=[ProfilerActivity.CPU]) as profiler:
         step()
@@ -333,6 +386,7 @@ def main() -> None:
                         help="take the kernel tables' choices for CUDA tensors (the paths of a GPU step)")
     parser.add_argument("--profile", help="print where this workload's torchmb step spends its host time")
     parser.add_argument("--impl", default="torchmb", choices=("torchmb", "limit"), help="the step --profile profiles")
+    parser.add_argument("--layers", help="print this workload's host time per phase and per kind of layer")
     parser.add_argument("--rows", type=int, default=30)
     args = parser.parse_args()
     import_torchvision()
@@ -344,6 +398,9 @@ def main() -> None:
             profiler = cProfile.Profile()
             profiler.runcall(lambda: [step() for _ in range(5)])
             pstats.Stats(profiler).sort_stats("tottime").print_stats(args.rows)
+            return
+        if args.layers:
+            print_phases_and_layers(args.layers, args.batch, args.samples, args.size)
             return
         header = f"{'model':24} {'torchmb us':>10} {'plain us':>9} {'ratio':>6}"
         print(header + ("  aten ops (torchmb/plain)  computing ops  autograd nodes" if args.counts else ""), flush=True)
