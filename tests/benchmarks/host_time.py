@@ -323,8 +323,8 @@ def phases_and_layers_ms(loss_of: LossOf, model: torch.nn.Module, steps: int = 2
     ``"optimizer"``) and of the forward of each leaf module class (``"Conv2d (52)"``: its modules' sum), each the
     fastest of ``steps`` steps after three (this thread's CPU time)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, foreach=True)
-    leaves = [m for m in model.modules() if m is not model and not any(True for _ in m.children())]
-    kinds = collections.Counter(type(m).__name__ for m in leaves)
+    leaves = [module for module in model.modules() if module is not model and next(module.children(), None) is None]
+    kinds = collections.Counter(type(module).__name__ for module in leaves)
     started: dict[int, float] = {}
     spent: collections.Counter[str] = collections.Counter()
 
@@ -335,7 +335,8 @@ def phases_and_layers_ms(loss_of: LossOf, model: torch.nn.Module, steps: int = 2
         kind = type(module).__name__
         spent[f"{kind} ({kinds[kind]})"] += time.thread_time() - started.pop(id(module))
 
-    handles = [h for m in leaves for h in (m.register_forward_pre_hook(start), m.register_forward_hook(stop))]
+    handles = [handle for module in leaves
+               for handle in (module.register_forward_pre_hook(start), module.register_forward_hook(stop))]
     best: dict[str, float] = {}
     try:
         for i in range(steps + 3):
