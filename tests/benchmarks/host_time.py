@@ -293,8 +293,13 @@ def losses(
     return {"torchmb": (torchmb_loss, batched), "limit": (plain_loss, plain)}
 
 
+def _optimizer(model: torch.nn.Module) -> torch.optim.SGD:
+    """``bench``'s SGD, as a CUDA step runs it (``foreach``)."""
+    return torch.optim.SGD(model.parameters(), lr=0.01, foreach=True)
+
+
 def _step(loss_of, model: torch.nn.Module):
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, foreach=True)
+    optimizer = _optimizer(model)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -322,7 +327,7 @@ def phases_and_layers_ms(loss_of: LossOf, model: torch.nn.Module, steps: int = 2
     """Host milliseconds of a training step's phases (``"forward"`` with the loss, ``"backward"``,
     ``"optimizer"``) and of the forward of each leaf module class (``"Conv2d (52)"``: its modules' sum), each the
     fastest of ``steps`` steps after three (this thread's CPU time)."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, foreach=True)
+    optimizer = _optimizer(model)
     leaves = [module for module in model.modules() if module is not model and next(module.children(), None) is None]
     kinds = collections.Counter(type(module).__name__ for module in leaves)
     started: dict[int, float] = {}
