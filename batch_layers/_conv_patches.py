@@ -10,7 +10,8 @@ filters in one ``torch.baddbmm``. The patches are views of the (padded) input (`
 one copy: under ``torch.compile`` Inductor generates that copy as one kernel fused with the merged layout's
 transpose, where ATen's ``im2col`` launches one kernel per image. A strided 3x3 layer of many channels per
 model (a ResNet's downsampling) gathers 2.25x its input this way, and cuDNN's grouped kernels run it 2-5x slower
-than the plain model's dense layer, in either layout. Autograd differentiates it (double backward
+than the plain model's dense layer, in either layout, and launch once per model: eagerly too, from 64 models on,
+such a layer is a product. Autograd differentiates it (double backward
 included), autocast casts it as it casts matrix products, and fp32 products run in TF32 where
 ``torch.backends.cuda.matmul.allow_tf32`` allows. The kernel table's
 :data:`~batch_layers._kernel_table.PATCHES` says which convolutions take it.

@@ -167,13 +167,12 @@ MATMUL: Candidate[ConvCall] = Candidate(
      ("the image's size and padding known", lambda lim, c: len(c.size) == len(c.padding) == 2),
      ("at least {min_channels} input and output channels per group",
       lambda lim, c: min(c.weight_shape[1], c.weight_shape[0] // c.groups) >= lim["min_channels"]),
-     ("at most {max_pairs} pixel pairs (output pixels x input pixels read; {max_pairs_compiled} under "
-      "torch.compile)",
-      lambda lim, c: _prod(_pixels(c)) <= _limit(lim, "max_pairs")),
+     ("at most {max_pairs} pixel pairs (output pixels x input pixels read)",
+      lambda lim, c: _prod(_pixels(c)) <= lim["max_pairs"]),
      # its filters hold a block per pixel pair, most of them zeros for a 1x1 kernel
      ("a kernel of several taps, or one output pixel (POINTWISE multiplies 1x1 kernels without a block per pair)",
       lambda lim, c: _prod(c.weight_shape[2:]) > 1 or _pixels(c)[0] == 1)),
-    {"min_channels": 16, "max_pairs": 9, "max_pairs_compiled": 16},
+    {"min_channels": 16, "max_pairs": 16},
     "H200, B=64, n=128, forward and backward (tests/benchmarks/bench_conv_choices.py --max-pairs 1100): a 3x3 "
     "convolution of a 1x1 image (1 pair) 2.1 against cuDNN's grouped 5.7 ms in fp32 (TF32) and 2.0 against 5.8 in "
     "bf16; 2x2 to 1x1 with stride 2 (4 pairs) 2.0 against 4.5 and 1.7 against 5.2. Above 9 pairs it lost or "
@@ -181,7 +180,11 @@ MATMUL: Candidate[ConvCall] = Candidate(
     "4x4 to 2x2 with stride 2 (64 pairs) 5.1 against 4.2, larger images 6-12x cuDNN's time; the whole "
     "ResNet-18 at B=64 ran at 0.80 of the limit with 64 pairs against 0.87 with one output pixel. Compiled, "
     "ResNet-18's 2x2 layers of stride 1 (16 pairs) join its strided layers as products and its wide stride-1 "
-    "layers channels-last (PATCHES, WIDE_CHANNELS_LAST): 2,158 against 1,578 model-steps/s at B=64 (H200). 1x1 "
+    "layers channels-last (PATCHES, WIDE_CHANNELS_LAST): 2,158 against 1,578 model-steps/s at B=64 (H200). "
+    "Eager whole ResNet-18 (bench --zoo --launches, H200, n=128), 16 pairs against 9: in fp32 at B=64 1,343 "
+    "against 1,245-1,314 model-steps/s with 1,074 launches a step against 2,016-2,144 (cuDNN's grouped kernels "
+    "launch once per model there), at B=16 a tie (730 against 735-757) with 607 launches against 752-976; in "
+    "bf16 ties (1,537 against 1,519-1,641 at B=64, 593 against 586-597 at B=16). 1x1 "
     "kernels of several output pixels are left to POINTWISE: compiled ConvNeXt-atto at B=16, whose MLP layers on "
     "2x2 images this product took with 16 pairs, peaked at 1,728 MiB against 4,210 (H200), at the same speed")
 """A convolution of a few pixels as one batched matrix product (``_conv_matmul.py``), forward and both
@@ -209,18 +212,24 @@ POINTWISE: Candidate[ConvCall] = Candidate(
 """A pointwise convolution as one batched matrix product of pixels (``_conv_pointwise.py``), forward and both
 gradients (autograd's)."""
 
+def _wide_strided(lim: dict[str, int], c: ConvCall) -> bool:
+    return c.weight_shape[1] >= lim["min_in_per_group_strided"] and max(c.stride) > 1
+
+
 def _stem_or_wide_strided(lim: dict[str, int], c: ConvCall) -> bool:
     in_per_group = c.weight_shape[1]
     stem = (in_per_group <= lim["max_in_per_group"]
             and _prod(c.weight_shape[1:]) <= lim["max_patch_per_output"] * (c.weight_shape[0] // c.groups))
-    return stem or (in_per_group >= lim["min_in_per_group_strided"] and max(c.stride) > 1)
+    return stem or _wide_strided(lim, c)
 
 
 PATCHES: Candidate[ConvCall] = Candidate(
     "patches-matmul",
     # compiled first: every eager convolution no product takes asks, and fails there at once
-    (("under torch.compile (Inductor gathers the patches in one kernel, fused with the layout's copies)",
-      lambda lim, c: torch.compiler.is_compiling()),
+    (("under torch.compile (Inductor gathers the patches in one kernel, fused with the layout's copies), or "
+      "eagerly a strided layer of at least {min_in_per_group_strided} input channels per group and {min_groups_eager} "
+      "groups (many models: the GPU's time outweighs the host's for the operators the patches add)",
+      lambda lim, c: torch.compiler.is_compiling() or (c.groups >= lim["min_groups_eager"] and _wide_strided(lim, c))),
      _CUDA, _TWO_D, _NOT_TRANSPOSED, _FLOAT,
      ("the image's size and padding known", lambda lim, c: len(c.size) == len(c.padding) == 2),
      ("a stem (at most {max_in_per_group} input channels per group, and patches of at most "
@@ -228,7 +237,7 @@ PATCHES: Candidate[ConvCall] = Candidate(
       "gathered patches at most that many times the output) or a strided layer of at least "
       "{min_in_per_group_strided} input channels per group (whose 3x3 patches are 2.25x its input)",
       _stem_or_wide_strided)),
-    {"max_in_per_group": 3, "max_patch_per_output": 3, "min_in_per_group_strided": 64},
+    {"max_in_per_group": 3, "max_patch_per_output": 3, "min_in_per_group_strided": 64, "min_groups_eager": 64},
     "H200, compiled, forward and backward of a convolution, batch norm and SiLU on 32x32 images, n=128 "
     "(tests/benchmarks/bench_conv_compiled.py), against the grouped convolution the table chose before: "
     "MobileNetV3's stem (3 -> 16 channels, 3x3, stride 2) 0.71x the time at B=64 (against Triton's grouped "
@@ -240,7 +249,14 @@ PATCHES: Candidate[ConvCall] = Candidate(
     "as products, its stride-1 layers of 64 and 128 channels channels-last (WIDE_CHANNELS_LAST) and its 2x2 layers "
     "as MATMUL's products: 2,158 model-steps/s at B=64 with its stem a product too (318 launches a step), 2,132 "
     "with the stem grouped (439), 1,578 before (2,272); every 3x3 layer as a product of patches lost (1,414): the "
-    "patches of a stride-1 3x3 layer are 9x its input")
+    "patches of a stride-1 3x3 layer are 9x its input. Eager (bench --zoo --launches, H200, n=128, MATMUL at 16 "
+    "pairs), ResNet-18's strided layers as products: at B=64 in fp32 1,416 against 1,343 model-steps/s, 530 "
+    "launches a step against 1,074, steady peak 10,116 MiB against 9,684 (eager vmap's 10,775), first step 10,709 "
+    "against 16,447; in bf16 1,610 against 1,537, 804 launches against 1,044; at B=16 in fp32 631 against 730 "
+    "(the host's extra operators), in bf16 605 against 593. ConvNeXt-atto in fp32 at B=64 988 against 921 "
+    "(683 launches against 1,194), at B=16 335 against 295. With its stem a product too, eager ResNet-18 at B=64 "
+    "held 11,196 MiB steady, above eager vmap's (its 7x7 patches are 2.3x the stem's output): stems stay compiled "
+    "only")
 """A convolution of few input channels (a network's stem), or a strided one of many, under ``torch.compile`` as
 one batched matrix product of each output pixel's patch (``_conv_patches.py``), forward and both gradients
 (autograd's)."""

@@ -75,6 +75,12 @@ def test_the_table_takes_compiled_stems_whose_patches_are_at_most_thrice_the_out
     assert not runs_as_patches(efficientnet._replace(size=(), padding=())), "the image's size is needed"
     op = "weight grad"
     assert _kernel_table.choose(op, efficientnet, _kernel_table.OPS).name == "patches-matmul"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    assert runs_as_patches(stem(64, 64, 128, 3)), "eager from 64 models on: cuDNN launches per model"
+    assert runs_as_patches(stem(64, 64, 128, 1)), "ResNet-18's 1x1 downsampling of 16x16 images"
+    assert "under torch.compile" in _kernel_table.PATCHES.unmet(stem(16, 64, 128, 3))[0], "eager, 16 models"
+    assert not runs_as_patches(efficientnet), "eager stems: their patches are a copy of their own"
+    assert not runs_as_patches(stem(64, 64, 64, 3)._replace(stride=(1, 1))), "eager stride 1"
 
 
 def test_compiled_pointwise_products_take_larger_images_and_fewer_channels(monkeypatch) -> None:
@@ -114,6 +120,37 @@ def test_a_compiled_model_runs_its_stem_as_patches_and_trains_as_plain_copies(mo
     compiled = torch.compile(batched, dynamic=False)
     assert_two_steps_match_plain(compiled, batched, plain, x)
     assert set(traced) == {"patches_conv2d", "pointwise_conv2d"}, traced
+
+
+@pytest.mark.parametrize("order", ["models", "samples"])
+def test_an_eager_downsampling_block_of_64_models_takes_the_product_and_trains_as_plain_copies(
+        monkeypatch, order: str) -> None:
+    """A ResNet's downsampling (a 3x3 convolution of stride 2 from 64 channels, batch norm, ReLU and the 1x1
+    shortcut of stride 2) for 64 models, eagerly: both convolutions take the product of patches; outputs and
+    every parameter's gradient match 64 plain models in float64."""
+    _gpu_conditions_lifted(monkeypatch)
+    traced = []
+    product = BF._conv.patches_conv2d
+    monkeypatch.setattr(BF._conv, "patches_conv2d", lambda *args: traced.append(args[1].shape) or product(*args))
+    batch = _kernel_table.PATCHES.limits["min_groups_eager"]
+    torch.manual_seed(0)
+
+    class Downsample(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(64, 8, 3, 2, 1, bias=False)
+            self.norm = nn.BatchNorm2d(8)
+            self.shortcut = nn.Conv2d(64, 8, 1, 2)
+
+        def forward(self, x):
+            return torch.relu(self.norm(self.conv(x))) + self.shortcut(x)
+
+    plain = [Downsample().double() for _ in range(batch)]
+    models = iter(plain)
+    batched = BatchModule.from_factory(lambda: next(models), batch, merged_order=order)
+    x = torch.randn(batch, 1, 64, 5, 5, dtype=torch.float64)
+    assert_two_steps_match_plain(batched, batched, plain, x)
+    assert len(traced) == 4, f"both convolutions as products, in both steps: {traced}"
 
 
 @pytest.mark.cuda

@@ -36,7 +36,7 @@ def old_runs_depthwise_grad(c: ConvCall, triton: bool) -> bool:
 
 def runs_as_matmul(c: ConvCall) -> bool:
     """The batched matrix product (added after the table): every op, from 16 channels per group in and out, where
-    output pixels times input pixels read are at most 9."""
+    output pixels times input pixels read are at most 16, but a 1x1 kernel of several output pixels."""
     w = c.weight_shape
     if not (c.cuda and c.dims == 4 and not c.transposed and c.dtype in FLOATS and min(w[1], w[0] // c.groups) >= 16
             and len(c.size) == 2):
@@ -46,7 +46,7 @@ def runs_as_matmul(c: ConvCall) -> bool:
         out = (size + 2 * pad - dilation * (k - 1) - 1) // stride + 1
         first, last = max(0, -pad), min(size - 1, (out - 1) * stride - pad + (k - 1) * dilation)
         out_pixels, read = out_pixels * out, read * max(last - first + 1, 0)
-    return out_pixels * read <= 9
+    return out_pixels * read <= 16 and (math.prod(w[2:]) > 1 or out_pixels == 1)  # 1x1 kernels: pointwise
 
 
 def runs_pointwise(c: ConvCall) -> bool:
@@ -54,6 +54,13 @@ def runs_pointwise(c: ConvCall) -> bool:
     w = c.weight_shape
     return (c.cuda and c.dims == 4 and not c.transposed and c.dtype in FLOATS and min(w[1], w[0] // c.groups) >= 16
             and tuple(w[2:]) == (1, 1) and set(c.padding) == {0} and len(c.size) == 2 and math.prod(c.size) <= 64)
+
+
+def runs_as_patches(c: ConvCall) -> bool:
+    """The product of patches (added after the table), eagerly: 2-D strided layers of at least 64 input channels
+    per group and 64 groups."""
+    return (c.cuda and c.dims == 4 and not c.transposed and c.dtype in FLOATS and c.weight_shape[1] >= 64
+            and c.groups >= 64 and max(c.stride) > 1 and len(c.size) == 2)
 
 
 def old_keeps_channels_last(c: ConvCall) -> bool:
@@ -89,13 +96,16 @@ def test_the_table_chooses_what_the_old_predicates_chose(monkeypatch, triton):
             want = ("matmul",) * 3 + want[3:]
         elif runs_pointwise(call):
             want = ("pointwise-matmul",) * 3 + want[3:]
+        elif runs_as_patches(call):  # eagerly, strided layers of 64 channels per group and 64 groups
+            want = ("patches-matmul",) * 3 + want[3:]
         assert got == want, call
         seen.add(got)
     if triton:  # the grid reaches every kernel, alone and together
-        assert {s[0] for s in seen} == {"matmul", "pointwise-matmul", "triton-grouped", "aten"}
-        assert {s[2] for s in seen} == {"matmul", "pointwise-matmul", "triton-depthwise", "aten"}
+        assert {s[0] for s in seen} == {"matmul", "pointwise-matmul", "patches-matmul", "triton-grouped", "aten"}
+        assert {s[2] for s in seen} == {"matmul", "pointwise-matmul", "patches-matmul", "triton-depthwise", "aten"}
         assert ("triton-grouped", "triton-grouped", "aten", "contiguous", "contiguous") in seen
         assert ("matmul", "matmul", "matmul", "channels-last", "contiguous") in seen
+        assert ("patches-matmul", "patches-matmul", "patches-matmul", "channels-last", "contiguous") in seen
 
 
 def test_the_triton_switch_and_the_limits_are_read_at_each_choice(monkeypatch):
@@ -152,11 +162,12 @@ def test_compiled_wide_stride_1_convolutions_of_16_pixels_or_more_run_channels_l
     assert choose(op, layer1._replace(dtype=torch.float64), OPS).name == "contiguous"
 
 
-def test_compiled_products_take_16_pixel_pairs(monkeypatch):
-    """A 3x3 convolution of a 2x2 image with stride 1 (ResNet-18's third stage on 32x32 inputs): 16 pairs."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_products_take_16_pixel_pairs(monkeypatch, compiled: bool):
+    """A 3x3 convolution of a 2x2 image with stride 1 (ResNet-18's third stage on 32x32 inputs): 16 pairs, eagerly
+    and compiled; a 3x3 image (81 pairs) stays grouped."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiled)
     two_by_two = ConvCall(True, 4, torch.float32, 64 * 256, (64 * 256, 256, 3, 3), 64, size=(2, 2), padding=(1, 1))
-    assert not _kernel_table.MATMUL.applies(two_by_two)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert _kernel_table.MATMUL.applies(two_by_two)
     assert "pixel pairs" in _kernel_table.MATMUL.unmet(two_by_two._replace(size=(3, 3)))[0]
 
