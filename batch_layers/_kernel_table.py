@@ -257,9 +257,9 @@ PATCHES: Candidate[ConvCall] = Candidate(
     "(683 launches against 1,194), at B=16 335 against 295. With its stem a product too, eager ResNet-18 at B=64 "
     "held 11,196 MiB steady, above eager vmap's (its 7x7 patches are 2.3x the stem's output): stems stay compiled "
     "only")
-"""A convolution of few input channels (a network's stem), or a strided one of many, under ``torch.compile`` as
-one batched matrix product of each output pixel's patch (``_conv_patches.py``), forward and both gradients
-(autograd's)."""
+"""A convolution of few input channels (a network's stem), or a strided one of many, under ``torch.compile`` (the
+strided one eagerly too, from 64 models on) as one batched matrix product of each output pixel's patch
+(``_conv_patches.py``), forward and both gradients (autograd's)."""
 
 _ATEN: Candidate[ConvCall] = Candidate("aten", measured="cuDNN or ATen's kernels (torch.convolution and its backward)")
 
