@@ -88,7 +88,10 @@ def test_kernels_command_says_which_kernel_a_shape_takes_and_why(capsys: pytest.
     assert "1x1 images, padding 1" in out and "forward: matmul (H200" in out
     main(["kernels", "--batch", "64", "--in-channels", "64", "--out-channels", "64", "--size", "8", "8",
           "--padding", "1"])
-    assert "not matmul: needs at most 9 pixel pairs" in capsys.readouterr().out
+    assert "not matmul: needs at most 16 pixel pairs" in capsys.readouterr().out
+    main(["kernels", "--batch", "64", "--in-channels", "64", "--out-channels", "128", "--size", "8", "8",
+          "--padding", "1", "--stride", "2"])
+    assert "forward: patches-matmul (H200" in capsys.readouterr().out, "eager from 64 models on"
     main(["kernels", "--batch", "64", "--in-channels", "512", "--out-channels", "512"])
     assert "not matmul: needs the image's size and padding known" in capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"must be divisible by --groups \(4\)"):
