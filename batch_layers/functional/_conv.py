@@ -217,8 +217,6 @@ def _grouped(grouped, weight, bias, stride, padding, dilation, groups, transpose
     return torch.convolution(grouped, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
 
 
-
-
 def models_per_call(
     x: Tensor,
     batch: int,
