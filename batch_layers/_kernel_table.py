@@ -225,7 +225,7 @@ def _stem_or_wide_strided(lim: dict[str, int], c: ConvCall) -> bool:
 
 PATCHES: Candidate[ConvCall] = Candidate(
     "patches-matmul",
-    # compiled first: every eager convolution no product takes asks, and fails there at once
+    # compiled (or many models) first: every other eager convolution no product takes asks, and fails there at once
     (("under torch.compile (Inductor gathers the patches in one kernel, fused with the layout's copies), or "
       "eagerly a strided layer of at least {min_in_per_group_strided} input channels per group and {min_groups_eager} "
       "groups (many models: the GPU's time outweighs the host's for the operators the patches add)",
