@@ -11,7 +11,9 @@ one copy: under ``torch.compile`` Inductor generates that copy as one kernel fus
 transpose, where ATen's ``im2col`` launches one kernel per image. A strided 3x3 layer of many channels per
 model (a ResNet's downsampling) gathers 2.25x its input this way, and cuDNN's grouped kernels run it 2-5x slower
 than the plain model's dense layer, in either layout, and launch once per model: eagerly too, from 64 models on,
-such a layer is a product. Autograd differentiates it (double backward
+such a layer is a product. Eager steps take stems of stride 2 or more whose patches are at most twice their output,
+and layers whose kernel is their stride (a ConvNeXt's stem and downsampling, a ViT's patch embedding: their patches
+are their input, rearranged), from 16 models on. Autograd differentiates it (double backward
 included), autocast casts it as it casts matrix products, and fp32 products run in TF32 where
 ``torch.backends.cuda.matmul.allow_tf32`` allows. The kernel table's
 :data:`~batch_layers._kernel_table.PATCHES` says which convolutions take it.

@@ -212,32 +212,50 @@ POINTWISE: Candidate[ConvCall] = Candidate(
 """A pointwise convolution as one batched matrix product of pixels (``_conv_pointwise.py``), forward and both
 gradients (autograd's)."""
 
+
+def _stem(lim: dict[str, int], c: ConvCall, max_patch_per_output: str = "max_patch_per_output") -> bool:
+    in_per_group = c.weight_shape[1]
+    return (in_per_group <= lim["max_in_per_group"]
+            and _prod(c.weight_shape[1:]) <= lim[max_patch_per_output] * (c.weight_shape[0] // c.groups))
+
+
 def _wide_strided(lim: dict[str, int], c: ConvCall) -> bool:
     return c.weight_shape[1] >= lim["min_in_per_group_strided"] and max(c.stride) > 1
 
 
-def _stem_or_wide_strided(lim: dict[str, int], c: ConvCall) -> bool:
-    in_per_group = c.weight_shape[1]
-    stem = (in_per_group <= lim["max_in_per_group"]
-            and _prod(c.weight_shape[1:]) <= lim["max_patch_per_output"] * (c.weight_shape[0] // c.groups))
-    return stem or _wide_strided(lim, c)
+def _patchify(c: ConvCall) -> bool:
+    """A convolution whose kernel is its stride, of more than one pixel, without padding (a ConvNeXt's stem and
+    downsampling layers, a ViT's patch embedding): its patches are its input, rearranged."""
+    return (c.weight_shape[2:] == c.stride and max(c.stride) > 1 and len(c.padding) == 2 and set(c.padding) == {0}
+            and set(c.dilation) == {1})
+
+
+def _takes_patches(lim: dict[str, int], c: ConvCall) -> bool:
+    if torch.compiler.is_compiling():
+        return _stem(lim, c) or _wide_strided(lim, c)
+    strided_stem = max(c.stride) > 1 and _stem(lim, c, "max_patch_per_output_eager")
+    if c.groups >= lim["min_groups_eager"] and (strided_stem or _patchify(c)):
+        return True
+    return c.groups >= lim["min_groups_eager_wide"] and _wide_strided(lim, c)
 
 
 PATCHES: Candidate[ConvCall] = Candidate(
     "patches-matmul",
-    # compiled (or many models) first: every other eager convolution no product takes asks, and fails there at once
-    (("under torch.compile (Inductor gathers the patches in one kernel, fused with the layout's copies), or "
-      "eagerly a strided layer of at least {min_in_per_group_strided} input channels per group and {min_groups_eager} "
-      "groups (many models: the GPU's time outweighs the host's for the operators the patches add)",
-      lambda lim, c: torch.compiler.is_compiling() or (c.groups >= lim["min_groups_eager"] and _wide_strided(lim, c))),
+    # first: every other convolution no product takes asks, and its checks read only a few numbers
+    (("under torch.compile (Inductor gathers the patches in one kernel, fused with the layout's copies) a stem (at "
+      "most {max_in_per_group} input channels per group, and patches of at most {max_patch_per_output} elements per "
+      "output channel of a group: input channels x kernel height x width) or a strided layer of at least "
+      "{min_in_per_group_strided} input channels per group (whose 3x3 patches are 2.25x its input); eagerly, from "
+      "{min_groups_eager} groups (models), a strided stem of patches of at most {max_patch_per_output_eager} "
+      "elements per output channel (autograd keeps them for backward) or a layer whose kernel is its stride, without "
+      "padding (its patches are its input), and from {min_groups_eager_wide} groups a wide "
+      "strided layer too (cuDNN's grouped kernels launch once per model on all of these; with fewer models the "
+      "host's time for the operators the patches add outweighs it)",
+      _takes_patches),
      _CUDA, _TWO_D, _NOT_TRANSPOSED, _FLOAT,
-     ("the image's size and padding known", lambda lim, c: len(c.size) == len(c.padding) == 2),
-     ("a stem (at most {max_in_per_group} input channels per group, and patches of at most "
-      "{max_patch_per_output} elements per output channel of a group: input channels x kernel height x width, the "
-      "gathered patches at most that many times the output) or a strided layer of at least "
-      "{min_in_per_group_strided} input channels per group (whose 3x3 patches are 2.25x its input)",
-      _stem_or_wide_strided)),
-    {"max_in_per_group": 3, "max_patch_per_output": 3, "min_in_per_group_strided": 64, "min_groups_eager": 64},
+     ("the image's size and padding known", lambda lim, c: len(c.size) == len(c.padding) == 2)),
+    {"max_in_per_group": 3, "max_patch_per_output": 3, "max_patch_per_output_eager": 2, "min_in_per_group_strided": 64,
+     "min_groups_eager": 16, "min_groups_eager_wide": 64},
     "H200, compiled, forward and backward of a convolution, batch norm and SiLU on 32x32 images, n=128 "
     "(tests/benchmarks/bench_conv_compiled.py), against the grouped convolution the table chose before: "
     "MobileNetV3's stem (3 -> 16 channels, 3x3, stride 2) 0.71x the time at B=64 (against Triton's grouped "
@@ -255,11 +273,20 @@ PATCHES: Candidate[ConvCall] = Candidate(
     "against 16,447; in bf16 1,610 against 1,537, 804 launches against 1,044; at B=16 in fp32 631 against 730 "
     "(the host's extra operators), in bf16 605 against 593. ConvNeXt-atto in fp32 at B=64 988 against 921 "
     "(683 launches against 1,194), at B=16 335 against 295. With its stem a product too, eager ResNet-18 at B=64 "
-    "held 11,196 MiB steady, above eager vmap's (its 7x7 patches are 2.3x the stem's output): stems stay compiled "
-    "only")
-"""A convolution of few input channels (a network's stem), or a strided one of many, under ``torch.compile`` (the
-strided one eagerly too, from 64 models on) as one batched matrix product of each output pixel's patch
-(``_conv_patches.py``), forward and both gradients (autograd's)."""
+    "held 11,196 MiB steady, above eager vmap's (its 7x7 patches are 2.3x the stem's output), and alone its stem took "
+    "5.6 against cuDNN's 4.9 ms forward and backward: it stays cuDNN's eagerly. Eager stems and patchify layers "
+    "(bench --zoo --impls torchmb,limit --launches, H200, fp32, n=128; cuDNN ran them once per model at B=64): "
+    "ConvNeXt-atto 424 against 283 model-steps/s at B=16 (481 launches against 660) and 1,406 against 935 at B=64 "
+    "(488 against 683); MobileNetV3 368 against 307 and 1,088 against 1,051 (616 launches against 733 at B=64); "
+    "torchvision's EfficientNet-B0 221 against 178 and 609 against 636, a tie (1,147 against 1,264); RegNetX-400MF "
+    "at B=64 969 and 1,083 against 985 and 1,102 in processes taking turns (1,108 launches against 1,227). Alone, the "
+    "3x3 stems of stride 2 took 0.84 against 0.99 ms at B=16 and 2.0 against 1.4 at B=64; ConvNeXt's 4x4 stem 0.61 "
+    "against 1.56 and its 2x2 downsampling of 40 channels 0.80 against 2.11 at B=64. RegNetX's 1x1 layer of stride 2 "
+    "on 16x16 images as a product read 697-812 model-steps/s at B=64 in three processes: it stays cuDNN's")
+"""A convolution of few input channels (a network's stem), a strided one of many, or one whose kernel is its stride,
+as one batched matrix product of each output pixel's patch (``_conv_patches.py``), forward and both gradients
+(autograd's): under ``torch.compile`` the stems and the wide strided layers; eagerly, from 16 models on, the strided
+stems of small patches and the patchify layers, and from 64 models on the wide strided layers."""
 
 _ATEN: Candidate[ConvCall] = Candidate("aten", measured="cuDNN or ATen's kernels (torch.convolution and its backward)")
 

@@ -55,10 +55,8 @@ def stem(batch: int, cin: int, cout: int, kernel: int, cuda: bool = True) -> _ke
 
 def test_the_table_takes_compiled_stems_whose_patches_are_at_most_thrice_the_output_and_wide_strided_layers(
         monkeypatch) -> None:
-    efficientnet = stem(64, 3, 32, 3)
-    assert not runs_as_patches(efficientnet), "eager: the gathered patches would be a copy of their own"
-    assert "under torch.compile" in _kernel_table.PATCHES.unmet(efficientnet)[0]
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    efficientnet = stem(64, 3, 32, 3)
     assert runs_as_patches(efficientnet)
     assert runs_as_patches(stem(16, 3, 16, 3)), "MobileNetV3's stem: 27 per pixel for 16 channels"
     assert runs_as_patches(stem(64, 3, 64, 7)), "ResNet-18's stem: 147 per pixel for 64 channels"
@@ -75,11 +73,28 @@ def test_the_table_takes_compiled_stems_whose_patches_are_at_most_thrice_the_out
     assert not runs_as_patches(efficientnet._replace(size=(), padding=())), "the image's size is needed"
     op = "weight grad"
     assert _kernel_table.choose(op, efficientnet, _kernel_table.OPS).name == "patches-matmul"
+
+
+def patchify(batch: int, cin: int, cout: int, kernel: int, padding: int = 0) -> _kernel_table.ConvCall:
+    return _kernel_table.ConvCall(True, 4, torch.float32, batch * cin, (batch * cout, cin, kernel, kernel), batch,
+                                  False, (kernel, kernel), (1, 1), (8, 8), (padding, padding))
+
+
+def test_eager_steps_take_strided_stems_and_patchify_layers_from_16_models_and_wide_strided_ones_from_64(
+        monkeypatch) -> None:
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    assert runs_as_patches(stem(16, 3, 32, 3)), "EfficientNet-B0's and RegNet's stem: 27 per pixel for 32 channels"
+    assert runs_as_patches(stem(16, 3, 16, 3)), "MobileNetV3's stem: 27 per pixel for 16 channels"
+    assert "under torch.compile" in _kernel_table.PATCHES.unmet(stem(8, 3, 32, 3))[0], "eager, 8 models"
+    assert not runs_as_patches(stem(64, 3, 64, 7)), "ResNet-18's stem, eager: 147 per pixel for 64 channels"
+    assert not runs_as_patches(stem(64, 3, 32, 3)._replace(stride=(1, 1))), "a stem of stride 1 (CIFAR's ResNet)"
+    assert runs_as_patches(patchify(16, 3, 40, 4)), "ConvNeXt's stem: 4x4 of stride 4"
+    assert runs_as_patches(patchify(16, 40, 80, 2)), "ConvNeXt's downsampling: 2x2 of stride 2"
+    assert not runs_as_patches(patchify(16, 40, 80, 2, padding=1)), "padded: its windows read the zeros"
+    assert not runs_as_patches(patchify(16, 32, 32, 1)._replace(stride=(2, 2))), "1x1 of stride 2 (RegNet's)"
     assert runs_as_patches(stem(64, 64, 128, 3)), "eager from 64 models on: cuDNN launches per model"
     assert runs_as_patches(stem(64, 64, 128, 1)), "ResNet-18's 1x1 downsampling of 16x16 images"
     assert "under torch.compile" in _kernel_table.PATCHES.unmet(stem(16, 64, 128, 3))[0], "eager, 16 models"
-    assert not runs_as_patches(efficientnet), "eager stems: their patches are a copy of their own"
     assert not runs_as_patches(stem(64, 64, 64, 3)._replace(stride=(1, 1))), "eager stride 1"
 
 
@@ -132,7 +147,7 @@ def test_an_eager_downsampling_block_of_64_models_takes_the_product_and_trains_a
     traced = []
     product = BF._conv.patches_conv2d
     monkeypatch.setattr(BF._conv, "patches_conv2d", lambda *args: traced.append(args[1].shape) or product(*args))
-    batch = _kernel_table.PATCHES.limits["min_groups_eager"]
+    batch = _kernel_table.PATCHES.limits["min_groups_eager_wide"]
     torch.manual_seed(0)
 
     class Downsample(nn.Module):
@@ -151,6 +166,33 @@ def test_an_eager_downsampling_block_of_64_models_takes_the_product_and_trains_a
     x = torch.randn(batch, 1, 64, 5, 5, dtype=torch.float64)
     assert_two_steps_match_plain(batched, batched, plain, x)
     assert len(traced) == 4, f"both convolutions as products, in both steps: {traced}"
+
+
+def test_eager_strided_stems_and_patchify_layers_of_16_models_take_the_product_and_train_as_plain_copies(
+        monkeypatch) -> None:
+    """torchvision's stem block (3x3 of stride 2, batch norm, SiLU) before timm's ConvNeXt (its 4x4 stem of stride
+    4, three 2x2 downsamplings of stride 2, layer norms, layer scales) for 16 models, eagerly, in the merged order
+    BatchModule picks (models-major: timm's LayerNorm2d): all five strided convolutions take the product of
+    patches; outputs and every parameter's gradient match 16 plain models in float64."""
+    import_torchvision()
+    from timm.models.convnext import ConvNeXt
+    from torchvision.ops import Conv2dNormActivation
+
+    _gpu_conditions_lifted(monkeypatch)
+    traced = []
+    product = BF._conv.patches_conv2d
+    monkeypatch.setattr(BF._conv, "patches_conv2d", lambda *args: traced.append(args[1].shape[-2:]) or product(*args))
+    batch = _kernel_table.PATCHES.limits["min_groups_eager"]
+    torch.manual_seed(0)
+    plain = [nn.Sequential(Conv2dNormActivation(3, 16, stride=2, activation_layer=nn.SiLU),
+                           ConvNeXt(in_chans=16, num_classes=3, depths=(1,) * 4, dims=(8,) * 4)).double()
+             for _ in range(batch)]
+    models = iter(plain)
+    batched = BatchModule.from_factory(lambda: next(models), batch)
+    x = torch.randn(batch, 1, 3, 64, 64, dtype=torch.float64)
+    assert_two_steps_match_plain(batched, batched, plain, x)
+    expected = [(3, 3), (4, 4), (2, 2), (2, 2), (2, 2)] * 2
+    assert [tuple(k) for k in traced] == expected, "every strided stem and patchify layer, in both steps"
 
 
 @pytest.mark.cuda

@@ -58,9 +58,15 @@ def runs_pointwise(c: ConvCall) -> bool:
 
 def runs_as_patches(c: ConvCall) -> bool:
     """The product of patches (added after the table), eagerly: 2-D strided layers of at least 64 input channels
-    per group and 64 groups."""
-    return (c.cuda and c.dims == 4 and not c.transposed and c.dtype in FLOATS and c.weight_shape[1] >= 64
-            and c.groups >= 64 and max(c.stride) > 1 and len(c.size) == 2)
+    per group and 64 groups; from 16 groups, strided stems (at most 3 input channels per group, patches of at most
+    twice a group's output channels) and layers whose kernel is their stride, unpadded."""
+    if not (c.cuda and c.dims == 4 and not c.transposed and c.dtype in FLOATS and len(c.size) == 2
+            and max(c.stride) > 1):
+        return False
+    in_g, out_g, kernel = c.weight_shape[1], c.weight_shape[0] // c.groups, c.weight_shape[2:]
+    stem = in_g <= 3 and in_g * math.prod(kernel) <= 2 * out_g
+    patchify = kernel == c.stride and set(c.padding) == {0} and set(c.dilation) == {1}
+    return (c.groups >= 64 and in_g >= 64) or (c.groups >= 16 and (stem or patchify))
 
 
 def old_keeps_channels_last(c: ConvCall) -> bool:
@@ -96,7 +102,7 @@ def test_the_table_chooses_what_the_old_predicates_chose(monkeypatch, triton):
             want = ("matmul",) * 3 + want[3:]
         elif runs_pointwise(call):
             want = ("pointwise-matmul",) * 3 + want[3:]
-        elif runs_as_patches(call):  # eagerly, strided layers of 64 channels per group and 64 groups
+        elif runs_as_patches(call):  # eagerly: wide strided layers, strided stems
             want = ("patches-matmul",) * 3 + want[3:]
         assert got == want, call
         seen.add(got)
