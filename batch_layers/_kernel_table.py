@@ -213,10 +213,10 @@ POINTWISE: Candidate[ConvCall] = Candidate(
 gradients (autograd's)."""
 
 
-def _stem(lim: dict[str, int], c: ConvCall, max_patch_per_output: str = "max_patch_per_output") -> bool:
+def _stem(lim: dict[str, int], c: ConvCall, max_patch_per_output: int) -> bool:
     in_per_group = c.weight_shape[1]
     return (in_per_group <= lim["max_in_per_group"]
-            and _prod(c.weight_shape[1:]) <= lim[max_patch_per_output] * (c.weight_shape[0] // c.groups))
+            and _prod(c.weight_shape[1:]) <= max_patch_per_output * (c.weight_shape[0] // c.groups))
 
 
 def _wide_strided(lim: dict[str, int], c: ConvCall) -> bool:
@@ -232,9 +232,9 @@ def _patchify(c: ConvCall) -> bool:
 
 def _takes_patches(lim: dict[str, int], c: ConvCall) -> bool:
     if torch.compiler.is_compiling():
-        return _stem(lim, c) or _wide_strided(lim, c)
-    strided_stem = max(c.stride) > 1 and _stem(lim, c, "max_patch_per_output_eager")
-    if c.groups >= lim["min_groups_eager"] and (strided_stem or _patchify(c)):
+        return _stem(lim, c, lim["max_patch_per_output"]) or _wide_strided(lim, c)
+    if c.groups >= lim["min_groups_eager"] and max(c.stride) > 1 and (
+            _stem(lim, c, lim["max_patch_per_output_eager"]) or _patchify(c)):
         return True
     return c.groups >= lim["min_groups_eager_wide"] and _wide_strided(lim, c)
 
