@@ -1,4 +1,4 @@
-"""A Triton implicit-GEMM kernel for grouped 2-D convolutions with few channels per group.
+"""Triton implicit-GEMM kernels for grouped 2-D convolutions with few channels per group.
 
 B models' convolutions run as one convolution with B groups (``_conv.py``). Where each group is small
 (LeNet's 6 to 16 channels, 5x5), cuDNN runs its grouped kernels one group after another: at B=256 the
@@ -8,9 +8,13 @@ program takes a tile of output positions (image, row, column) of one group and m
 patch, gathered straight from the input, with the group's filters.
 
 The input gradient of a convolution with stride 1 is the same kernel run on the output gradient, with
-the filters flipped and their in/out channels swapped; the weight gradient stays with cuDNN, which does
-not loop over groups for it. ``torch.backends.cudnn.allow_tf32`` decides, as for cuDNN's convolutions,
-whether the products run in TF32.
+the filters flipped and their in/out channels swapped. The weight gradient stays with cuDNN, which does
+not loop over groups for it, except for a network's stem: there cuDNN runs a grouped convolution of three
+input channels per group once per group, forward and weight gradient (ResNet-18's 7x7 stem at B=64: 64
+kernels each way and 64 memsets a step). The stem's weight gradient kernel takes, for one group and one
+block of patch elements, a share of the output positions and multiplies the gathered patches (transposed)
+with the output gradient; the shares' sums are added after it, in a fixed order.
+``torch.backends.cudnn.allow_tf32`` decides, as for cuDNN's convolutions, whether the products run in TF32.
 """
 
 from __future__ import annotations
@@ -20,10 +24,10 @@ import functools
 import torch
 from torch import Tensor
 
-from ._kernel_table import TRITON_GROUPED, ConvCall
-from ._triton_op import launchable, triton_custom_op
+from ._kernel_table import TRITON_GROUPED, TRITON_STEM, ConvCall
+from ._triton_op import launchable, multiprocessors, triton_custom_op
 
-__all__ = ["grouped_conv2d", "input_grad", "runs_on_triton"]
+__all__ = ["grouped_conv2d", "grouped_weight_grad", "input_grad", "runs_on_triton"]
 
 
 @functools.cache
@@ -74,10 +78,66 @@ def _kernel():
     return conv2d_groups
 
 
-def runs_on_triton(x: Tensor, weight: Tensor, groups: int, transposed: bool) -> bool:
-    """Whether a grouped convolution of this shape runs on the Triton kernel (the kernel table's
-    :data:`~batch_layers._kernel_table.TRITON_GROUPED` says when, and why)."""
-    return TRITON_GROUPED.applies(ConvCall.of(x, weight, groups, transposed))
+@functools.cache
+def _weight_grad_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def conv2d_groups_weight_grad(
+        x, gy, partial,
+        P, OH, OW, H, W,
+        sxn, sxc, sxh, sxw,
+        sgn, sgc, sgh, sgw,
+        stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
+        GROUPS, CHUNK,
+        CI: tl.constexpr, CO: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_CO: tl.constexpr,
+    ):  # fmt: skip
+        # the patch blocks of one share are neighbouring programs: they read its output gradient from L2
+        k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+        group = tl.program_id(1)
+        split = tl.program_id(2)
+        ci = k // (KH * KW)
+        kh = (k // KW) % KH
+        kw = k % KW
+        co = tl.arange(0, BLOCK_CO)
+        x_channels = x + (group * CI + ci) * sxc
+        gy_channels = gy + (group * CO + co) * sgc
+        stop = tl.minimum(split * CHUNK + CHUNK, P)
+        acc = tl.zeros((BLOCK_K, BLOCK_CO), dtype=tl.float32)
+        for start in range(split * CHUNK, stop, BLOCK_P):
+            p = start + tl.arange(0, BLOCK_P)
+            in_range = p < stop
+            n = (p // (OH * OW)).to(tl.int64)
+            oh = (p // OW) % OH
+            ow = p % OW
+            ih = oh[None, :] * stride_h - pad_h + kh[:, None] * dil_h
+            iw = ow[None, :] * stride_w - pad_w + kw[:, None] * dil_w
+            inside = (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W) & in_range[None, :] & (k < CI * KH * KW)[:, None]
+            patches = tl.load(x_channels[:, None] + n[None, :] * sxn + ih * sxh + iw * sxw, mask=inside, other=0.0)
+            grads = tl.load(
+                gy_channels[None, :] + n[:, None] * sgn + oh[:, None] * sgh + ow[:, None] * sgw,
+                mask=in_range[:, None] & (co < CO)[None, :],
+                other=0.0,
+            )
+            acc = tl.dot(patches, grads, acc, input_precision=PRECISION)
+        out = partial + ((split * GROUPS + group) * CO + co[None, :]) * (CI * KH * KW) + k[:, None]
+        tl.store(out, acc, mask=(k < CI * KH * KW)[:, None] & (co < CO)[None, :])
+
+    return conv2d_groups_weight_grad
+
+
+def runs_on_triton(x: Tensor, weight: Tensor, groups: int, transposed: bool, stride=(1, 1)) -> bool:
+    """Whether a grouped convolution of this shape runs forward on the Triton kernel (the kernel table's
+    :data:`~batch_layers._kernel_table.TRITON_GROUPED` and :data:`~batch_layers._kernel_table.TRITON_STEM`
+    say when, and why)."""
+    call = ConvCall.of(x, weight, groups, transposed, stride)
+    return TRITON_GROUPED.applies(call) or TRITON_STEM.applies(call)
+
+
+def _precision(x: Tensor) -> str:
+    return "tf32" if torch.backends.cudnn.allow_tf32 and x.dtype == torch.float32 else "ieee"
 
 
 def _output_size(x: Tensor, weight: Tensor, stride, padding, dilation) -> tuple[int, int]:
@@ -98,11 +158,10 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, stride, padding, dil
     import triton
 
     per_group = out_channels // groups
-    block_co = max(16, triton.next_power_of_2(per_group))
-    block_p = 128 if block_co <= 16 else 64
+    block_p = 128
     grid = (triton.cdiv(n * out_h * out_w, block_p), groups)
     weight = weight.contiguous()
-    precision = "tf32" if torch.backends.cudnn.allow_tf32 and x.dtype == torch.float32 else "ieee"
+    precision = _precision(x)
     with torch.cuda.device(x.device):
         launchable(_kernel())[grid](
             x, weight, weight if bias is None else bias, y,
@@ -110,7 +169,8 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, stride, padding, dil
             *x.stride(), *y.stride(),
             stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1],
             CI=in_per_group, CO=per_group, KH=kh, KW=kw, HAS_BIAS=bias is not None, PRECISION=precision,
-            BLOCK_P=block_p, BLOCK_K=16 if in_per_group * kh * kw <= 16 else 32, BLOCK_CO=block_co,
+            BLOCK_P=block_p, BLOCK_K=16 if in_per_group * kh * kw <= 16 else 32,
+            BLOCK_CO=max(16, triton.next_power_of_2(per_group)),
         )  # fmt: skip
     return y
 
@@ -142,3 +202,42 @@ def input_grad(grad: Tensor, weight: Tensor, input_shape: torch.Size, padding, g
         return None
     grad_x = grouped_conv2d(grad, flipped, None, [1, 1], full, [1, 1], groups)
     return grad_x if tuple(grad_x.shape) == tuple(input_shape) else None
+
+
+def _weight_shaped(grad, x, weight_shape, stride, padding, dilation, groups):
+    return x.new_empty(weight_shape)
+
+
+@triton_custom_op("torchmb::grouped_weight_grad", fake=_weight_shaped)
+def grouped_weight_grad(
+    grad: Tensor, x: Tensor, weight_shape: list[int], stride: list[int], padding: list[int], dilation: list[int],
+    groups: int,
+) -> Tensor:  # fmt: skip
+    """The gradient of a grouped convolution's stacked ``(B*O, C/g, KH, KW)`` weight, in the input's dtype, from
+    the output gradient ``grad`` and the input ``x`` (the kernel table's
+    :data:`~batch_layers._kernel_table.TRITON_STEM` says for which convolutions)."""
+    import triton
+
+    out_channels, in_per_group, kh, kw = weight_shape
+    n, _, out_h, out_w = grad.shape
+    positions, patch, per_group = n * out_h * out_w, in_per_group * kh * kw, out_channels // groups
+    # the blocks and the programs a multiprocessor gets that were fastest for ResNet's stem at 16 and 64 models
+    fp32 = x.dtype == torch.float32
+    block_p, block_k = 64, 32 if fp32 or patch <= 32 else 64
+    patch_blocks = triton.cdiv(patch, block_k)
+    programs = (4 if fp32 else 8) * multiprocessors(grad.device)
+    splits = max(1, min(triton.cdiv(positions, 8 * block_p), triton.cdiv(programs, patch_blocks * groups)))
+    chunk = triton.cdiv(triton.cdiv(positions, splits), block_p) * block_p
+    splits = triton.cdiv(positions, chunk)
+    partial = grad.new_empty(splits, out_channels, patch, dtype=torch.float32)
+    with torch.cuda.device(grad.device):
+        launchable(_weight_grad_kernel())[(patch_blocks, groups, splits)](
+            x, grad, partial,
+            positions, out_h, out_w, x.shape[2], x.shape[3],
+            *x.stride(), *grad.stride(),
+            stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1],
+            groups, chunk,
+            CI=in_per_group, CO=per_group, KH=kh, KW=kw, PRECISION=_precision(x),
+            BLOCK_P=block_p, BLOCK_K=block_k, BLOCK_CO=max(16, triton.next_power_of_2(per_group)),
+        )  # fmt: skip
+    return partial.sum(0).view(weight_shape).to(x.dtype)

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ._kernel_table import TRITON_DEPTHWISE_GRAD, ConvCall
-from ._triton_op import launchable, triton_custom_op
+from ._triton_op import launchable, multiprocessors, triton_custom_op
 
 __all__ = ["depthwise_weight_grad", "runs_depthwise_grad"]
 
@@ -70,11 +70,6 @@ def _weight_shaped(grad, x, weight_shape, stride, padding, dilation):
     return x.new_empty(weight_shape)
 
 
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 @triton_custom_op("torchmb::depthwise_weight_grad", fake=_weight_shaped)
 def depthwise_weight_grad(
     grad: Tensor, x: Tensor, weight_shape: list[int], stride: list[int], padding: list[int], dilation: list[int]
@@ -87,7 +82,7 @@ def depthwise_weight_grad(
     n, _, out_h, out_w = grad.shape
     positions = n * out_h * out_w
     block_p = 64 if kh * kw > 16 else 128
-    splits = max(1, min(triton.cdiv(positions, 8 * block_p), triton.cdiv(4 * _multiprocessors(grad.device), channels)))
+    splits = max(1, min(triton.cdiv(positions, 8 * block_p), triton.cdiv(4 * multiprocessors(grad.device), channels)))
     chunk = triton.cdiv(triton.cdiv(positions, splits), block_p) * block_p
     splits = triton.cdiv(positions, chunk)
     partial = grad.new_empty(splits, channels, kh * kw, dtype=torch.float32)

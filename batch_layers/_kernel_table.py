@@ -297,6 +297,37 @@ TRITON_GROUPED_INPUT_GRAD: Candidate[ConvCall] = Candidate(
     (("stride 1", lambda lim, c: set(c.stride) == {1}),
      ("dilation 1", lambda lim, c: set(c.dilation) == {1}), *_GROUPED),
     _GROUPED_LIMITS, _GROUPED_MEASURED + "; the input gradient is the same kernel on the flipped filters")
+TRITON_STEM: Candidate[ConvCall] = Candidate(
+    "triton-stem",
+    # first: what most convolutions fail, in a few numbers
+    (("at most {max_in_per_group} input channels per group (a network's stem)",
+      lambda lim, c: c.weight_shape[1] <= lim["max_in_per_group"]),
+     ("stride 2 or more", lambda lim, c: max(c.stride) > 1),
+     ("at least {min_groups} groups", lambda lim, c: c.groups >= lim["min_groups"]),
+     ("eager (compiled steps take stems as products of patches: PATCHES)",
+      lambda lim, c: not torch.compiler.is_compiling()),
+     _CUDA, _TWO_D, _NOT_TRANSPOSED, _FLOAT,
+     ("{min_out_per_group} to {max_out_per_group} output channels per group",
+      lambda lim, c: lim["min_out_per_group"] <= c.weight_shape[0] // c.groups <= lim["max_out_per_group"]),
+     ("at most {max_patch} patch elements per group (input channels x kernel height x width)",
+      lambda lim, c: _prod(c.weight_shape[1:]) <= lim["max_patch"]),
+     _TRITON),
+    {"min_groups": 16, "max_in_per_group": 3, "min_out_per_group": 8, "max_out_per_group": 64, "max_patch": 256},
+    "H200, n=128, 32x32 images, ResNet's 7x7 stem (3 -> 64, stride 2), the grouped convolution alone "
+    "(a throw-away script, forward and weight gradient): fp32 with TF32 0.53 against cuDNN's 1.14 ms "
+    "at B=16 and 2.34 against 3.95 at B=64, bf16 0.39 against 1.29 and 1.54 against 4.44 (before the blocks were "
+    "tuned: forward 128 positions a program, 0.48 against 0.93 ms at B=64 in fp32; weight gradient 32 patch elements "
+    "a block in fp32, 64 and 8 programs a multiprocessor in bf16). As a batched layer, forward and backward: 1.37 "
+    "against 1.92 ms at B=16 and 4.35 against 7.14 at B=64 (fp32), 1.60 against 1.94 and 4.31 against 8.06 (bf16). "
+    "Whole eager ResNet-18 (bench --zoo --impls torchmb,limit --launches, fp32, the wheels before and after in "
+    "processes taking turns): 0.67 and 0.70 of the limit against 0.49 and 0.47 at B=16, 1.00 and 1.03 against 0.97 "
+    "and 1.02 at B=64 with 1.12-1.13x the limit's launches against 1.50x. The 3x3 stems of EfficientNet-B0 and "
+    "MobileNetV3 ran faster here than as PATCHES's product at B=64 (1.99 against 2.72 ms and 1.40 against 1.72 in "
+    "fp32) and slower at B=16 (1.39 against 1.04, 1.33 against 0.82): under 1% of those models' steps at B=64, so "
+    "PATCHES keeps them; ConvNeXt's 4x4 stem of stride 4 is faster as the product at both (0.80 against 1.40 at B=64)")
+"""A strided stem that PATCHES does not take (ResNet's 7x7: patches 2.3x its output), forward on the grouped
+kernel and weight gradient on its own kernel (``_conv_triton.py``): cuDNN runs both once per model."""
+
 TRITON_DEPTHWISE_GRAD: Candidate[ConvCall] = Candidate(
     "triton-depthwise",
     (_CUDA, _TWO_D, _NOT_TRANSPOSED,
@@ -360,9 +391,9 @@ WIDE_CHANNELS_LAST: Candidate[ConvCall] = Candidate(
     "1,578 model-steps/s (H200)")
 
 OPS: dict[str, tuple[Candidate[ConvCall], ...]] = {
-    "forward": (MATMUL, POINTWISE, PATCHES, TRITON_GROUPED, _ATEN),
+    "forward": (MATMUL, POINTWISE, PATCHES, TRITON_GROUPED, TRITON_STEM, _ATEN),
     "input grad": (MATMUL, POINTWISE, PATCHES, TRITON_GROUPED_INPUT_GRAD, _ATEN),
-    "weight grad": (MATMUL, POINTWISE, PATCHES, TRITON_DEPTHWISE_GRAD, _ATEN),
+    "weight grad": (MATMUL, POINTWISE, PATCHES, TRITON_DEPTHWISE_GRAD, TRITON_STEM, _ATEN),
     "layout of a channels-last input": (CHANNELS_LAST, CONTIGUOUS),
     "layout of a compiled convolution's contiguous input": (DEPTHWISE_CHANNELS_LAST, WIDE_CHANNELS_LAST, CONTIGUOUS),
 }

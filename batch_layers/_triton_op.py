@@ -22,7 +22,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
-__all__ = ["DECOMPOSED", "launchable", "triton_custom_op"]
+__all__ = ["DECOMPOSED", "launchable", "multiprocessors", "triton_custom_op"]
 
 DECOMPOSED = hasattr(torch.library, "wrap_triton") and hasattr(torch.compiler, "is_exporting")
 """Whether this torch lets the operators decompose into their bodies under ``torch.compile``."""
@@ -43,6 +43,12 @@ def triton_custom_op(name: str, fake: Callable[..., Any]) -> Callable[[Callable[
         return op
 
     return register
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """The streaming multiprocessors of a CUDA ``device``: a kernel that splits a reduction sizes its grid by them."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def launchable(kernel: Any) -> Any:

@@ -22,7 +22,7 @@ from .._base import autocast_dtype
 from .._conv_matmul import matmul_conv2d, runs_as_matmul
 from .._conv_patches import patches_conv2d, runs_as_patches
 from .._conv_pointwise import pointwise_conv2d, runs_pointwise
-from .._conv_triton import grouped_conv2d, input_grad, runs_on_triton
+from .._conv_triton import grouped_conv2d, grouped_weight_grad, input_grad, runs_on_triton
 from .._depthwise_triton import depthwise_weight_grad
 from .._kernel_table import (
     CHANNELS_LAST,
@@ -30,6 +30,8 @@ from .._kernel_table import (
     TRITON_DEPTHWISE_GRAD,
     TRITON_GROUPED,
     TRITON_GROUPED_INPUT_GRAD,
+    TRITON_STEM,
+    Candidate,
     ConvCall,
 )
 from .._layout import Layout, expand_shared, from_grouped, is_channels_last, to_grouped
@@ -130,22 +132,26 @@ def _kernel_grads(grad, grouped, weight, stride, padding, dilation, groups, tran
     cuDNN's and ATen's; the rest come from ``aten.convolution_backward``. Only where the backward is not
     itself differentiated: the kernels have no derivatives of their own."""
     own = {}
-    takes_input, takes_weight = _triton_grads(ConvCall.of(grouped, weight, groups, transposed, stride, dilation))
+    takes_input, weight_kernel = _triton_grads(ConvCall.of(grouped, weight, groups, transposed, stride, dilation))
     if mask[0] and takes_input:
         grad_x = input_grad(grad, weight, grouped.shape, padding, groups)
         if grad_x is not None:
             own[0] = grad_x
-    if mask[1] and takes_weight:
-        own[1] = depthwise_weight_grad(grad, grouped, list(weight.shape), list(stride), list(padding), list(dilation))
+    config = (list(weight.shape), list(stride), list(padding), list(dilation))
+    if mask[1] and weight_kernel is TRITON_DEPTHWISE_GRAD:
+        own[1] = depthwise_weight_grad(grad, grouped, *config)
+    elif mask[1] and weight_kernel is TRITON_STEM:
+        own[1] = grouped_weight_grad(grad, grouped, *config, groups)
     return own
 
 
-def _triton_grads(call: ConvCall) -> tuple[bool, bool]:
-    """Whether the Triton kernels take the input gradient and the weight gradient of the grouped convolution
-    ``call``."""
+def _triton_grads(call: ConvCall) -> tuple[bool, Candidate[ConvCall] | None]:
+    """Whether the Triton kernel takes the input gradient of the grouped convolution ``call``, and the kernel
+    table's candidate that takes its weight gradient (None: ATen's)."""
     if call.transposed:
-        return False, False
-    return TRITON_GROUPED_INPUT_GRAD.applies(call), TRITON_DEPTHWISE_GRAD.applies(call)
+        return False, None
+    weight_kernel = next((c for c in (TRITON_DEPTHWISE_GRAD, TRITON_STEM) if c.applies(call)), None)
+    return TRITON_GROUPED_INPUT_GRAD.applies(call), weight_kernel
 
 
 def grouped_conv(
@@ -207,12 +213,15 @@ def _aten_differentiates(grouped, weight, groups, transposed, stride, dilation) 
     """Whether ``torch.convolution`` runs this grouped convolution forward (``runs_on_triton``'s candidate) and
     no kernel of :func:`_kernel_grads` would take a gradient: autograd then differentiates it as well as
     :class:`_GroupedConv` does."""
-    call = ConvCall.of(grouped, weight, groups, transposed, stride, dilation)  # one call for the three checks
-    return not TRITON_GROUPED.applies(call) and not any(_triton_grads(call))
+    call = ConvCall.of(grouped, weight, groups, transposed, stride, dilation)  # one call for every check
+    if TRITON_GROUPED.applies(call) or TRITON_STEM.applies(call):
+        return False
+    takes_input, weight_kernel = _triton_grads(call)
+    return not takes_input and weight_kernel is None
 
 
 def _grouped(grouped, weight, bias, stride, padding, dilation, groups, transposed, output_padding) -> Tensor:
-    if runs_on_triton(grouped, weight, groups, transposed):
+    if runs_on_triton(grouped, weight, groups, transposed, stride):
         return grouped_conv2d(grouped, weight, bias, list(stride), list(padding), list(dilation), groups)
     return torch.convolution(grouped, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
 

@@ -11,9 +11,11 @@ from torch import nn
 
 import batch_layers
 from batch_layers import ForwardContext, _kernel_table, forward_context
+from batch_layers import functional as BF
 from batch_layers._conv_triton import runs_on_triton
 from batch_layers._depthwise_triton import runs_depthwise_grad
 from batch_layers._triton_op import DECOMPOSED
+from torchmb.testing import assert_equivalent
 
 pytestmark = [
     pytest.mark.cuda,
@@ -25,6 +27,7 @@ pytestmark = [
 
 BATCH, SAMPLES = 12, 3
 MIN_GROUPS = _kernel_table.TRITON_GROUPED.limits["min_groups"]  # the tests below lower it (12 models take the kernel)
+STEM_MIN_GROUPS = _kernel_table.TRITON_STEM.limits["min_groups"]
 
 
 def test_many_models_take_the_kernel_and_few_do_not(monkeypatch) -> None:
@@ -56,6 +59,7 @@ def _exact_fp32(monkeypatch):
     # the kernels for these few models too (speed decides it)
     monkeypatch.setitem(_kernel_table.TRITON_GROUPED.limits, "min_groups", 8)
     monkeypatch.setitem(_kernel_table.TRITON_DEPTHWISE_GRAD.limits, "min_channels", 8)
+    monkeypatch.setitem(_kernel_table.TRITON_STEM.limits, "min_groups", 8)
     before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     yield
@@ -131,6 +135,68 @@ def test_depthwise_weight_gradient_kernel_matches_plain_convolutions(shape, orde
     weight = batched.weight.reshape(-1, *batched.weight.shape[2:])
     assert runs_depthwise_grad(grouped, weight, BATCH * shape[6]), "the shape should take the kernel"
     _check(plain, batched, x, order, atol=1e-4, rtol=1e-4)
+
+
+STEM_SHAPES = [  # strided, at most three input channels per model: both directions on the kernels
+    (3, 64, 7, 2, 3, 1, 1, 15),  # ResNet's 7x7 stem, an odd image
+    (3, 24, 5, 2, 2, 1, 1, 12),  # 5x5, a block of output channels partly masked
+    (2, 12, 3, (2, 3), 1, 2, 1, 11),  # dilated, uneven strides
+]
+
+
+def _recording_stem_kernels(monkeypatch) -> list[str]:
+    """The Triton operators the batched convolutions call, by name, in order."""
+    calls = []
+    for name in ("grouped_conv2d", "grouped_weight_grad"):
+        op = getattr(BF._conv, name)
+        monkeypatch.setattr(BF._conv, name, lambda *args, name=name, op=op: calls.append(name) or op(*args))
+    return calls
+
+
+@pytest.mark.parametrize("order", ["models", "samples"])
+@pytest.mark.parametrize("shape", STEM_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_stem_forward_and_weight_gradient_kernels_match_plain_convolutions(monkeypatch, shape, order: str) -> None:
+    """A stem's forward and weight gradient run on the kernels (cuDNN launches per model for both); the input
+    and bias gradients are ATen's. Every one matches the B plain convolutions'."""
+    monkeypatch.setitem(_kernel_table.TRITON_GROUPED.limits, "min_groups", MIN_GROUPS)  # its forward's kernel too
+    calls = _recording_stem_kernels(monkeypatch)
+    plain, batched = _models(shape)
+    size = shape[-1]
+    x = torch.randn(BATCH, SAMPLES, shape[0], size, size, device="cuda")
+    call = _kernel_table.ConvCall.of(x[0].repeat(1, BATCH, 1, 1), batched.weight.flatten(0, 1), BATCH,
+                                     stride=batched.stride)
+    assert [_kernel_table.choose(op, call, _kernel_table.OPS).name for op in ("forward", "weight grad")] == [
+        "triton-stem", "triton-stem"]
+    _check(plain, batched, x, order, atol=1e-4, rtol=1e-4)
+    assert calls == ["grouped_conv2d", "grouped_weight_grad"]
+
+
+def test_stem_kernels_under_bf16_autocast_match_plain_autocast(monkeypatch) -> None:
+    calls = _recording_stem_kernels(monkeypatch)
+    plain, batched = _models(STEM_SHAPES[0])
+    x = torch.randn(BATCH, SAMPLES, 3, 15, 15, device="cuda")
+    _check(plain, batched, x, "samples", atol=5e-2, rtol=5e-2, amp=True)
+    assert calls == ["grouped_conv2d", "grouped_weight_grad"]
+
+
+def test_a_torchvision_resnet_of_16_models_runs_its_stem_on_the_kernels_and_trains_as_plain_copies(
+        monkeypatch) -> None:
+    """torchvision's ResNet-18 for as few models as the stem's kernels take at the GPU's limits (16; TF32 off): its
+    7x7 stem runs on both kernels in each of two SGD steps, and outputs, gradients and the trained parameters match
+    16 plain models. Its batch norms use their running statistics: in training mode, a norm over the 1x1 images of
+    the last stage of two samples per model turns the order of a sum into differences of 10% in the stem's
+    gradient, on cuDNN's kernels as on these."""
+    from support.torchvision_ops import import_torchvision
+
+    torchvision = import_torchvision()
+    batch = STEM_MIN_GROUPS
+    monkeypatch.setitem(_kernel_table.TRITON_STEM.limits, "min_groups", batch)
+    calls = _recording_stem_kernels(monkeypatch)
+    torch.manual_seed(0)
+    x = torch.randn(batch, 2, 3, 32, 32, device="cuda")
+    assert_equivalent(lambda: torchvision.models.resnet18(num_classes=10).cuda(), batch, x, steps=2, train=False,
+                      atol=1e-4)
+    assert calls == ["grouped_conv2d", "grouped_weight_grad"] * 2
 
 
 def test_kernel_under_bf16_autocast_matches_plain_autocast() -> None:

@@ -34,6 +34,14 @@ def old_runs_depthwise_grad(c: ConvCall, triton: bool) -> bool:
             and w[2] * w[3] <= 64 and c.dtype in FLOATS and triton)
 
 
+def runs_on_stem(c: ConvCall, triton: bool) -> bool:
+    """The stem's kernels (added after the table), eagerly, forward and weight gradient: strided 2-D layers of at
+    most 3 input and 8 to 64 output channels per group, patches of at most 256 elements, from 16 groups."""
+    w = c.weight_shape
+    return (triton and c.cuda and c.dims == 4 and not c.transposed and c.dtype in FLOATS and max(c.stride) > 1
+            and c.groups >= 16 and w[1] <= 3 and 8 <= w[0] // c.groups <= 64 and math.prod(w[1:]) <= 256)
+
+
 def runs_as_matmul(c: ConvCall) -> bool:
     """The batched matrix product (added after the table): every op, from 16 channels per group in and out, where
     output pixels times input pixels read are at most 16, but a 1x1 kernel of several output pixels."""
@@ -93,9 +101,10 @@ def test_the_table_chooses_what_the_old_predicates_chose(monkeypatch, triton):
     seen = set()
     for call in calls():
         got = tuple(choose(op, call, OPS).name for op in OPS)
-        want = ("triton-grouped" if old_runs_on_triton(call, triton) else "aten",
+        stem = "triton-stem" if runs_on_stem(call, triton) else "aten"
+        want = ("triton-grouped" if old_runs_on_triton(call, triton) else stem,
                 "triton-grouped" if old_input_grad_on_triton(call, triton) else "aten",
-                "triton-depthwise" if old_runs_depthwise_grad(call, triton) else "aten",
+                "triton-depthwise" if old_runs_depthwise_grad(call, triton) else stem,
                 "channels-last" if old_keeps_channels_last(call) else "contiguous",
                 "contiguous")  # eager: the compiled depthwise layout does not apply
         if runs_as_matmul(call):
@@ -107,8 +116,11 @@ def test_the_table_chooses_what_the_old_predicates_chose(monkeypatch, triton):
         assert got == want, call
         seen.add(got)
     if triton:  # the grid reaches every kernel, alone and together
-        assert {s[0] for s in seen} == {"matmul", "pointwise-matmul", "patches-matmul", "triton-grouped", "aten"}
-        assert {s[2] for s in seen} == {"matmul", "pointwise-matmul", "patches-matmul", "triton-depthwise", "aten"}
+        assert {s[0] for s in seen} == {"matmul", "pointwise-matmul", "patches-matmul", "triton-grouped",
+                                        "triton-stem", "aten"}
+        assert {s[2] for s in seen} == {"matmul", "pointwise-matmul", "patches-matmul", "triton-depthwise",
+                                        "triton-stem", "aten"}
+        assert ("triton-stem", "aten", "triton-stem", "contiguous", "contiguous") in seen
         assert ("triton-grouped", "triton-grouped", "aten", "contiguous", "contiguous") in seen
         assert ("matmul", "matmul", "matmul", "channels-last", "contiguous") in seen
         assert ("patches-matmul", "patches-matmul", "patches-matmul", "channels-last", "contiguous") in seen
@@ -209,3 +221,25 @@ def test_a_call_of_b_models_weights_is_the_call_of_their_stack():
     per_model = ConvCall.of_merged(x, weight, 4, 4, (1, 1), (1, 1), (1, 1))
     assert per_model == ConvCall.of_merged(x, weight.flatten(0, 1), 4, 4, (1, 1), (1, 1), (1, 1))
     assert per_model.weight_shape == (64, 6, 3, 3)
+
+
+def test_eager_stems_the_product_leaves_take_the_stem_kernels_from_16_models(monkeypatch):
+    """ResNet's 7x7 stem (patches 2.3x its 64 outputs: PATCHES leaves it eagerly) runs forward and weight gradient
+    on the stem's kernels from 16 models, eagerly; compiled, the product of patches takes it."""
+    monkeypatch.setattr(_kernel_table, "TRITON_INSTALLED", True)
+
+    def resnet_stem(models: int) -> ConvCall:
+        return ConvCall(True, 4, torch.float32, 3 * models, (64 * models, 3, 7, 7), models, stride=(2, 2),
+                        size=(32, 32), padding=(3, 3))
+
+    efficientnet_stem = resnet_stem(16)._replace(weight_shape=(32 * 16, 3, 3, 3), padding=(1, 1))
+    for op in ("forward", "weight grad"):
+        assert choose(op, resnet_stem(16), OPS).name == "triton-stem"
+        assert choose(op, resnet_stem(15), OPS).name == "aten", "cuDNN below 16 models"
+        assert choose(op, resnet_stem(16)._replace(stride=(1, 1)), OPS).name == "aten", "stride 1: not a stem"
+        assert choose(op, efficientnet_stem, OPS).name == "patches-matmul", "small patches: the product first"
+    assert choose("input grad", resnet_stem(16), OPS).name == "aten"
+    assert "at least 16 groups" in explain(resnet_stem(15), OPS)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert choose("forward", resnet_stem(64), OPS).name == "patches-matmul"
+    assert "eager" in _kernel_table.TRITON_STEM.unmet(resnet_stem(64))[0]
