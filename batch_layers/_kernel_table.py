@@ -73,11 +73,15 @@ class ConvCall(NamedTuple):
     def of_merged(cls, x: torch.Tensor, weight: torch.Tensor, batch: int, groups: int, stride: Sequence[int],
                   padding: Sequence[int], dilation: Sequence[int]) -> ConvCall:
         """The call of B models' convolution of the merged ``(B*n, C, *S)`` ``x`` (one model's channels) with the
-        stacked ``weight`` (or B models' ``(B, O, C/g, *k)``), ``groups`` counting ``B * g``; not transposed."""
+        stacked ``weight`` (or B models' ``(B, O, C/g, *k)``), ``groups`` counting ``B * g``; not transposed. Its
+        ``dtype`` is the one the convolution computes in: autocast's, where autocast casts a float32 ``x``."""
         shape = tuple(weight.shape)
         if len(shape) == x.dim() + 1:
             shape = (shape[0] * shape[1], *shape[2:])
-        return cls(x.is_cuda, x.dim(), x.dtype, batch * x.shape[1], shape, groups, False, tuple(stride),
+        dtype = x.dtype
+        if dtype == torch.float32 and torch.is_autocast_enabled(x.device.type):  # it computes in autocast's dtype
+            dtype = torch.get_autocast_dtype(x.device.type)
+        return cls(x.is_cuda, x.dim(), dtype, batch * x.shape[1], shape, groups, False, tuple(stride),
                    tuple(dilation), tuple(x.shape[2:]), tuple(padding))
 
 
@@ -165,14 +169,18 @@ MATMUL: Candidate[ConvCall] = Candidate(
     "matmul",
     (_CUDA, _TWO_D, _NOT_TRANSPOSED, _FLOAT,
      ("the image's size and padding known", lambda lim, c: len(c.size) == len(c.padding) == 2),
-     ("at least {min_channels} input and output channels per group",
-      lambda lim, c: min(c.weight_shape[1], c.weight_shape[0] // c.groups) >= lim["min_channels"]),
+     ("at least {min_channels} input and output channels per group ({min_channels_one_pixel} in bfloat16, autocast's "
+      "included, for a 1x1 kernel of one output pixel: a squeeze-excitation layer, which cuDNN's grouped bf16 kernels "
+      "run once per model; in float32 its one kernel launches fewer than the product; float16 not measured)",
+      lambda lim, c: min(c.weight_shape[1], c.weight_shape[0] // c.groups) >= lim[
+          "min_channels_one_pixel" if c.dtype == torch.bfloat16 and c.weight_shape[2:] == (1, 1) and _pixels(c)[0] == 1
+          else "min_channels"]),
      ("at most {max_pairs} pixel pairs (output pixels x input pixels read)",
       lambda lim, c: _prod(_pixels(c)) <= lim["max_pairs"]),
      # its filters hold a block per pixel pair, most of them zeros for a 1x1 kernel
      ("a kernel of several taps, or one output pixel (POINTWISE multiplies 1x1 kernels without a block per pair)",
       lambda lim, c: _prod(c.weight_shape[2:]) > 1 or _pixels(c)[0] == 1)),
-    {"min_channels": 16, "max_pairs": 16},
+    {"min_channels": 16, "min_channels_one_pixel": 1, "max_pairs": 16},
     "H200, B=64, n=128, forward and backward (tests/benchmarks/bench_conv_choices.py --max-pairs 1100): a 3x3 "
     "convolution of a 1x1 image (1 pair) 2.1 against cuDNN's grouped 5.7 ms in fp32 (TF32) and 2.0 against 5.8 in "
     "bf16; 2x2 to 1x1 with stride 2 (4 pairs) 2.0 against 4.5 and 1.7 against 5.2. Above 9 pairs it lost or "
@@ -186,7 +194,15 @@ MATMUL: Candidate[ConvCall] = Candidate(
     "launch once per model there), at B=16 a tie (730 against 735-757) with 607 launches against 752-976; in "
     "bf16 ties (1,537 against 1,519-1,641 at B=64, 593 against 586-597 at B=16). 1x1 "
     "kernels of several output pixels are left to POINTWISE: compiled ConvNeXt-atto at B=16, whose MLP layers on "
-    "2x2 images this product took with 16 pairs, peaked at 1,728 MiB against 4,210 (H200), at the same speed")
+    "2x2 images this product took with 16 pairs, peaked at 1,728 MiB against 4,210 (H200), at the same speed. "
+    "Squeeze-excitation layers (1x1 kernels of one output pixel) of fewer channels: cuDNN's grouped bf16 kernels ran "
+    "EfficientNet-B0's once per model at B=64 (144 -> 6: 406 kernels a step, 3.68 ms forward and backward, against "
+    "20 and 0.96 as the product; fp32 16 kernels either way, 1.02 against 0.81 ms; every such layer of EfficientNet-B0 "
+    "and MobileNetV3 at B=16 and 64 took 0.59-1.39 ms as the product against 0.86-4.76 on cuDNN, H200, n=128). Whole "
+    "torchvision EfficientNet-B0 in bf16 (bench --zoo --launches, processes taking turns): 2.57 and 2.73 of the limit "
+    "against 2.33 and 2.04 at B=64, with 1.04x the limit's launches against 2.24x; ties at B=16. In fp32 the whole "
+    "models lost with them as products: timm's EfficientNet-B0 0.67 and 0.67 of the limit against 0.79 and 0.82 at "
+    "B=16, both EfficientNets 1.43-1.51x the limit's launches at B=64 against 1.14-1.21")
 """A convolution of a few pixels as one batched matrix product (``_conv_matmul.py``), forward and both
 gradients (autograd's), so it heads all three ops."""
 

@@ -66,14 +66,32 @@ def test_the_table_takes_few_pixels_and_leaves_larger_images() -> None:
     call = _kernel_table.ConvCall(True, 4, torch.float32, BATCH * few, (BATCH * 32, few, 3, 3), BATCH, False,
                                   (1, 1), (1, 1), (1, 1), (1, 1))
     assert "at least 16 input and output channels per group" in _kernel_table.MATMUL.unmet(call)[0]
+    squeeze = call._replace(weight_shape=(BATCH * 6, 144, 1, 1), channels=BATCH * 144, padding=(0, 0),
+                            dtype=torch.bfloat16)
+    assert _kernel_table.MATMUL.applies(squeeze), "a squeeze-excitation layer of 6 channels: 1x1, one output pixel"
+    assert _kernel_table.MATMUL.applies(squeeze._replace(weight_shape=(BATCH * 144, 6, 1, 1), channels=BATCH * 6))
+    assert not _kernel_table.MATMUL.applies(squeeze._replace(dtype=torch.float32)), "cuDNN's one fp32 kernel"
+    assert not _kernel_table.MATMUL.applies(squeeze._replace(dtype=torch.float16)), "not measured in float16"
+    assert not _kernel_table.MATMUL.applies(squeeze._replace(size=(2, 2))), "several output pixels: POINTWISE's"
+
+
+def test_a_call_under_autocast_names_the_dtype_it_computes_in() -> None:
+    x, weight = torch.empty(BATCH * 2, 8, 1, 1), torch.empty(BATCH * 4, 8, 1, 1)
+    assert _kernel_table.ConvCall.of_merged(x, weight, BATCH, BATCH, (1, 1), (0, 0), (1, 1)).dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        call = _kernel_table.ConvCall.of_merged(x, weight, BATCH, BATCH, (1, 1), (0, 0), (1, 1))
+        assert call.dtype == torch.bfloat16
+        assert _kernel_table.ConvCall.of_merged(x.double(), weight.double(), BATCH, BATCH, (1, 1), (0, 0),
+                                                (1, 1)).dtype == torch.float64, "autocast leaves float64 alone"
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize(("order", "amp"), list(itertools.product(["models", "samples"], [False, True])))
 def test_the_layer_takes_the_product_on_a_gpu_and_matches_plain(order: str, amp: bool) -> None:
-    def takes_kernel(conv: nn.Conv2d):
+    def takes_kernel(conv: nn.Conv2d, dtype: torch.dtype = torch.float32):
         return lambda x, weight: runs_as_matmul(
-            _kernel_table.ConvCall.of_merged(x, weight, BATCH, BATCH, conv.stride, conv.padding, conv.dilation))
+            _kernel_table.ConvCall.of_merged(x, weight, BATCH, BATCH, conv.stride, conv.padding, conv.dilation)
+            ._replace(dtype=dtype))
 
     strided = nn.Conv2d(32, 48, 3, 2, 1)
     check_conv_on_gpu(strided, BATCH, SAMPLES, 2, order, amp, takes_kernel(strided))
@@ -83,6 +101,10 @@ def test_the_layer_takes_the_product_on_a_gpu_and_matches_plain(order: str, amp:
     # a 2x2 image of stride 1 (16 pixel pairs, ResNet-18's third stage on 32x32 inputs): taps gathered by an index
     two_by_two = nn.Conv2d(16, 24, 3, 1, 1)
     check_conv_on_gpu(two_by_two, BATCH, SAMPLES, 2, order, amp, takes_kernel(two_by_two))
+    if amp:  # squeeze-excitation's 1x1 layers of pooled images, of fewer channels, in bfloat16
+        for squeeze in (nn.Conv2d(24, 6, 1), nn.Conv2d(6, 24, 1)):
+            check_conv_on_gpu(squeeze, BATCH, SAMPLES, 1, order, amp, takes_kernel(squeeze, torch.bfloat16),
+                              amp_dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("order", ["models", "samples"])

@@ -43,18 +43,21 @@ def runs_on_stem(c: ConvCall, triton: bool) -> bool:
 
 
 def runs_as_matmul(c: ConvCall) -> bool:
-    """The batched matrix product (added after the table): every op, from 16 channels per group in and out, where
-    output pixels times input pixels read are at most 16, but a 1x1 kernel of several output pixels."""
+    """The batched matrix product (added after the table): every op, from 16 channels per group in and out (from 1
+    for a 1x1 kernel of one output pixel in bfloat16), where output pixels times input pixels read are at most 16,
+    but a 1x1 kernel of several output pixels."""
     w = c.weight_shape
-    if not (c.cuda and c.dims == 4 and not c.transposed and c.dtype in FLOATS and min(w[1], w[0] // c.groups) >= 16
-            and len(c.size) == 2):
+    if not (c.cuda and c.dims == 4 and not c.transposed and c.dtype in FLOATS and len(c.size) == 2):
         return False
     out_pixels, read = 1, 1
     for size, k, stride, pad, dilation in zip(c.size, w[2:], c.stride, c.padding, c.dilation):
         out = (size + 2 * pad - dilation * (k - 1) - 1) // stride + 1
         first, last = max(0, -pad), min(size - 1, (out - 1) * stride - pad + (k - 1) * dilation)
         out_pixels, read = out_pixels * out, read * max(last - first + 1, 0)
-    return out_pixels * read <= 16 and (math.prod(w[2:]) > 1 or out_pixels == 1)  # 1x1 kernels: pointwise
+    # a 1x1 kernel of one output pixel (squeeze-excitation) from one channel, added after the table
+    one_pixel = math.prod(w[2:]) == 1 and out_pixels == 1 and c.dtype == torch.bfloat16
+    enough = min(w[1], w[0] // c.groups) >= (1 if one_pixel else 16)
+    return enough and out_pixels * read <= 16 and (math.prod(w[2:]) > 1 or out_pixels == 1)  # 1x1: pointwise
 
 
 def runs_pointwise(c: ConvCall) -> bool:

@@ -115,17 +115,19 @@ def compiled_conv2d_against_plain(inputs: list[torch.Tensor], params: list[torch
 
 
 def check_conv_on_gpu(conv: nn.Conv2d, batch: int, samples: int, size: int, order: str, amp: bool,
-                      takes_kernel: Callable[[torch.Tensor, torch.Tensor], bool]) -> None:
-    """``takes_kernel(merged input, stacked weight)`` says whether the kernel under test runs this layer."""
+                      takes_kernel: Callable[[torch.Tensor, torch.Tensor], bool],
+                      amp_dtype: torch.dtype | None = None) -> None:
+    """``takes_kernel(merged input, stacked weight)`` says whether the kernel under test runs this layer; ``amp``
+    runs it under autocast, in ``amp_dtype`` (autocast's default where None)."""
     before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
-        _check(conv, batch, samples, size, order, amp, takes_kernel)
+        _check(conv, batch, samples, size, order, amp, takes_kernel, amp_dtype)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
-def _check(conv, batch, samples, size, order, amp, takes_kernel) -> None:
+def _check(conv, batch, samples, size, order, amp, takes_kernel, amp_dtype) -> None:
     torch.manual_seed(0)
     plain = [copy.deepcopy(conv).cuda() for _ in range(batch)]
     for model in plain:
@@ -140,13 +142,14 @@ def _check(conv, batch, samples, size, order, amp, takes_kernel) -> None:
     x = torch.randn(batch, samples, conv.in_channels, size, size, device="cuda")
     merged = layout.merge(x).requires_grad_()
     assert takes_kernel(merged, batched.weight.flatten(0, 1)), "the shape should take the kernel under test"
-    with forward_context(ForwardContext(batch, samples, order=order)), torch.autocast("cuda", enabled=amp):
+    autocast = torch.autocast("cuda", dtype=amp_dtype, enabled=amp)
+    with forward_context(ForwardContext(batch, samples, order=order)), autocast:
         y = batched(merged)
     layout.split(y).float().square().sum().backward()
     tolerance = {"atol": 5e-2, "rtol": 5e-2} if amp else {"atol": 1e-4, "rtol": 1e-4}
     for b, model in enumerate(plain):
         own = x[b].clone().requires_grad_()
-        with torch.autocast("cuda", enabled=amp):
+        with torch.autocast("cuda", dtype=amp_dtype, enabled=amp):
             expected = model(own)
         expected.float().square().sum().backward()
         torch.testing.assert_close(layout.split(y)[b], expected, **tolerance)
