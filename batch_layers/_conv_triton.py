@@ -20,6 +20,7 @@ with the output gradient; the shares' sums are added after it, in a fixed order.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -128,7 +129,7 @@ def _weight_grad_kernel():
     return conv2d_groups_weight_grad
 
 
-def runs_on_triton(x: Tensor, weight: Tensor, groups: int, transposed: bool, stride=(1, 1)) -> bool:
+def runs_on_triton(x: Tensor, weight: Tensor, groups: int, transposed: bool, stride: Sequence[int] = (1, 1)) -> bool:
     """Whether a grouped convolution of this shape runs forward on the Triton kernel (the kernel table's
     :data:`~batch_layers._kernel_table.TRITON_GROUPED` and :data:`~batch_layers._kernel_table.TRITON_STEM`
     say when, and why)."""
@@ -216,11 +217,13 @@ def grouped_weight_grad(
     """The gradient of a grouped convolution's stacked ``(B*O, C/g, KH, KW)`` weight, in the input's dtype, from
     the output gradient ``grad`` and the input ``x`` (the kernel table's
     :data:`~batch_layers._kernel_table.TRITON_STEM` says for which convolutions)."""
-    import triton
-
     out_channels, in_per_group, kh, kw = weight_shape
     n, _, out_h, out_w = grad.shape
     positions, patch, per_group = n * out_h * out_w, in_per_group * kh * kw, out_channels // groups
+    if positions == 0:  # no samples: nothing to sum
+        return x.new_zeros(weight_shape)
+    import triton
+
     # the blocks and the programs a multiprocessor gets that were fastest for ResNet's stem at 16 and 64 models
     fp32 = x.dtype == torch.float32
     block_p, block_k = 64, 32 if fp32 or patch <= 32 else 64

@@ -76,11 +76,13 @@ def depthwise_weight_grad(
 ) -> Tensor:
     """The gradient of a depthwise (channel-multiplier) convolution's ``(C_out, 1, KH, KW)`` weight, in
     the weight's dtype, from the output gradient ``grad`` and the input ``x``."""
-    import triton
-
     channels, _, kh, kw = weight_shape
     n, _, out_h, out_w = grad.shape
     positions = n * out_h * out_w
+    if positions == 0:  # no samples: nothing to sum
+        return x.new_zeros(weight_shape)
+    import triton
+
     block_p = 64 if kh * kw > 16 else 128
     splits = max(1, min(triton.cdiv(positions, 8 * block_p), triton.cdiv(4 * multiprocessors(grad.device), channels)))
     chunk = triton.cdiv(triton.cdiv(positions, splits), block_p) * block_p

@@ -91,3 +91,26 @@ def test_compiled_tensor_subclass_reaches_the_body_as_its_inner_tensors() -> Non
     torch.testing.assert_close(y.a, first * 2 + 1)
     torch.testing.assert_close(y.b, second * 2 + 1)
     assert BODY_RUNS and set(BODY_RUNS) == {"FunctionalTensor"}, BODY_RUNS
+
+
+@pytest.mark.parametrize(
+    ("kernel", "x_shape", "grad_shape", "weight_shape", "stride", "padding", "groups"),
+    [("grouped", (0, 4 * 3, 9, 9), (0, 4 * 8, 5, 5), [4 * 8, 3, 7, 7], [2, 2], [3, 3], 4),  # 4 models' 7x7 stems
+     ("depthwise", (0, 6, 9, 9), (0, 6, 9, 9), [6, 1, 3, 3], [1, 1], [1, 1], 6)],
+    ids=["grouped", "depthwise"],
+)
+def test_the_weight_gradient_kernels_of_no_samples_are_zeros(kernel, x_shape, grad_shape, weight_shape, stride,
+                                                               padding, groups) -> None:
+    """An empty batch leaves no output position to share among programs: the weight gradient is zero, as
+    ``torch.convolution``'s is, without a launch (the grid would divide by zero)."""
+    from batch_layers._conv_triton import grouped_weight_grad
+    from batch_layers._depthwise_triton import depthwise_weight_grad
+
+    x, grad = torch.empty(x_shape), torch.empty(grad_shape)
+    if kernel == "grouped":
+        weight_grad = grouped_weight_grad(grad, x, weight_shape, stride, padding, [1, 1], groups)
+    else:
+        weight_grad = depthwise_weight_grad(grad, x, weight_shape, stride, padding, [1, 1])
+    plain = torch.ops.aten.convolution_backward(grad, x, torch.empty(weight_shape), None, stride, padding, [1, 1],
+                                                False, [0, 0], groups, [False, True, False])[1]
+    assert weight_grad.shape == plain.shape and not weight_grad.any() and not plain.any()
