@@ -169,6 +169,10 @@ def _stub_depthwise_weight_grad(grad, x, weight_shape, stride, padding, dilation
     return x.new_empty(weight_shape)
 
 
+def _stub_grouped_weight_grad(grad, x, weight_shape, stride, padding, dilation, groups):
+    return x.new_empty(weight_shape)
+
+
 def _stub_norm_affine_forward(x, weight, bias, features, eps, layout, rms, out_dtype):
     rows = x.numel() // features
     return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty(0 if rms else rows, dtype=torch.float32),
@@ -224,6 +228,7 @@ class CudaChoices:
         self.library = torch.library.Library("torchmb", "IMPL")
         self.library.impl("grouped_conv2d", _stub_grouped_conv2d, "CPU")
         self.library.impl("depthwise_weight_grad", _stub_depthwise_weight_grad, "CPU")
+        self.library.impl("grouped_weight_grad", _stub_grouped_weight_grad, "CPU")
         self.aten = torch.library.Library("aten", "IMPL")
         with warnings.catch_warnings():  # that it overrides torch's kernels: it means to
             warnings.simplefilter("ignore", UserWarning)
