@@ -26,9 +26,9 @@ import torch
 from torch import Tensor
 
 from ._kernel_table import TRITON_GROUPED, TRITON_STEM, ConvCall
-from ._triton_op import launchable, multiprocessors, triton_custom_op
+from ._triton_op import launchable, multiprocessors, position_shares, triton_custom_op
 
-__all__ = ["grouped_conv2d", "grouped_weight_grad", "input_grad", "runs_on_triton"]
+__all__ = ["forward_on_triton", "grouped_conv2d", "grouped_weight_grad", "input_grad", "runs_on_triton"]
 
 
 @functools.cache
@@ -130,10 +130,14 @@ def _weight_grad_kernel():
 
 
 def runs_on_triton(x: Tensor, weight: Tensor, groups: int, transposed: bool, stride: Sequence[int] = (1, 1)) -> bool:
-    """Whether a grouped convolution of this shape runs forward on the Triton kernel (the kernel table's
+    """Whether a grouped convolution of this shape runs forward on the Triton kernel (:func:`forward_on_triton`)."""
+    return forward_on_triton(ConvCall.of(x, weight, groups, transposed, stride))
+
+
+def forward_on_triton(call: ConvCall) -> bool:
+    """Whether the grouped convolution ``call`` runs forward on the Triton kernel (the kernel table's
     :data:`~batch_layers._kernel_table.TRITON_GROUPED` and :data:`~batch_layers._kernel_table.TRITON_STEM`
     say when, and why)."""
-    call = ConvCall.of(x, weight, groups, transposed, stride)
     return TRITON_GROUPED.applies(call) or TRITON_STEM.applies(call)
 
 
@@ -229,9 +233,7 @@ def grouped_weight_grad(
     block_p, block_k = 64, 32 if fp32 or patch <= 32 else 64
     patch_blocks = triton.cdiv(patch, block_k)
     programs = (4 if fp32 else 8) * multiprocessors(grad.device)
-    splits = max(1, min(triton.cdiv(positions, 8 * block_p), triton.cdiv(programs, patch_blocks * groups)))
-    chunk = triton.cdiv(triton.cdiv(positions, splits), block_p) * block_p
-    splits = triton.cdiv(positions, chunk)
+    splits, chunk = position_shares(positions, block_p, programs, patch_blocks * groups)
     partial = grad.new_empty(splits, out_channels, patch, dtype=torch.float32)
     with torch.cuda.device(grad.device):
         launchable(_weight_grad_kernel())[(patch_blocks, groups, splits)](

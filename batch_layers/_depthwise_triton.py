@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ._kernel_table import TRITON_DEPTHWISE_GRAD, ConvCall
-from ._triton_op import launchable, multiprocessors, triton_custom_op
+from ._triton_op import launchable, multiprocessors, position_shares, triton_custom_op
 
 __all__ = ["depthwise_weight_grad", "runs_depthwise_grad"]
 
@@ -84,9 +84,7 @@ def depthwise_weight_grad(
     import triton
 
     block_p = 64 if kh * kw > 16 else 128
-    splits = max(1, min(triton.cdiv(positions, 8 * block_p), triton.cdiv(4 * multiprocessors(grad.device), channels)))
-    chunk = triton.cdiv(triton.cdiv(positions, splits), block_p) * block_p
-    splits = triton.cdiv(positions, chunk)
+    splits, chunk = position_shares(positions, block_p, 4 * multiprocessors(grad.device), channels)
     partial = grad.new_empty(splits, channels, kh * kw, dtype=torch.float32)
     with torch.cuda.device(grad.device):
         launchable(_kernel())[(channels, splits)](

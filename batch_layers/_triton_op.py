@@ -22,7 +22,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
-__all__ = ["DECOMPOSED", "launchable", "multiprocessors", "triton_custom_op"]
+__all__ = ["DECOMPOSED", "launchable", "multiprocessors", "position_shares", "triton_custom_op"]
 
 DECOMPOSED = hasattr(torch.library, "wrap_triton") and hasattr(torch.compiler, "is_exporting")
 """Whether this torch lets the operators decompose into their bodies under ``torch.compile``."""
@@ -49,6 +49,19 @@ def triton_custom_op(name: str, fake: Callable[..., Any]) -> Callable[[Callable[
 def multiprocessors(device: torch.device) -> int:
     """The streaming multiprocessors of a CUDA ``device``: a kernel that splits a reduction sizes its grid by them."""
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def position_shares(positions: int, block: int, programs: int, parallel: int) -> tuple[int, int]:
+    """How a weight-gradient kernel shares ``positions`` (at least one) among programs, ``parallel`` of which work
+    on other sums beside each share: ``(shares, positions per share)``, enough shares for about ``programs``
+    programs in all, each share a multiple of ``block`` and at least 8 blocks long where there are that many."""
+    shares = max(1, min(_ceil_div(positions, 8 * block), _ceil_div(programs, parallel)))
+    chunk = _ceil_div(_ceil_div(positions, shares), block) * block
+    return _ceil_div(positions, chunk), chunk
+
+
+def _ceil_div(numerator: int, denominator: int) -> int:
+    return (numerator + denominator - 1) // denominator
 
 
 def launchable(kernel: Any) -> Any:

@@ -22,13 +22,12 @@ from .._base import autocast_dtype
 from .._conv_matmul import matmul_conv2d, runs_as_matmul
 from .._conv_patches import patches_conv2d, runs_as_patches
 from .._conv_pointwise import pointwise_conv2d, runs_pointwise
-from .._conv_triton import grouped_conv2d, grouped_weight_grad, input_grad, runs_on_triton
+from .._conv_triton import forward_on_triton, grouped_conv2d, grouped_weight_grad, input_grad, runs_on_triton
 from .._depthwise_triton import depthwise_weight_grad
 from .._kernel_table import (
     CHANNELS_LAST,
     CONTIGUOUS,
     TRITON_DEPTHWISE_GRAD,
-    TRITON_GROUPED,
     TRITON_GROUPED_INPUT_GRAD,
     TRITON_STEM,
     Candidate,
@@ -214,7 +213,7 @@ def _aten_differentiates(grouped, weight, groups, transposed, stride, dilation) 
     no kernel of :func:`_kernel_grads` would take a gradient: autograd then differentiates it as well as
     :class:`_GroupedConv` does."""
     call = ConvCall.of(grouped, weight, groups, transposed, stride, dilation)  # one call for every check
-    if TRITON_GROUPED.applies(call) or TRITON_STEM.applies(call):
+    if forward_on_triton(call):
         return False
     takes_input, weight_kernel = _triton_grads(call)
     return not takes_input and weight_kernel is None

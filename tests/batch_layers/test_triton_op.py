@@ -114,3 +114,14 @@ def test_the_weight_gradient_kernels_of_no_samples_are_zeros(kernel, x_shape, gr
     plain = torch.ops.aten.convolution_backward(grad, x, torch.empty(weight_shape), None, stride, padding, [1, 1],
                                                 False, [0, 0], groups, [False, True, False])[1]
     assert weight_grad.shape == plain.shape and not weight_grad.any() and not plain.any()
+
+
+@pytest.mark.parametrize(("positions", "parallel"), [(1, 1), (100, 3), (32768, 48), (32768, 192), (1 << 20, 4096)])
+def test_position_shares_cover_every_position_once_in_whole_blocks(positions: int, parallel: int) -> None:
+    from batch_layers._triton_op import position_shares
+
+    block, programs = 64, 528
+    shares, chunk = position_shares(positions, block, programs, parallel)
+    assert chunk % block == 0 and (shares - 1) * chunk < positions <= shares * chunk, "each position in one share"
+    assert shares == 1 or shares * parallel <= programs + parallel, "no more programs than asked for, to a share"
+    assert shares == 1 or chunk >= 8 * block, "shares of at least eight blocks"
