@@ -205,11 +205,30 @@ def _stub_large_zero_(self):
     return self if self.numel() >= LARGE else self.fill_(0)
 
 
+_INDEX_SELECT = torch.ops.aten.index_select.default
+_INDEX_ADD = torch.ops.aten.index_add_.default
+
+
+def _stub_large_index_select(self, dim, index):
+    shape = list(self.shape)
+    shape[dim] = index.numel()
+    if math.prod(shape) >= LARGE:
+        return self.new_empty(shape)
+    return _INDEX_SELECT.redispatch(_BELOW_CPU, self, dim, index)
+
+
+def _stub_large_index_add_(self, dim, index, source, alpha=1):
+    if self.numel() >= LARGE:
+        return self
+    return _INDEX_ADD.redispatch(_BELOW_CPU, self, dim, index, source, alpha=alpha)
+
+
 class CudaChoices:
     """Inside it, the kernel tables of convolutions and norms answer for CPU tensors as for CUDA ones with
     Triton installed, and the Triton kernels they choose allocate their results only (``--cuda-choices``):
-    a step takes the paths of a GPU step. Those paths copy and zero weight-sized gradients (the matrix
-    products' filters), so copies and zeroings of :data:`LARGE` elements or more do nothing here; the others
+    a step takes the paths of a GPU step. Those paths copy, zero and gather weight-sized tensors (the matrix
+    products' filters and their gradients), so copies, zeroings, ``index_select`` and ``index_add_`` of
+    :data:`LARGE` elements or more do nothing here; the others
     run through a Python stub that costs about three times a CPU copy's host time (plain steps copy little).
     Everything is restored on exit."""
 
@@ -234,6 +253,8 @@ class CudaChoices:
             warnings.simplefilter("ignore", UserWarning)
             self.aten.impl("copy_", _stub_large_copy_, "CPU")
             self.aten.impl("zero_", _stub_large_zero_, "CPU")
+            self.aten.impl("index_select", _stub_large_index_select, "CPU")
+            self.aten.impl("index_add_", _stub_large_index_add_, "CPU")
         return self
 
     def __exit__(self, *exc_info: object) -> None:
