@@ -71,7 +71,7 @@ def test_the_table_takes_few_pixels_and_leaves_larger_images() -> None:
     assert _kernel_table.MATMUL.applies(squeeze), "a squeeze-excitation layer of 6 channels: 1x1, one output pixel"
     assert _kernel_table.MATMUL.applies(squeeze._replace(weight_shape=(BATCH * 144, 6, 1, 1), channels=BATCH * 6))
     assert not _kernel_table.MATMUL.applies(squeeze._replace(dtype=torch.float32)), "cuDNN's one fp32 kernel"
-    assert not _kernel_table.MATMUL.applies(squeeze._replace(dtype=torch.float16)), "not measured in float16"
+    assert _kernel_table.MATMUL.applies(squeeze._replace(dtype=torch.float16)), "cuDNN's float16 kernels loop too"
     assert not _kernel_table.MATMUL.applies(squeeze._replace(size=(2, 2))), "several output pixels: POINTWISE's"
 
 
@@ -101,10 +101,10 @@ def test_the_layer_takes_the_product_on_a_gpu_and_matches_plain(order: str, amp:
     # a 2x2 image of stride 1 (16 pixel pairs, ResNet-18's third stage on 32x32 inputs): taps gathered by an index
     two_by_two = nn.Conv2d(16, 24, 3, 1, 1)
     check_conv_on_gpu(two_by_two, BATCH, SAMPLES, 2, order, amp, takes_kernel(two_by_two))
-    if amp:  # squeeze-excitation's 1x1 layers of pooled images, of fewer channels, in bfloat16
-        for squeeze in (nn.Conv2d(24, 6, 1), nn.Conv2d(6, 24, 1)):
-            check_conv_on_gpu(squeeze, BATCH, SAMPLES, 1, order, amp, takes_kernel(squeeze, torch.bfloat16),
-                              amp_dtype=torch.bfloat16)
+    if amp:  # squeeze-excitation's 1x1 layers of pooled images, of fewer channels, in 16-bit floats
+        for squeeze, dtype in itertools.product((nn.Conv2d(24, 6, 1), nn.Conv2d(6, 24, 1)),
+                                                (torch.bfloat16, torch.float16)):
+            check_conv_on_gpu(squeeze, BATCH, SAMPLES, 1, order, amp, takes_kernel(squeeze, dtype), amp_dtype=dtype)
 
 
 @pytest.mark.parametrize("order", ["models", "samples"])

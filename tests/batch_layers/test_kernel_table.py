@@ -44,8 +44,8 @@ def runs_on_stem(c: ConvCall, triton: bool) -> bool:
 
 def runs_as_matmul(c: ConvCall) -> bool:
     """The batched matrix product (added after the table): every op, from 16 channels per group in and out (from 1
-    for a 1x1 kernel of one output pixel in bfloat16), where output pixels times input pixels read are at most 16,
-    but a 1x1 kernel of several output pixels."""
+    for a 1x1 kernel of one output pixel in bfloat16 or float16), where output pixels times input pixels read are at
+    most 16, but a 1x1 kernel of several output pixels."""
     w = c.weight_shape
     if not (c.cuda and c.dims == 4 and not c.transposed and c.dtype in FLOATS and len(c.size) == 2):
         return False
@@ -55,7 +55,7 @@ def runs_as_matmul(c: ConvCall) -> bool:
         first, last = max(0, -pad), min(size - 1, (out - 1) * stride - pad + (k - 1) * dilation)
         out_pixels, read = out_pixels * out, read * max(last - first + 1, 0)
     # a 1x1 kernel of one output pixel (squeeze-excitation) from one channel, added after the table
-    one_pixel = math.prod(w[2:]) == 1 and out_pixels == 1 and c.dtype == torch.bfloat16
+    one_pixel = math.prod(w[2:]) == 1 and out_pixels == 1 and c.dtype in (torch.bfloat16, torch.float16)
     enough = min(w[1], w[0] // c.groups) >= (1 if one_pixel else 16)
     return enough and out_pixels * read <= 16 and (math.prod(w[2:]) > 1 or out_pixels == 1)  # 1x1: pointwise
 
@@ -87,7 +87,7 @@ def old_keeps_channels_last(c: ConvCall) -> bool:
 
 def calls():
     for cuda, dims, dtype, groups, out_g, in_g, k, transposed, stride, dilation, size in itertools.product(
-            (True, False), (3, 4), (torch.float32, torch.bfloat16, torch.float64), (16, 127, 128, 512),
+            (True, False), (3, 4), (torch.float32, torch.bfloat16, torch.float16, torch.float64), (16, 127, 128, 512),
             (1, 2, 32, 33), (1, 2, 6, 64), (1, 3, 7, 9), (False, True), (1, 2), (1, 2), (1, 2, 8)):
         spatial = dims - 2
         if transposed:  # (B*C, O/g, *k)
