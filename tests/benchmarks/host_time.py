@@ -165,11 +165,8 @@ def _stub_grouped_conv2d(x, weight, bias, stride, padding, dilation, groups):
     return x.new_empty((x.shape[0], weight.shape[0], *spatial))
 
 
-def _stub_depthwise_weight_grad(grad, x, weight_shape, stride, padding, dilation):
-    return x.new_empty(weight_shape)
-
-
-def _stub_grouped_weight_grad(grad, x, weight_shape, stride, padding, dilation, groups):
+def _stub_weight_grad(grad, x, weight_shape, *config):
+    """Either Triton weight-gradient operator (depthwise, stem): their first three arguments are alike."""
     return x.new_empty(weight_shape)
 
 
@@ -246,8 +243,8 @@ class CudaChoices:
         _norm.norm_affine_forward, _norm.norm_affine_backward = _stub_norm_affine_forward, _stub_norm_affine_backward
         self.library = torch.library.Library("torchmb", "IMPL")
         self.library.impl("grouped_conv2d", _stub_grouped_conv2d, "CPU")
-        self.library.impl("depthwise_weight_grad", _stub_depthwise_weight_grad, "CPU")
-        self.library.impl("grouped_weight_grad", _stub_grouped_weight_grad, "CPU")
+        self.library.impl("depthwise_weight_grad", _stub_weight_grad, "CPU")
+        self.library.impl("grouped_weight_grad", _stub_weight_grad, "CPU")
         self.aten = torch.library.Library("aten", "IMPL")
         with warnings.catch_warnings():  # that it overrides torch's kernels: it means to
             warnings.simplefilter("ignore", UserWarning)
